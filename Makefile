@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make train` and `make test`. Both create the environment first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stalwart-installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: env train test bench clean-env
+
+$(STAMP): pyproject.toml scripts/bootstrap.py
+	$(PYTHON) scripts/bootstrap.py --venv $(VENV)
+	@touch $@
+
+env: $(STAMP)
+
+## Train the default model on the bundled corpus (the Python standard library) with 2 processes.
+train: $(STAMP)
+	$(BIN)/stalwart train --config default
+
+## Run the whole test suite (what CI runs).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+## Throughput benchmark (reference workload, 1 and 2 processes).
+bench: $(STAMP)
+	$(BIN)/stalwart bench throughput
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Checkpoint save/load (atomic, verified, reshardable) and safe loading."""

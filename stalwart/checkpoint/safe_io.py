@@ -1,0 +1,74 @@
+"""Loading DCP checkpoints without unpickling arbitrary objects.
+
+Stock DCP unpickles its ``.metadata`` file with ``pickle.load`` and non-tensor entries (e.g. the
+optimizer's ``param_groups``) with ``torch.load(weights_only=False)``: a crafted checkpoint could run
+code on load. Stalwart reads both through allow-lists instead: the metadata unpickler accepts only
+DCP's own metadata classes and torch dtypes/sizes, and byte entries load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint._traverse import set_element
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint references a Python object outside the allow-list."""
+
+
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "Path"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"checkpoint metadata references '{module}.{name}', which is not allowed")
+
+
+def read_dcp_metadata(stream) -> Metadata:
+    metadata = _MetadataUnpickler(stream).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError("checkpoint metadata is not a DCP Metadata object")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = read_dcp_metadata(fh)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(f"checkpoint entry '{read_item.dest_index.fqn}' is not plain data: {e}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,55 @@
+"""The `stalwart` command: a thin dispatcher to one module per subcommand.
+
+Each subcommand lives in its own module exposing ``main(argv: list[str]) -> int`` and is imported
+only when invoked, so `stalwart simulate` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from stalwart.errors import UserError
+
+# name -> (module, one-line summary). Keep sorted by how often people type them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("stalwart.cli.train", "train a model (launches workers itself, or runs under torchrun)"),
+    "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
+    "bench": ("stalwart.cli.bench", "benchmarks: throughput, collectives"),
+    "simulate": ("stalwart.sim.cli", "simulate failures and recovery of a large job (ETTR)"),
+    "plan": ("stalwart.planner.cli", "rank parallel layouts for a model on a cluster (MFU, memory)"),
+}
+
+USAGE = "usage: stalwart <command> [options]   (stalwart <command> --help for details)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        print("\ncommands:")
+        for name, (_, summary) in COMMANDS.items():
+            print(f"  {name:<10} {summary}")
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from stalwart import __version__
+
+        print(f"stalwart {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        guess = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f" (did you mean '{guess[0]}'?)" if guess else ""
+        print(f"stalwart: unknown command '{name}'{hint}. {USAGE}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except UserError as e:
+        print(f"stalwart {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"stalwart {name}: interrupted", file=sys.stderr)
+        return 130

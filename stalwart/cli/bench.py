@@ -1,0 +1,24 @@
+"""`stalwart bench <name>`: benchmarks are scripts that print figures, never timed tests."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
+    "collectives": ("stalwart.comm.bench", "collective algorithms: bus bandwidth per size, cost-model fit"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: stalwart bench <name> [options]\n\nbenchmarks:")
+        for name, (_, summary) in BENCHMARKS.items():
+            print(f"  {name:<12} {summary}")
+        return 0
+    name = argv[0]
+    if name not in BENCHMARKS:
+        print(f"stalwart bench: unknown benchmark '{name}' (choose from {', '.join(BENCHMARKS)})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHMARKS[name][0]).main(argv[1:]) or 0)

@@ -1,0 +1,62 @@
+"""Pieces shared by the commands that read a training config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stalwart.config.core import ConfigError, help_text, load
+from stalwart.config.job import JobConfig
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def find_config(name: str) -> Path:
+    """A config given as a path, or by name from ./configs or the repository's configs/."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for base in (Path("configs"), REPO_CONFIGS):
+        for candidate in (base / name, base / f"{name}.toml"):
+            if candidate.is_file():
+                return candidate
+    shipped = sorted(f.stem for f in REPO_CONFIGS.glob("*.toml")) if REPO_CONFIGS.is_dir() else []
+    raise ConfigError(f"config '{name}' not found (a TOML path, or one of: {', '.join(shipped)})")
+
+
+def split_args(argv: list[str], flags: dict[str, bool]) -> tuple[dict[str, str | bool], list[str]]:
+    """Pull the command's own flags out of argv; the rest are dotted config overrides.
+
+    ``flags`` maps a flag name to whether it takes a value.
+    """
+    found: dict[str, str | bool] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        if name in flags:
+            if flags[name]:
+                if inline:
+                    found[name] = inline
+                    i += 1
+                elif i + 1 < len(argv):
+                    found[name] = argv[i + 1]
+                    i += 2
+                else:
+                    raise ConfigError(f"{name} needs a value")
+            else:
+                found[name] = True
+                i += 1
+            continue
+        rest.append(arg)
+        i += 1
+    return found, rest
+
+
+def load_job(config: str | None, overrides: list[str]) -> JobConfig:
+    return load(JobConfig, find_config(config) if config else None, overrides)
+
+
+def job_help(command: str, intro: str) -> str:
+    return f"{intro}\n\nConfiguration (TOML [section] key = value, or --section.key VALUE; CLI > file > defaults):\n" \
+           + help_text(JobConfig)

@@ -1,0 +1,84 @@
+"""`stalwart train`: validate the config, then run one worker in-process or launch N via torchrun.
+
+Multi-node jobs use standard torchrun rendezvous instead of --nproc-per-node:
+    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        -m stalwart.train --config llama3_8b
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from stalwart.cli.common import job_help, load_job, split_args
+from stalwart.train.worker import LAUNCHER_FLAGS, worker_main
+
+INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [--section.key VALUE ...]
+
+Train a model. With --nproc-per-node N > 1 (or launch.nproc_per_node in the config) the workers are
+started through torch's elastic launcher; under torchrun, use `torchrun ... -m stalwart.train ...`.
+Re-running on an existing run.dir with checkpoint.resume = auto continues from its newest complete
+checkpoint and appends to its metrics.jsonl."""
+
+
+def preflight(cfg, nproc: int) -> None:
+    """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
+    from stalwart.data.corpus import Corpus
+    from stalwart.models.flavors import resolve_args
+    from stalwart.parallel.dims import ParallelDims
+
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    dims = ParallelDims.resolve(cfg.parallelism, world)
+    args = resolve_args(cfg.model, 256, cfg.data.seq_len)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len)
+    Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
+    per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
+    if per_rank is None or per_rank % cfg.training.micro_batch:
+        from stalwart.parallel.dims import LayoutError
+
+        raise LayoutError(
+            f"training.global_batch ({cfg.training.global_batch}) must split into {dims.dp} data-parallel ranks x "
+            f"whole micro-batches of {cfg.training.micro_batch}; e.g. set --training.global_batch "
+            f"{dims.dp * cfg.training.micro_batch}")
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(job_help("train", INTRO))
+        return 0
+    opts, overrides = split_args(argv, LAUNCHER_FLAGS)
+    cfg = load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]
+    from stalwart.train.dist_env import launched_by_torchrun
+
+    if launched_by_torchrun():
+        return worker_main(argv)
+    nproc = int(opts.get("--nproc-per-node") or opts.get("--nproc_per_node") or cfg.launch.nproc_per_node)
+    preflight(cfg, nproc)
+    if nproc == 1:
+        return worker_main(argv)
+    return launch(argv, nproc, cfg)
+
+
+def launch(argv: list[str], nproc: int, cfg) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from stalwart.train.worker import threads_for
+
+    worker_argv = [a for a in argv]
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_for(cfg, nproc)))
+    # A restarted gloo group must not reuse the previous attempt's store (pytorch issue 135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    args = get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={cfg.launch.max_restarts}",
+        "--module", "stalwart.train", *worker_argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = e.failures
+        first = min(failures) if failures else None
+        code = failures[first].exitcode if first is not None else 1
+        print(f"stalwart train: worker rank {first} failed with exit code {code} (see its message above)",
+              file=sys.stderr)
+        return 2 if code == 2 else 1
+    return 0

@@ -1,0 +1,183 @@
+"""The training job's configuration tree: one section per component.
+
+Each component receives only its own section (``build_model(cfg.model, ...)``,
+``build_optimizer(cfg.optimizer, ...)``), never the root. Every field's help text is what
+``stalwart train --help`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stalwart.config.core import ConfigError, option, section
+
+
+@dataclass
+class RunConfig:
+    name: str = option("Run name; the run directory defaults to runs/<name>.", "default")
+    dir: str = option("Run directory (config, metrics, events, checkpoints). Empty: runs/<run.name>.", "")
+    seed: int = option("Seed for weight init, data order and sampling: equal seeds give equal runs.", 0, min=0)
+    deterministic: bool = option("Use deterministic algorithms (bit-identical resume on CPU).", True)
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = option(
+        "Worker processes to launch on this machine (also --nproc-per-node). Ignored under torchrun, "
+        "which decides the world itself.", 1, min=1)
+    threads_per_proc: int = option(
+        "Intra-op CPU threads per worker; 0 = cores / nproc_per_node (at least 1).", 0, min=0)
+    max_restarts: int = option("Times the elastic agent restarts a failed worker group.", 0, min=0)
+
+
+@dataclass
+class ModelConfig:
+    flavor: str = option("Model shape preset: debug, tiny, small, 125M, llama3-1B, llama3-3B, llama3-8B, "
+                         "llama3-70B, llama3-405B (see stalwart/models/flavors.py).", "tiny")
+    dim: int = option("Override the flavor's hidden size (0 = keep the flavor's).", 0, min=0)
+    n_layers: int = option("Override the number of transformer blocks (0 = flavor's).", 0, min=0)
+    n_heads: int = option("Override the number of attention heads (0 = flavor's).", 0, min=0)
+    n_kv_heads: int = option("Override the number of key/value heads for grouped-query attention (0 = flavor's).",
+                             0, min=0)
+    ffn_hidden: int = option("Override the SwiGLU hidden size (0 = derived from the flavor).", 0, min=0)
+    vocab_size: int = option("Vocabulary size; 0 = take it from the tokenizer (padded to a multiple of 64).",
+                             0, min=0)
+    max_seq_len: int = option("Longest sequence RoPE tables are built for; 0 = data.seq_len.", 0, min=0)
+    rope_theta: float = option("RoPE base frequency; 0 = flavor's.", 0.0, min=0.0)
+    tie_embeddings: Literal["auto", "true", "false"] = option(
+        "Share the input embedding and output head weights ('auto' = flavor's choice).", "auto")
+    parallel_block: bool = option(
+        "MegaScale/GPT-J parallel block: attention and MLP read the same normed input and are summed "
+        "(one fewer serial dependency per layer).", False)
+    sliding_window: int = option("Sliding-window attention width in tokens (0 = full causal attention).", 0, min=0)
+    init_std: float = option("Std-dev of the normal init of linear and embedding weights.", 0.02, min=0.0)
+
+
+@dataclass
+class DataConfig:
+    path: str = option("Training text: a file, a directory, or a glob of .txt/.py/.md/.jsonl/.parquet files. "
+                       "Empty = the bundled default corpus (this Python's standard library sources).", "")
+    format: Literal["auto", "text", "jsonl", "parquet"] = option(
+        "How to read data.path; 'auto' picks by file extension.", "auto")
+    text_field: str = option("Field holding the text in JSONL/Parquet records.", "text")
+    tokenizer: str = option("'bpe' = train a byte-level BPE on the corpus (cached as <run>/tokenizer.json), "
+                            "'byte' = 256-symbol byte vocabulary, or a path to a tokenizer.json.", "bpe")
+    vocab_size: int = option("Target vocabulary size when training a BPE tokenizer.", 4096, min=260)
+    tokenizer_train_mb: float = option("Megabytes of training text used to train the BPE tokenizer.", 4.0,
+                                       min=0.01)
+    seq_len: int = option("Tokens per training sequence (documents are packed, no padding).", 256, min=8)
+    val_fraction: float = option("Fraction of documents held out for evaluation.", 0.02, min=0.0, max=0.5)
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "lamb"] = option("Optimizer: AdamW, or LAMB (layer-wise trust ratio, MegaScale's "
+                                            "choice for very large batches).", "adamw")
+    lr: float = option("Peak learning rate.", 3e-3, min=0.0)
+    beta1: float = option("First-moment decay.", 0.9, min=0.0, max=1.0)
+    beta2: float = option("Second-moment decay.", 0.95, min=0.0, max=1.0)
+    eps: float = option("Denominator epsilon.", 1e-8, min=0.0)
+    weight_decay: float = option("Decoupled weight decay (not applied to norms).", 0.1, min=0.0)
+    fused: bool = option("Use the fused/foreach kernels where available (same math, faster).", True)
+
+
+@dataclass
+class SchedulerConfig:
+    kind: Literal["cosine", "wsd", "constant"] = option(
+        "Learning-rate schedule after warmup: cosine decay, warmup-stable-decay (WSD), or constant.", "cosine")
+    warmup_steps: int = option("Linear warmup steps from 0 to the peak learning rate.", 20, min=0)
+    min_lr_ratio: float = option("Final learning rate as a fraction of the peak.", 0.1, min=0.0, max=1.0)
+    decay_fraction: float = option("WSD only: fraction of training spent in the final decay.", 0.2,
+                                   min=0.0, max=1.0)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = option("Total optimizer steps; the schedule is defined over this many.", 200, min=1)
+    stop_at_step: int = option("Save a checkpoint and exit cleanly at this step (0 = run to training.steps); "
+                               "the schedule still follows training.steps. For time limits and preemption.",
+                               0, min=0)
+    global_batch: int = option("Sequences per optimizer step across all data-parallel ranks.", 8, min=1)
+    micro_batch: int = option("Sequences per forward/backward on one rank; gradient accumulation makes up "
+                              "the rest of the global batch.", 8, min=1)
+    grad_clip: float = option("Clip the global gradient norm to this (0 = no clipping).", 1.0, min=0.0)
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "Compute precision: 'auto' = bfloat16 on GPU (fp32 master weights and reductions), float32 on CPU.",
+        "auto")
+    device: Literal["auto", "cpu", "cuda"] = option("Where to train ('auto' = cuda if available).", "auto")
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = option("Data-parallel replicas (HSDP outer dimension; 1 = plain FSDP).", 1, min=1)
+    dp_shard: int = option("FSDP sharding degree; -1 = whatever the world size leaves over.", -1, min=-1)
+    tp: int = option("Tensor-parallel degree (with sequence parallel).", 1, min=1)
+    pp: int = option("Pipeline-parallel degree.", 1, min=1)
+    cp: int = option("Context-parallel degree.", 1, min=1)
+    reshard_after_forward: bool = option("FSDP: free gathered parameters after forward (less memory, one more "
+                                         "all-gather in backward).", True)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = option("Save every this many steps (0 = only at the end).", 0, min=0)
+    resume: str = option("'auto' = continue from the newest complete checkpoint in the run directory if any; "
+                         "'none' = start fresh (refuses to overwrite an existing run); or a checkpoint path.",
+                         "auto")
+    keep_last: int = option("Keep this many newest checkpoints (0 = keep all). The newest complete one is "
+                            "never deleted.", 3, min=0)
+    at_end: bool = option("Save a checkpoint when training finishes.", True)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = option("Evaluate on the held-out split every this many steps (0 = only at the end).",
+                           50, min=0)
+    batches: int = option("Micro-batches of validation data per evaluation.", 4, min=1)
+    at_start: bool = option("Also evaluate once before the first step (the baseline the curve falls from).",
+                            True)
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = option("Write a metrics.jsonl line every this many steps.", 1, min=1)
+    peak_tflops: float = option("Peak dense TFLOP/s of one device for MFU; 0 = look up the GPU or measure "
+                                "the CPU's matmul peak at start-up.", 0.0, min=0.0)
+    progress: bool = option("Show a progress bar on rank 0 (plain log lines when stdout is not a terminal).",
+                            True)
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = option("Prompt for the sample printed at the end of training ('' = no sample).", "def ")
+    max_new_tokens: int = option("Tokens to generate for the end-of-training sample.", 80, min=0)
+    temperature: float = option("Sampling temperature (0 = greedy).", 0.8, min=0.0)
+    top_k: int = option("Sample among the k most likely tokens (0 = all).", 40, min=0)
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = section(RunConfig, "Run identity and reproducibility.")
+    launch: LaunchConfig = section(LaunchConfig, "Local process launching (stalwart train starts workers itself).")
+    model: ModelConfig = section(ModelConfig, "Model architecture.")
+    data: DataConfig = section(DataConfig, "Training data and tokenizer.")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "Learning-rate schedule.")
+    training: TrainingConfig = section(TrainingConfig, "Training loop.")
+    parallelism: ParallelismConfig = section(ParallelismConfig, "Parallel layout of the device mesh.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpointing and resume.")
+    eval: EvalConfig = section(EvalConfig, "Periodic evaluation on held-out data.")
+    metrics: MetricsConfig = section(MetricsConfig, "Metrics and progress display.")
+    sample: SampleConfig = section(SampleConfig, "Text sample at the end of training.")
+
+    def __post_init__(self) -> None:
+        t = self.training
+        if t.stop_at_step and t.stop_at_step > t.steps:
+            raise ConfigError(f"training.stop_at_step ({t.stop_at_step}) is after training.steps ({t.steps})")
+        if t.global_batch % t.micro_batch:
+            raise ConfigError(f"training.global_batch ({t.global_batch}) must be a multiple of "
+                              f"training.micro_batch ({t.micro_batch})")
+        if self.scheduler.warmup_steps > t.steps:
+            raise ConfigError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) exceeds "
+                              f"training.steps ({t.steps})")

@@ -1,0 +1,1 @@
+"""Corpus discovery, tokenizer training/loading, and the packed, sharded, stateful data loader."""

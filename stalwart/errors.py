@@ -1,0 +1,9 @@
+"""The base class of every error a user can fix (bad config, data, layout, checkpoint).
+
+The CLI prints such an error as one line and exits non-zero; anything else is a bug and keeps its
+traceback.
+"""
+
+
+class UserError(Exception):
+    """An error whose message alone tells the user what is wrong and how to fix it."""

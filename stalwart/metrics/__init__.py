@@ -1,0 +1,1 @@
+"""Run records (metrics.jsonl, events.jsonl), MFU, and the progress display."""

@@ -1,0 +1,59 @@
+"""Append-only JSON-lines files: metrics.jsonl and events.jsonl (see docs/run-directory.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/Inf; write them as strings so a bad step is still visible and parseable.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class JsonlWriter:
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path, self.enabled = Path(path), enabled
+        self._fh = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("a", encoding="utf-8")
+        self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class EventLog(JsonlWriter):
+    """events.jsonl: one object per event, ``{"time": unix_s, "event": name, ...}``."""
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        self.write({"time": time.time(), "event": event, **fields})
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Read a JSON-lines file, skipping a torn last line (a crash mid-write)."""
+    out = []
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for line in p.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,209 @@
+"""A Llama-style decoder for one device: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Written so parallelism can be applied from outside without touching this file:
+- layers live in an ``nn.ModuleDict`` keyed by index, so parameter names are stable across layouts
+  and a pipeline stage is this model with the layers it does not own deleted;
+- the embedding, final norm and output head may be ``None`` (pass-through) for pipeline stages;
+- attention reshapes with ``-1`` heads, so tensor parallelism can shard heads;
+- the attention kernel is a parameter-free submodule (``Attention.core``) that context parallelism
+  swaps for ring attention;
+- ``forward`` takes explicit ``positions`` so a context-parallel shard rotates with its true offsets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stalwart.models.flavors import TransformerArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos/sin tables, shape (max_seq_len, head_dim // 2, 2). Real-valued so DTensor handles them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(t, inv_freq)  # (seq, head_dim/2)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels. x: (batch, seq, heads, head_dim); rope: (seq, head_dim/2, 2)."""
+    xf = x.float().unflatten(-1, (-1, 2))  # (b, s, h, d/2, 2)
+    cos = rope[..., 0].unsqueeze(1)  # (s, 1, d/2)
+    sin = rope[..., 1].unsqueeze(1)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean mask (q, k): True where query may attend key (causal, and within `window` if > 0)."""
+    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(0)
+    allowed = diff >= 0
+    if window > 0:
+        allowed &= diff < window
+    return allowed
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T/sqrt(d))V with a causal (optionally sliding-window) mask. No parameters.
+
+    q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim).
+    """
+
+    def __init__(self, sliding_window: int = 0) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if self.sliding_window <= 0 or self.sliding_window >= q.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask = sliding_window_mask(positions, positions, self.sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = CoreAttention(args.sliding_window)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # (batch, seq, heads, head_dim); -1 heads so a tensor-parallel shard sees its local heads.
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.parallel = args.parallel_block
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        # The parallel block shares one norm between attention and MLP (GPT-J / MegaScale).
+        self.ffn_norm = None if self.parallel else RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            h = self.attention_norm(x)
+            return x + self.attention(h, rope, positions) + self.feed_forward(h)
+        x = x + self.attention(self.attention_norm(x), rope, positions)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_tables(args.head_dim, args.max_seq_len, args.rope_theta),
+                             persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after building on the meta device and materializing)."""
+        device = self.rope.device
+        self.rope = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (batch, seq) token ids — or (batch, seq, dim) activations on a later pipeline stage.
+
+        Returns logits (batch, seq, vocab) if this model has an output head, else activations.
+        """
+        seq = tokens.shape[1]
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device)
+        rope = self.rope[positions]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, rope, positions)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def init_spec(self) -> dict[str, tuple[str, float]]:
+        """How each parameter is initialised: name -> ('normal', std) | ('ones', 0) | ('zeros', 0).
+
+        Kept as data (not in-place init calls) so the initialiser outside the model can generate each
+        full tensor from a per-name seed and copy in whatever shard a rank owns: every parallel layout
+        then starts from bit-identical weights.
+        """
+        std = self.args.init_std
+        depth_std = std / math.sqrt(2 * self.args.n_layers)  # residual projections, GPT-2 style
+        spec: dict[str, tuple[str, float]] = {}
+        for name, _ in self.named_parameters():
+            if name.endswith("norm.weight"):
+                spec[name] = ("ones", 0.0)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                spec[name] = ("normal", depth_std)
+            else:
+                spec[name] = ("normal", std)
+        return spec
+
+
+def count_params(args: TransformerArgs, include_embedding: bool = True) -> int:
+    """Parameter count from the shape alone (no model needed)."""
+    d, f, v = args.dim, args.ffn_hidden, args.vocab_size
+    attn = d * args.n_heads * args.head_dim * 2 + d * args.n_kv_heads * args.head_dim * 2
+    norms = d * (1 if args.parallel_block else 2)
+    per_layer = attn + 3 * d * f + norms
+    embed = v * d
+    head = 0 if args.tie_embeddings else v * d
+    total = args.n_layers * per_layer + d + head + (embed if include_embedding else 0)
+    return total
+
+
+def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (non-embedding params incl. the output head) + attention.
+
+    Attention adds 12 * layers * dim * context per token (QK^T and AV, forward 2x + backward 4x),
+    the PaLM/torchtitan convention (not halved for causality). With a sliding window the context is
+    the window. This is *model* FLOPs: recomputation under activation checkpointing is not counted.
+    """
+    n = count_params(args, include_embedding=False)
+    if args.tie_embeddings:
+        n += args.vocab_size * args.dim  # the tied head still does its matmul
+    context = min(seq_len, args.sliding_window) if args.sliding_window else seq_len
+    return 6.0 * n + 12.0 * args.n_layers * args.dim * context

@@ -1,0 +1,120 @@
+"""Parallel dimensions as one validated value object, and the named device mesh built from it.
+
+Validation is pure (no process groups), so an impossible layout is rejected before any
+communication starts, with the failed constraint and a valid alternative in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stalwart.errors import UserError
+
+# Mesh dimension order, outermost (slowest network tier) to innermost (fastest): pipeline stages
+# talk least (point-to-point activations), replicas reduce once per step, FSDP gathers every layer,
+# context parallel exchanges keys/values every layer, tensor parallel communicates inside every
+# matmul and so must stay within a host (NVLink).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class LayoutError(UserError, ValueError):
+    """An impossible parallel layout; the message names the constraint and an alternative."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    world_size: int
+
+    @staticmethod
+    def resolve(cfg, world_size: int) -> "ParallelDims":
+        """Fill ``dp_shard = -1`` from the world size and check the product. ``cfg``: parallelism section."""
+        fixed = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise LayoutError(
+                    f"parallelism: dp_replicate*tp*pp*cp = {fixed} does not divide the world size {world_size}; "
+                    f"use degrees whose product divides {world_size} (divisors: {_divisors(world_size)})")
+            dp_shard = world_size // fixed
+        if dp_shard < 1:
+            raise LayoutError(f"parallelism.dp_shard must be >= 1 or -1 (auto), got {dp_shard}")
+        product = fixed * dp_shard
+        if product != world_size:
+            raise LayoutError(
+                f"parallelism: dp_replicate({cfg.dp_replicate}) * dp_shard({dp_shard}) * tp({cfg.tp}) * "
+                f"pp({cfg.pp}) * cp({cfg.cp}) = {product}, but the world size is {world_size}; set "
+                f"parallelism.dp_shard = -1 to fill in the rest, or launch {product} processes")
+        return ParallelDims(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size)
+
+    def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
+                    virtual_stages: int = 1) -> None:
+        """Constraints that depend on the model shape."""
+        if n_heads % self.tp or n_kv_heads % self.tp:
+            ok = [d for d in _divisors(n_kv_heads) if n_heads % d == 0]
+            raise LayoutError(
+                f"parallelism.tp = {self.tp} must divide both the attention heads ({n_heads}) and the key/value "
+                f"heads ({n_kv_heads}); valid tp degrees: {ok}")
+        stages = self.pp * virtual_stages
+        if stages > n_layers:
+            raise LayoutError(
+                f"parallelism.pp = {self.pp} with {virtual_stages} virtual stage(s) needs {stages} stages but the "
+                f"model has only {n_layers} layers; use pp <= {n_layers // virtual_stages}")
+        if seq_len % (2 * self.cp) and self.cp > 1:
+            raise LayoutError(
+                f"parallelism.cp = {self.cp}: the sequence length {seq_len} must be divisible by 2*cp = "
+                f"{2 * self.cp} (each rank holds two balanced chunks); valid cp degrees: "
+                f"{[d for d in _divisors(seq_len // 2) if d > 1][:8]}")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many distinct batches a step consumes."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks over which parameters are sharded (cp ranks share the FSDP mesh: same weights)."""
+        return self.dp_shard * self.cp
+
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                "cp": self.cp, "tp": self.tp}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dimension (row-major in MESH_ORDER, tp fastest)."""
+        coords = {}
+        rest = rank
+        for name in reversed(MESH_ORDER):
+            size = self.degrees()[name]
+            coords[name] = rest % size
+            rest //= size
+        return coords
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.degrees().items() if v > 1]
+        return " x ".join(parts) if parts else "single process"
+
+
+def build_mesh(dims: ParallelDims, device_type: str):
+    """The named DeviceMesh over all dimensions (size-1 ones included, so code can always index them),
+    plus flattened views: 'dp' (batch sharding), 'dp_shard_cp' (FSDP), 'dp_cp' (loss averaging)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(dims.degrees()[n] for n in MESH_ORDER)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return mesh

@@ -1,0 +1,22 @@
+"""FSDP2 (`fully_shard`) and HSDP: shard each transformer block, then the root."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """Shard ``model`` over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
+
+    Parameters stay fp32 (the master copy); with ``param_dtype=bfloat16`` they are gathered and
+    computed in bf16 while gradients are reduced in fp32.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layers = list(model.layers.values())
+    for i, block in enumerate(layers):
+        # The last block's parameters are needed again at the start of backward: keep them gathered.
+        reshard = reshard_after_forward and i < len(layers) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

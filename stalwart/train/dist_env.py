@@ -1,0 +1,60 @@
+"""Process-group set-up from torchrun's environment; a single process needs none."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("training.device = cuda, but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_request: str, timeout_s: float = 1800.0) -> DistEnv:
+    """Initialise the default process group when launched by torchrun (any world size)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = pick_device(device_request, local_rank)
+    if launched_by_torchrun() and not dist.is_initialized():
+        # gloo carries CPU collectives (barriers, objects) even when NCCL carries the GPU ones.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,47 @@
+"""Materialize a meta-device model and initialize it identically under every parallel layout.
+
+Each parameter's full value is generated from a generator seeded by (seed, parameter name), then
+the shard this rank owns is copied in. Parameter names are stable across layouts, so FSDP, TP, PP or
+a single process all start from the same bits — the basis of the exact parity tests.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+
+def _full_value(kind: str, std: float, shape: torch.Size, seed: int, name: str) -> torch.Tensor:
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> None:
+    model.to_empty(device=device)
+    spec = model.init_spec()
+    for name, param in model.named_parameters():
+        kind, std = spec[name]
+        full = _full_value(kind, std, param.shape, seed, name)
+        local = _local_shard(param, full)
+        param.copy_(local)
+    if hasattr(model, "reset_buffers"):
+        model.reset_buffers()
+
+
+def _local_shard(param: torch.Tensor, full: torch.Tensor):
+    try:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return full.to(param.device)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank already holds the full value; slice locally, no communication.
+        return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return full.to(param.device)

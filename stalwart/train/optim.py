@@ -1,0 +1,127 @@
+"""Optimizers (AdamW, LAMB) and learning-rate schedules (warmup + cosine / WSD / constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or name.endswith("norm.weight") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al., 2019): Adam moments with a per-parameter trust ratio ||w|| / ||update||.
+
+    Norms are taken over the *whole* parameter; with FSDP/TP sharded parameters (DTensor) the norm is
+    reduced across shards, so every layout applies the same ratio.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"].item()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update = update + group["weight_decay"] * p
+                w_norm = _full_norm(p)
+                u_norm = _full_norm(update)
+                ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(update, alpha=-group["lr"] * ratio)
+
+
+def _full_norm(t: torch.Tensor) -> float:
+    n = t.norm()
+    if hasattr(n, "full_tensor"):
+        n = n.full_tensor()
+    return float(n)
+
+
+def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+    """``cfg`` is the ``optimizer`` config section."""
+    groups = _param_groups(model, cfg.weight_decay)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    kwargs = {"foreach": True} if cfg.fused else {"foreach": False}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kwargs)
+
+
+class LRSchedule:
+    """lr(step) as a pure function of the step; the state is just the step counter."""
+
+    def __init__(self, cfg, peak_lr: float, total_steps: int) -> None:
+        self.kind, self.warmup = cfg.kind, cfg.warmup_steps
+        self.min_ratio, self.decay_fraction = cfg.min_lr_ratio, cfg.decay_fraction
+        self.peak, self.total = peak_lr, total_steps
+        self.step_count = 0
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the peak lr for optimizer step number ``step`` (0-based)."""
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        if self.kind == "cosine":
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        # WSD: stable at peak, then linear decay over the last decay_fraction of training.
+        decay_start = 1.0 - self.decay_fraction
+        if progress <= decay_start or self.decay_fraction == 0:
+            return 1.0
+        return 1.0 - (1 - self.min_ratio) * (progress - decay_start) / self.decay_fraction
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> float:
+        lr = self.peak * self.factor(self.step_count)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def advance(self) -> None:
+        self.step_count += 1
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Global gradient norm over all shards (clipped in place when max_norm > 0)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total)

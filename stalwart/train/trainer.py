@@ -1,0 +1,291 @@
+"""The training loop: ``train`` -> ``train_step`` -> ``forward_backward``.
+
+Everything stateful (model, optimizer, schedule, data position, counters, RNG) is saved and
+restored through the checkpoint manager, so a resumed run continues bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from stalwart import __version__
+from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
+from stalwart.config.core import to_toml
+from stalwart.config.job import JobConfig
+from stalwart.data.corpus import Corpus
+from stalwart.data.loader import DataLoader, TokenStream, validation_batches
+from stalwart.data.tokenizer import build_tokenizer, eos_id, load_tokenizer
+from stalwart.generate import sample
+from stalwart.metrics.mfu import peak_tflops
+from stalwart.metrics.progress import Progress
+from stalwart.metrics.records import EventLog, JsonlWriter
+from stalwart.models.flavors import resolve_args
+from stalwart.models.llama import Transformer, count_params, flops_per_token
+from stalwart.parallel.apply import parallelize
+from stalwart.parallel.dims import ParallelDims, build_mesh
+from stalwart.train.dist_env import DistEnv
+from stalwart.train.init import materialize_and_init
+from stalwart.train.optim import LRSchedule, build_optimizer, clip_grad_norm
+
+
+def run_dir_for(cfg: JobConfig) -> Path:
+    return Path(cfg.run.dir or f"runs/{cfg.run.name}")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.run_dir = run_dir_for(cfg)
+        self.device = env.device
+        self.param_dtype = torch.bfloat16 if (cfg.training.dtype == "bfloat16" or (
+            cfg.training.dtype == "auto" and self.device.type == "cuda")) else torch.float32
+        if cfg.run.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(cfg.run.seed)
+
+        self.dims = ParallelDims.resolve(cfg.parallelism, env.world_size)
+        self.events = EventLog(self.run_dir / "events.jsonl", enabled=env.is_main)
+        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", enabled=env.is_main)
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", cfg.checkpoint, env.rank, env.world_size, self.events,
+            describe={"layout": self.dims.degrees(), "stalwart": __version__, "torch": torch.__version__})
+        self._refuse_overwrite()
+
+        # Data and tokenizer: rank 0 trains/caches the tokenizer, the others read the cached file.
+        self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
+        tok_path = self.run_dir / "tokenizer.json"
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            self.tokenizer = build_tokenizer(cfg.data, self.corpus, tok_path)
+        _barrier()
+        if not env.is_main:
+            self.tokenizer = load_tokenizer(tok_path)
+        self.eos = eos_id(self.tokenizer)
+
+        # Model: build on meta, parallelize, then materialize and initialise from the seed.
+        self.model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
+        a = self.model_args
+        self.dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, cfg.data.seq_len)
+        self.mesh = build_mesh(self.dims, self.device.type) if env.is_distributed else None
+        with torch.device("meta"):
+            model = Transformer(a)
+        self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, self.param_dtype)
+        materialize_and_init(self.model, self.device, cfg.run.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optimizer, self.model)
+        self.schedule = LRSchedule(cfg.scheduler, cfg.optimizer.lr, cfg.training.steps)
+
+        dp_rank = self.dims.dp_rank(env.rank)
+        train_stream = TokenStream(self.corpus, self.corpus.train, self.tokenizer, self.eos, cfg.run.seed, True)
+        self.loader = DataLoader(train_stream, cfg.data.seq_len, cfg.training.global_batch,
+                                 cfg.training.micro_batch, dp_rank, self.dims.dp)
+        val_stream = TokenStream(self.corpus, self.corpus.val, self.tokenizer, self.eos, cfg.run.seed, False)
+        self.val_batches = validation_batches(val_stream, cfg.data.seq_len, cfg.eval.batches * cfg.training.global_batch,
+                                              cfg.training.micro_batch, dp_rank, self.dims.dp)
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.flops_per_token = flops_per_token(a, cfg.data.seq_len)
+        peak, self.peak_source = peak_tflops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
+        self.peak_flops = peak * 1e12
+        self.resumed_from: Path | None = None
+        self._resume()
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _refuse_overwrite(self) -> None:
+        if self.cfg.checkpoint.resume == "none" and self.checkpoints.complete_checkpoints():
+            raise CheckpointError(
+                f"run directory {self.run_dir} already holds checkpoints and checkpoint.resume = none; use "
+                "--checkpoint.resume auto to continue it, or choose another --run.dir")
+
+    def _resume(self) -> None:
+        path = self.checkpoints.resolve_resume()
+        if path is None:
+            return
+        loaded = self.checkpoints.load(path, self.model, self.optimizer)
+        st = loaded.trainer_state
+        self.step = loaded.step
+        self.tokens_seen = int(st["tokens_seen"])
+        self.schedule.load_state_dict(st["schedule"])
+        self.loader.load_state_dict(st["data"])
+        self.resumed_from = path
+        self.events("resumed", step=self.step, path=str(path))
+
+    def trainer_state(self) -> dict:
+        return {"tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
+                "data": self.loader.state_dict(), "model_args": to_dict_args(self.model_args)}
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state())
+
+    # ------------------------------------------------------------------ the loop
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        logits = self.model(inputs.to(self.device, non_blocking=True))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+        (loss * scale).backward()
+        return loss.detach()
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        micro = self.loader.next()
+        data_wait = time.perf_counter() - t0
+        lr = self.schedule.apply(self.optimizer)
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro:
+            loss_sum += self.forward_backward(batch.inputs, batch.targets, 1.0 / len(micro))
+        grad_norm = clip_grad_norm(self.params, self.cfg.training.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.advance()
+        self.step += 1
+        tokens = self.cfg.training.global_batch * self.cfg.data.seq_len
+        self.tokens_seen += tokens
+        loss = self._mean_over_dp(loss_sum / len(micro))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        tps = tokens / step_time
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+                "mfu": tps * self.flops_per_token / (self.peak_flops * self.env.world_size),
+                "step_time_s": step_time, "data_wait_s": data_wait, "mem_bytes": self._memory(),
+                "tokens_seen": self.tokens_seen}
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.env.is_distributed:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.env.world_size
+        return float(value)
+
+    def _memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.val_batches:
+            logits = self.model(batch.inputs.to(self.device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.to(self.device).flatten(),
+                                   reduction="sum")
+            total[0] += loss.double()
+            total[1] += batch.targets.numel()
+        self.model.train()
+        if self.env.is_distributed:
+            dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    def _eval_and_log(self, progress: Progress) -> float:
+        eval_loss = self.evaluate()
+        self.metrics.write({"step": self.step, "eval_loss": eval_loss, "time": time.time()})
+        self.events("eval", step=self.step, eval_loss=eval_loss)
+        progress.log(f"step {self.step}: eval loss {eval_loss:.4f}")
+        return eval_loss
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        end = cfg.training.stop_at_step or cfg.training.steps
+        progress = Progress(cfg.training.steps, self.step, cfg.metrics.progress and self.env.is_main)
+        self.events("start", step=self.step, world_size=self.env.world_size, layout=self.dims.describe(),
+                    params=count_params(self.model_args), device=str(self.device))
+        progress.log(self._banner())
+        first_eval = last_eval = None
+        if cfg.eval.at_start and self.step == 0:
+            first_eval = last_eval = self._eval_and_log(progress)
+        t_start, tokens_start, last = time.perf_counter(), self.tokens_seen, {}
+        session_start_step = self.step
+        steady_t, steady_tokens = None, 0
+        while self.step < end:
+            rec = self.train_step()
+            last = rec
+            if self.step - session_start_step == 3:  # throughput excludes the first (warm-up) steps
+                steady_t, steady_tokens = time.perf_counter(), self.tokens_seen
+            if self.step % cfg.metrics.log_interval == 0 or self.step == end:
+                self.metrics.write({**rec, "time": time.time()})
+            progress.update(self.step, f"loss {rec['loss']:.3f}  {rec['tokens_per_s']:.0f} tok/s  "
+                                       f"mfu {100 * rec['mfu']:.1f}%")
+            if cfg.eval.interval and self.step % cfg.eval.interval == 0 and self.step != end:
+                last_eval = self._eval_and_log(progress)
+                first_eval = first_eval if first_eval is not None else last_eval
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 and self.step != end:
+                self.save_checkpoint()
+        t_loop_end = time.perf_counter()
+        progress.close()
+        stopped_early = self.step < cfg.training.steps
+        if last:  # evaluate the final weights of this session
+            last_eval = self._eval_and_log(progress)
+            first_eval = first_eval if first_eval is not None else last_eval
+        ckpt = None
+        if cfg.checkpoint.at_end or stopped_early:
+            ckpt = self.save_checkpoint()
+        elapsed = time.perf_counter() - t_start
+        if steady_t is not None and self.tokens_seen > steady_tokens:
+            tps = (self.tokens_seen - steady_tokens) / (t_loop_end - steady_t)
+        else:
+            tps = (self.tokens_seen - tokens_start) / max(t_loop_end - t_start, 1e-9)
+        summary = {
+            "steps": self.step, "stopped_early": stopped_early, "final_loss": last.get("loss"),
+            "first_eval_loss": first_eval, "final_eval_loss": last_eval, "tokens_per_s": tps,
+            "mfu": tps * self.flops_per_token / (self.peak_flops * self.env.world_size),
+            "peak_tflops_per_device": self.peak_flops / 1e12, "peak_source": self.peak_source,
+            "world_size": self.env.world_size, "layout": self.dims.describe(), "elapsed_s": elapsed,
+            "checkpoint": str(ckpt) if ckpt else None, "run_dir": str(self.run_dir),
+            "mem_bytes": self._memory(),
+        }
+        summary["sample"] = self._sample() if not stopped_early else None
+        if self.env.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.events("stopped" if stopped_early else "finished", step=self.step, **{
+            k: summary[k] for k in ("final_loss", "final_eval_loss", "tokens_per_s", "mfu")})
+        self.metrics.close()
+        self.events.close()
+        return summary
+
+    def _banner(self) -> str:
+        a = self.model_args
+        src = f"resumed from {self.resumed_from} at step {self.step}" if self.resumed_from else "fresh start"
+        return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
+                f"vocab {a.vocab_size}), {self.env.world_size} process(es) [{self.dims.describe()}] on "
+                f"{self.device}, {self.param_dtype}; data: {self.corpus.source}; {src}; peak "
+                f"{self.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
+
+    def _sample(self) -> str | None:
+        cfg = self.cfg.sample
+        if not cfg.prompt or not cfg.max_new_tokens:
+            return None
+        prompt = self.tokenizer.encode(cfg.prompt, add_special_tokens=False).ids
+
+        def sync(t: torch.Tensor) -> torch.Tensor:
+            if self.env.is_distributed:
+                t = t.to(self.device)
+                dist.broadcast(t, src=0)
+            return t
+
+        ids = sample(self.model, prompt, cfg.max_new_tokens, self.model_args.max_seq_len, cfg.temperature,
+                     cfg.top_k, seed=self.cfg.run.seed, eos=self.eos, device=self.device, sync=sync)
+        return cfg.prompt + self.tokenizer.decode(ids)
+
+
+def to_dict_args(args) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(args)
+
+

@@ -1,0 +1,67 @@
+"""One training worker: what each process runs (in-process for one worker, or under torchrun)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from stalwart.cli.common import load_job, split_args
+from stalwart.errors import UserError
+
+LAUNCHER_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True}
+
+
+def threads_for(cfg, local_world: int) -> int:
+    if cfg.launch.threads_per_proc:
+        return cfg.launch.threads_per_proc
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        "",
+        "== Stalwart run summary ==",
+        f"  steps           {s['steps']}{'  (stopped early: training.stop_at_step)' if s['stopped_early'] else ''}",
+        f"  layout          {s['world_size']} process(es): {s['layout']}",
+        f"  throughput      {s['tokens_per_s']:.0f} tokens/s (steady state)",
+        f"  MFU             {100 * s['mfu']:.1f}% of {s['peak_tflops_per_device']:.3f} TFLOP/s per device "
+        f"({s['peak_source']})",
+        f"  final loss      {s['final_loss']:.4f}" if s.get("final_loss") is not None else "  final loss      -",
+    ]
+    if s.get("first_eval_loss") is not None and s.get("final_eval_loss") is not None:
+        ratio = s["final_eval_loss"] / s["first_eval_loss"]
+        lines.append(f"  eval loss       {s['first_eval_loss']:.4f} -> {s['final_eval_loss']:.4f} "
+                     f"({100 * ratio:.0f}% of the first)")
+    lines.append(f"  peak memory     {s['mem_bytes'] / 2**20:.0f} MiB per process")
+    lines.append(f"  wall time       {s['elapsed_s']:.1f} s")
+    lines.append(f"  checkpoint      {s['checkpoint'] or '-'}")
+    lines.append(f"  run directory   {s['run_dir']}  (metrics.jsonl, events.jsonl, summary.json)")
+    if s.get("sample"):
+        lines.append("  sample:")
+        lines += ["    | " + line for line in s["sample"].splitlines()[:12]]
+    return "\n".join(lines)
+
+
+def worker_main(argv: list[str]) -> int:
+    opts, overrides = split_args(argv, LAUNCHER_FLAGS)
+    cfg = load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]
+    from stalwart.train.dist_env import init_distributed, shutdown
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(threads_for(cfg, local_world))
+    env = init_distributed(cfg.training.device)
+    try:
+        from stalwart.train.trainer import Trainer
+
+        summary = Trainer(cfg, env).train()
+        if env.is_main:
+            print(format_summary(summary), flush=True)
+        return 0
+    except UserError as e:
+        if env.is_main:
+            print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        shutdown()
