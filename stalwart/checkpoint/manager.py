@@ -10,12 +10,14 @@ A directory named ``step-N`` is therefore always complete, and a crash mid-save 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -94,6 +96,14 @@ def set_rng_state(state: dict[str, str]) -> None:
             np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()))
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes' single-process mode even when asked for it explicitly."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -120,8 +130,9 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
+        with _quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                     no_dist=not (dist.is_available() and dist.is_initialized()))
         rng_file = tmp / f"rng-rank{self.rank}.json"
         _write_json_atomic(rng_file, rng_state())
         if self.rank == 0:
@@ -232,8 +243,9 @@ class CheckpointManager:
         else:
             state = {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
         try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-                     no_dist=no_dist)
+            with _quiet_single_process():
+                dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                         no_dist=no_dist)
         except UnsafeCheckpointError as e:
             raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
         except Exception as e:  # DCP wraps per-rank failures in its own exception types

@@ -75,10 +75,10 @@ def launch(argv: list[str], nproc: int, cfg) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        failures = e.failures
-        first = min(failures) if failures else None
-        code = failures[first].exitcode if first is not None else 1
-        print(f"stalwart train: worker rank {first} failed with exit code {code} (see its message above)",
-              file=sys.stderr)
+        rank, failure = e.get_first_failure()  # the root cause, not the peers the agent then stopped
+        code = failure.exitcode
+        if code != 2:  # exit 2 = a user error the worker already explained in one line
+            print(f"stalwart train: worker rank {rank} failed with exit code {code} (see its message above)",
+                  file=sys.stderr)
         return 2 if code == 2 else 1
     return 0

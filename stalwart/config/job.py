@@ -68,6 +68,8 @@ class DataConfig:
                                        min=0.01)
     seq_len: int = option("Tokens per training sequence (documents are packed, no padding).", 256, min=8)
     val_fraction: float = option("Fraction of documents held out for evaluation.", 0.02, min=0.0, max=0.5)
+    shuffle_window: int = option("Serve packed sequences in a seeded random order within windows of this many "
+                                 "(1 = stream order). Decorrelates a batch from one long document.", 512, min=1)
 
 
 @dataclass

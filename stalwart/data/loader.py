@@ -2,8 +2,11 @@
 
 One *global* stream per split, identical on every rank: documents in a seeded order per epoch, each
 followed by an end-of-text token, concatenated. Global sequence k is stream[k*L : k*L + L + 1]
-(inputs and shifted targets). Global batch b is sequences [b*G, (b+1)*G); data-parallel rank r owns
-the contiguous slice [b*G + r*G/dp, b*G + (r+1)*G/dp), cut into micro-batches. Hence:
+(inputs and shifted targets). Sequences are served in a seeded random order within windows of W
+consecutive sequences (so one long document does not fill a whole batch), i.e. logical sequence i is
+physical sequence w*W + perm_w[i mod W] for window w = i // W. Global batch b is logical sequences
+[b*G, (b+1)*G); data-parallel rank r owns the contiguous slice [b*G + r*G/dp, b*G + (r+1)*G/dp), cut
+into micro-batches. Hence:
 - the sequences a step sees do not depend on the world size (1 process == N processes);
 - ranks' shards are disjoint;
 - the position is a few integers, saved and restored exactly (no re-reading from the start).
@@ -110,7 +113,7 @@ class DataLoader:
     """Yields, per optimizer step, this rank's list of micro-batches. Stateful and exact on resume."""
 
     def __init__(self, stream: TokenStream, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int) -> None:
+                 dp_rank: int, dp_size: int, shuffle_window: int = 1, seed: int = 0) -> None:
         if global_batch % dp_size:
             raise DataError(f"training.global_batch ({global_batch}) is not divisible by the data-parallel "
                             f"size ({dp_size}); choose a multiple of {dp_size}")
@@ -125,9 +128,25 @@ class DataLoader:
         self.per_rank = per_rank
         self.accum_steps = per_rank // micro_batch
         self.batches_served = 0  # global batches consumed
+        self.window, self.seed = max(1, shuffle_window), seed
+        self._perm: tuple[int, np.ndarray] | None = None
 
-    def _sequence(self, k: int) -> np.ndarray:
-        return self.stream.read(k * self.seq_len, self.seq_len + 1)
+    def _physical(self, i: int) -> int:
+        w, offset = divmod(i, self.window)
+        if self.window == 1:
+            return i
+        if self._perm is None or self._perm[0] != w:
+            rng = np.random.Generator(np.random.PCG64([self.seed, 7919, w]))
+            self._perm = (w, rng.permutation(self.window))
+        return w * self.window + int(self._perm[1][offset])
+
+    def _sequence(self, i: int) -> np.ndarray:
+        return self.stream.read(self._physical(i) * self.seq_len, self.seq_len + 1)
+
+    def _window_start_tokens(self) -> int:
+        """Stream offset of the window holding the next logical sequence: nothing before it is needed."""
+        next_seq = self.batches_served * self.global_batch
+        return (next_seq // self.window) * self.window * self.seq_len
 
     def next(self) -> list[Batch]:
         b = self.batches_served
@@ -138,19 +157,20 @@ class DataLoader:
             t = torch.from_numpy(seqs)
             micro.append(Batch(inputs=t[:, :-1].contiguous(), targets=t[:, 1:].contiguous()))
         self.batches_served += 1
-        self.stream.release(self.batches_served * self.global_batch * self.seq_len)
+        self.stream.release(self._window_start_tokens())
         return micro
 
     def state_dict(self) -> dict:
-        position = self.batches_served * self.global_batch * self.seq_len
         return {"batches_served": self.batches_served, "seq_len": self.seq_len, "global_batch": self.global_batch,
-                "stream": self.stream.resume_point(position)}
+                "shuffle_window": self.window, "stream": self.stream.resume_point(self._window_start_tokens())}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["seq_len"] != self.seq_len or state["global_batch"] != self.global_batch:
-            raise DataError(f"the checkpoint's data position was saved with seq_len={state['seq_len']}, "
-                            f"global_batch={state['global_batch']}; this run uses seq_len={self.seq_len}, "
-                            f"global_batch={self.global_batch}. Keep them equal to resume exactly.")
+        saved = (state["seq_len"], state["global_batch"], state.get("shuffle_window", 1))
+        if saved != (self.seq_len, self.global_batch, self.window):
+            raise DataError(f"the checkpoint's data position was saved with seq_len={saved[0]}, "
+                            f"global_batch={saved[1]}, shuffle_window={saved[2]}; this run uses "
+                            f"seq_len={self.seq_len}, global_batch={self.global_batch}, "
+                            f"shuffle_window={self.window}. Keep them equal to resume exactly.")
         self.batches_served = int(state["batches_served"])
         self.stream.restore(state["stream"])
 

@@ -7,9 +7,10 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.tty = enabled and sys.stdout.isatty()
+    def __init__(self, total: int, start: int, show_bar: bool, enabled: bool = True) -> None:
+        """``enabled``: this process prints at all (rank 0); ``show_bar``: progress updates too."""
+        self.total, self.enabled, self.show_bar = total, enabled, show_bar and enabled
+        self.tty = self.show_bar and sys.stdout.isatty()
         self._bar = None
         self._last_print = 0.0
         if self.tty:
@@ -22,7 +23,7 @@ class Progress:
             self._bar.start()
 
     def update(self, step: int, info: str) -> None:
-        if not self.enabled:
+        if not self.show_bar:
             return
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)

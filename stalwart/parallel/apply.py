@@ -28,6 +28,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, param_dtype: to
         raise LayoutError(f"parallelism: {', '.join(unsupported)} > 1 is not available in this build yet; "
                           "use data parallelism (dp_shard / dp_replicate)")
     if mesh is not None and (dims.world_size > 1 or param_dtype != torch.float32):
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-        apply_fsdp(model, dp_mesh, param_dtype, cfg.reshard_after_forward)
+        apply_fsdp(model, mesh.fsdp, param_dtype, cfg.reshard_after_forward)
     return model

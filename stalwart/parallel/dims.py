@@ -107,14 +107,32 @@ class ParallelDims:
         return " x ".join(parts) if parts else "single process"
 
 
-def build_mesh(dims: ParallelDims, device_type: str):
+@dataclass
+class Meshes:
+    """The world mesh and the views each technique needs, built once and passed explicitly."""
+
+    world: object  # DeviceMesh over MESH_ORDER
+    dp: object  # 1-D: ranks that see different batches (replicate x shard)
+    fsdp: object  # FSDP mesh: 1-D (shard[, cp]) or 2-D (replicate, shard[, cp]) for HSDP
+    dims: ParallelDims
+
+    def __getitem__(self, name: str):
+        return self.world[name]
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
     """The named DeviceMesh over all dimensions (size-1 ones included, so code can always index them),
-    plus flattened views: 'dp' (batch sharding), 'dp_shard_cp' (FSDP), 'dp_cp' (loss averaging)."""
+    plus the flattened views. Flattened meshes are kept here rather than re-sliced from the root."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(dims.degrees()[n] for n in MESH_ORDER)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    return mesh
+    world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+    dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+    if dims.cp > 1:
+        shard = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if dims.dp_replicate > 1:
+            raise LayoutError("parallelism: HSDP (dp_replicate > 1) together with cp > 1 is not supported yet")
+        fsdp = shard
+    else:
+        fsdp = world["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else world["dp_shard"]
+    return Meshes(world=world, dp=dp, fsdp=fsdp, dims=dims)

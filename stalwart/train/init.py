@@ -23,9 +23,31 @@ def _full_value(kind: str, std: float, shape: torch.Size, seed: int, name: str) 
     return torch.randn(shape, generator=gen) * std
 
 
+def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, canonical name) for every parameter that is shared (e.g. tied embeddings)."""
+    canonical: dict[int, str] = {}
+    out = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            if id(p) in canonical:
+                out.append((mod, attr, canonical[id(p)]))
+            else:
+                canonical[id(p)] = full
+    return out
+
+
 @torch.no_grad()
 def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> None:
+    aliases = _aliases(model)
     model.to_empty(device=device)
+    # to_empty() gives each alias its own tensor; tie them again (FSDP2 keeps its own ties itself).
+    for mod, attr, name in aliases:
+        shared = model.get_parameter(name)
+        if getattr(mod, attr) is not shared and type(shared) is nn.Parameter:
+            setattr(mod, attr, shared)
     spec = model.init_spec()
     for name, param in model.named_parameters():
         kind, std = spec[name]

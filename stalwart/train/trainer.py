@@ -93,8 +93,9 @@ class Trainer:
         dp_rank = self.dims.dp_rank(env.rank)
         train_stream = TokenStream(self.corpus, self.corpus.train, self.tokenizer, self.eos, cfg.run.seed, True)
         self.loader = DataLoader(train_stream, cfg.data.seq_len, cfg.training.global_batch,
-                                 cfg.training.micro_batch, dp_rank, self.dims.dp)
-        val_stream = TokenStream(self.corpus, self.corpus.val, self.tokenizer, self.eos, cfg.run.seed, False)
+                                 cfg.training.micro_batch, dp_rank, self.dims.dp, cfg.data.shuffle_window,
+                                 cfg.run.seed)
+        val_stream = TokenStream(self.corpus, self.corpus.val, self.tokenizer, self.eos, cfg.run.seed, True)
         self.val_batches = validation_batches(val_stream, cfg.data.seq_len, cfg.eval.batches * cfg.training.global_batch,
                                               cfg.training.micro_batch, dp_rank, self.dims.dp)
 
@@ -202,7 +203,7 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         end = cfg.training.stop_at_step or cfg.training.steps
-        progress = Progress(cfg.training.steps, self.step, cfg.metrics.progress and self.env.is_main)
+        progress = Progress(cfg.training.steps, self.step, cfg.metrics.progress, self.env.is_main)
         self.events("start", step=self.step, world_size=self.env.world_size, layout=self.dims.describe(),
                     params=count_params(self.model_args), device=str(self.device))
         progress.log(self._banner())

@@ -1,0 +1,142 @@
+"""`stalwart bench throughput`: the reference training workload, 1 and 2 processes.
+
+Reference workload (compared against other frameworks on the same machine): Llama-style, 4 layers,
+dim 256, 4 heads, seq 256, micro-batch 8 per process, float32, AdamW, vocab 256 (byte-level). The
+step is Stalwart's own (same model, initialiser, FSDP2 wrapping, optimizer and clipping as
+`stalwart train`); tokens are random bytes so the figure measures the training step, not the corpus.
+
+Prints steady-state tokens/s, achieved GFLOP/s (model FLOPs, see flops_per_token), that as a fraction
+of the measured matmul peak for the same thread count, and peak memory per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from dataclasses import replace
+
+REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from stalwart.config.job import OptimizerConfig, ParallelismConfig
+    from stalwart.metrics.mfu import measure_matmul_tflops
+    from stalwart.models.flavors import FLAVORS, llama_ffn_hidden
+    from stalwart.models.llama import Transformer, flops_per_token
+    from stalwart.parallel.apply import parallelize
+    from stalwart.parallel.dims import ParallelDims, build_mesh
+    from stalwart.train.init import materialize_and_init
+    from stalwart.train.optim import build_optimizer, clip_grad_norm
+
+    torch.set_num_threads(opts["threads"])
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    args = replace(FLAVORS["tiny"], **REFERENCE, ffn_hidden=llama_ffn_hidden(256, 64), tie_embeddings=False)
+    pcfg = ParallelismConfig(dp_shard=-1)
+    dims = ParallelDims.resolve(pcfg, world)
+    mesh = build_mesh(dims, "cpu") if world > 1 else None
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize(model, dims, mesh, pcfg, torch.float32)
+    materialize_and_init(model, torch.device("cpu"), seed=0)
+    opt = build_optimizer(OptimizerConfig(lr=1e-3), model)
+    params = [p for p in model.parameters()]
+    gen = torch.Generator().manual_seed(rank)
+    mb, seq = opts["micro_batch"], args.max_seq_len
+    batches = [torch.randint(0, 256, (mb, seq + 1), generator=gen) for _ in range(4)]
+
+    def step(i: int) -> None:
+        b = batches[i % len(batches)]
+        logits = model(b[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
+        loss.backward()
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(opts["warmup"]):
+        step(i)
+    if world > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(opts["steps"]):
+        step(i)
+    if world > 1:
+        dist.barrier()
+    elapsed = time.perf_counter() - t0
+    tokens = opts["steps"] * mb * seq * world
+    peak = measure_matmul_tflops(torch.float32, n=1024, seconds=0.5) * 1e12 if rank == 0 else 0.0
+    result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": tokens / elapsed,
+              "gflops_per_s": tokens / elapsed * flops_per_token(args, seq) / 1e9,
+              "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "step_s": elapsed / opts["steps"]}
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(result, fh)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run(world: int, opts: dict) -> dict:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        port = _free_port()
+        if world == 1:
+            _worker(0, 1, port, opts, out)
+        else:
+            mp.start_processes(_worker, args=(world, port, opts, out), nprocs=world, join=True, start_method="spawn")
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="stalwart bench throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--procs", default="1,2", help="comma-separated process counts to measure")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="threads per process (0 = cores / procs)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    a = p.parse_args(argv)
+    cores = os.cpu_count() or 1
+    results = []
+    print(f"reference workload: 4 layers, dim 256, 4 heads, seq 256, micro-batch {a.micro_batch}/process, fp32, "
+          f"AdamW, vocab 256; {cores} cores")
+    print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}")
+    for world in [int(x) for x in a.procs.split(",")]:
+        threads = a.threads or max(1, cores // world)
+        r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch, "threads": threads})
+        frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
+        r["fraction_of_peak"] = frac
+        results.append(r)
+        print(f"{world:>5} {threads:>8} {r['tokens_per_s']:>10.0f} {r['gflops_per_s']:>9.1f} {100 * frac:>8.1f}% "
+              f"{r['step_s']:>7.3f} {r['mem_mib']:>8.0f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

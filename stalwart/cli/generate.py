@@ -1,0 +1,66 @@
+"""`stalwart generate --run runs/X --prompt "def " --max-new-tokens 100`: sample from a run's checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stalwart.errors import UserError
+
+
+class GenerateError(UserError):
+    pass
+
+
+def load_run_model(run_dir: Path, checkpoint: str | None = None):
+    """(model, tokenizer, config, checkpoint path) for a run directory, on CPU, weights only."""
+    import torch
+
+    from stalwart.checkpoint.manager import CheckpointManager
+    from stalwart.config.core import load
+    from stalwart.config.job import CheckpointConfig, JobConfig
+    from stalwart.data.tokenizer import load_tokenizer
+    from stalwart.models.flavors import resolve_args
+    from stalwart.models.llama import Transformer
+
+    if not (run_dir / "config.toml").is_file():
+        raise GenerateError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
+    cfg = load(JobConfig, run_dir / "config.toml")
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    manager = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
+                                lambda *a, **k: None)
+    path = manager.resolve_resume()
+    if path is None:
+        raise GenerateError(f"{run_dir} has no complete checkpoint to sample from")
+    args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)
+    model = Transformer(args)
+    with torch.no_grad():
+        manager.load(path, model, None)
+    model.reset_buffers()
+    return model, tokenizer, cfg, path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="stalwart generate", description=__doc__)
+    p.add_argument("--run", required=True, help="run directory (runs/<name>)")
+    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: newest complete)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0 = no top-k filtering")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    import torch
+
+    from stalwart.data.tokenizer import eos_id
+    from stalwart.generate import sample
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, tok, cfg, path = load_run_model(Path(a.run), a.checkpoint)
+    prompt_ids = tok.encode(a.prompt, add_special_tokens=False).ids
+    ids = sample(model, prompt_ids, a.max_new_tokens, model.args.max_seq_len, a.temperature, a.top_k,
+                 seed=a.seed, eos=eos_id(tok))
+    print(f"# {path}", file=sys.stderr)
+    print(a.prompt + tok.decode(ids))
+    return 0

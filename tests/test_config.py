@@ -1,0 +1,75 @@
+from pathlib import Path
+
+import pytest
+
+from stalwart.cli.common import find_config
+from stalwart.config.core import ConfigError, load, to_toml, undocumented_fields
+from stalwart.config.job import JobConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.toml"))
+
+
+def test_expected_configs_ship():
+    names = {p.stem for p in SHIPPED}
+    assert {"debug", "default", "llama3_1b", "llama3_8b"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_config_parses(path):
+    cfg = load(JobConfig, path)
+    assert cfg.training.steps >= 1
+
+
+def test_unknown_key_names_closest_valid_key(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nstpes = 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'training.stpes': did you mean 'training.steps'"):
+        load(JobConfig, f)
+    with pytest.raises(ConfigError, match="did you mean 'optimizer.lr'"):
+        load(JobConfig, None, ["--optimizer.lrr", "1"])
+    with pytest.raises(ConfigError, match="unknown config key 'trainig'"):
+        load(JobConfig, None, ["--trainig.steps", "1"])
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ConfigError, match="training.steps: expected an integer, got 'ten'"):
+        load(JobConfig, None, ["--training.steps", "ten"])
+    with pytest.raises(ConfigError, match="training.steps: 0 is below the minimum 1"):
+        load(JobConfig, None, ["--training.steps", "0"])
+    with pytest.raises(ConfigError, match="optimizer.name: 'adamm' is not one of .*did you mean 'adamw'"):
+        load(JobConfig, None, ["--optimizer.name", "adamm"])
+    with pytest.raises(ConfigError, match="data.val_fraction: 0.9 is above the maximum 0.5"):
+        load(JobConfig, None, ["--data.val_fraction", "0.9"])
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="global_batch .* multiple of .*micro_batch"):
+        load(JobConfig, None, ["--training.global_batch", "6", "--training.micro_batch", "4"])
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nsteps = 70\nglobal_batch = 16\n[optimizer]\nlr = 0.5\n")
+    cfg = load(JobConfig, f, ["--training.steps", "90", "--model.flavor=debug"])
+    assert cfg.training.steps == 90  # CLI beats file
+    assert cfg.training.global_batch == 16  # file beats default
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.model.flavor == "debug"
+    assert cfg.training.micro_batch == JobConfig().training.micro_batch  # default
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = load(JobConfig, find_config("default"), ["--data.path", "some/dir", "--model.sliding_window", "64"])
+    f = tmp_path / "resolved.toml"
+    f.write_text(to_toml(cfg))
+    assert load(JobConfig, f) == cfg
+
+
+def test_every_field_is_documented():
+    assert undocumented_fields(JobConfig) == []
+
+
+def test_missing_config_file_is_a_clear_error():
+    with pytest.raises(ConfigError, match="config 'nope' not found"):
+        find_config("nope")

@@ -1,0 +1,138 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMALL_CORPUS
+from stalwart.data.corpus import Corpus, DataError
+from stalwart.data.loader import DataLoader, TokenStream
+from stalwart.data.tokenizer import eos_id, train_bpe
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus(SMALL_CORPUS, val_fraction=0.2)
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    return train_bpe(corpus.sample_text(100_000), 384)
+
+
+def make_loader(corpus, tok, rank=0, world=1, seed=0, global_batch=8, micro=2, seq=32, window=16):
+    stream = TokenStream(corpus, corpus.train, tok, eos_id(tok), seed, shuffle=True)
+    return DataLoader(stream, seq, global_batch, micro, rank, world, shuffle_window=window, seed=seed)
+
+
+def flat(batches):
+    return torch.cat([b.inputs for b in batches])
+
+
+def test_splits_are_disjoint_and_deterministic(corpus):
+    again = Corpus(SMALL_CORPUS, val_fraction=0.2)
+    assert [d.key for d in corpus.train] == [d.key for d in again.train]
+    assert not {d.key for d in corpus.train} & {d.key for d in corpus.val}
+    assert corpus.val
+
+
+def test_order_is_deterministic_and_seeded(corpus, tok):
+    a, b, c = make_loader(corpus, tok), make_loader(corpus, tok), make_loader(corpus, tok, seed=1)
+    for _ in range(3):
+        xa, xb, xc = flat(a.next()), flat(b.next()), flat(c.next())
+        assert torch.equal(xa, xb)
+    assert not torch.equal(xa, xc)
+
+
+def test_shuffle_window_is_a_permutation_of_stream_order(corpus, tok):
+    plain = make_loader(corpus, tok, global_batch=16, micro=16, window=1)
+    mixed = make_loader(corpus, tok, global_batch=16, micro=16, window=16)
+    a, b = flat(plain.next()), flat(mixed.next())
+    assert not torch.equal(a, b)
+    assert sorted(map(tuple, a.tolist())) == sorted(map(tuple, b.tolist()))
+
+
+def test_targets_are_inputs_shifted(corpus, tok):
+    batch = make_loader(corpus, tok).next()[0]
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+
+
+def test_rank_shards_are_disjoint_and_cover_the_global_batch(corpus, tok):
+    single = make_loader(corpus, tok, global_batch=8, micro=2)
+    shards = [make_loader(corpus, tok, rank=r, world=4, global_batch=8, micro=2) for r in range(4)]
+    for _ in range(3):
+        whole = flat(single.next())
+        parts = [flat(s.next()) for s in shards]
+        assert torch.equal(torch.cat(parts), whole)
+        rows = {tuple(r.tolist()) for p in parts for r in p}
+        assert len(rows) == whole.shape[0]  # no sequence served to two ranks
+
+
+@pytest.mark.parametrize("window", [1, 16, 24])
+def test_exact_resume_position(corpus, tok, window):
+    straight = make_loader(corpus, tok, window=window)
+    for _ in range(7):
+        straight.next()
+    state = json.loads(json.dumps(straight.state_dict()))  # must survive JSON (the checkpoint format)
+    expected = [flat(straight.next()) for _ in range(5)]
+    resumed = make_loader(corpus, tok, window=window)
+    resumed.load_state_dict(state)
+    for want in expected:
+        assert torch.equal(flat(resumed.next()), want)
+
+
+def test_memory_stays_bounded(corpus, tok):
+    loader = make_loader(corpus, tok, global_batch=4, micro=4, seq=64)
+    for _ in range(200):
+        loader.next()
+    consumed = 200 * 4 * 64
+    assert loader.stream.base > 0  # consumed documents were released
+    assert len(loader.stream.buffer) < consumed / 2
+
+
+def test_packing_crosses_epochs(tok, tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.txt").write_text(f"document number {i} " * 5)
+    c = Corpus(str(d), val_fraction=0.0)
+    loader = DataLoader(TokenStream(c, c.train, tok, eos_id(tok), 0, True), 16, 4, 4, 0, 1)
+    for _ in range(20):
+        loader.next()
+    assert loader.stream.epoch >= 2
+
+
+def test_bad_data_inputs(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        Corpus(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no documents found"):
+        Corpus(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match="matches no files"):
+        Corpus(str(tmp_path / "*.nothing"))
+
+
+def test_jsonl_and_parquet_sources(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": f"row {i} says hello"} for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pq.write_table(pa.table({"text": [r["text"] for r in rows]}), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.parquet"):
+        c = Corpus(str(tmp_path / name), val_fraction=0.1)
+        assert len(c.train) + len(c.val) == 20
+        assert c.read(c.train[0]).startswith("row ")
+    with pytest.raises(DataError, match="no column 'body'"):
+        Corpus(str(tmp_path / "d.parquet"), text_field="body")
+    bad = Corpus(str(tmp_path / "d.jsonl"), text_field="body", val_fraction=0.0)
+    with pytest.raises(DataError, match="has no 'body' field"):
+        bad.read(bad.train[0])
+
+
+def test_global_batch_must_split_over_ranks(corpus, tok):
+    with pytest.raises(DataError, match="not divisible by the data-parallel size"):
+        make_loader(corpus, tok, world=3, global_batch=8)
+    with pytest.raises(DataError, match="not a multiple of training.micro_batch"):
+        make_loader(corpus, tok, world=2, global_batch=8, micro=3)
