@@ -15,9 +15,14 @@ from stalwart.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("stalwart.cli.train", "train a model (launches workers itself, or runs under torchrun)"),
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
+    "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),
     "bench": ("stalwart.cli.bench", "benchmarks: throughput, collectives"),
     "simulate": ("stalwart.sim.cli", "simulate failures and recovery of a large job (ETTR)"),
     "plan": ("stalwart.planner.cli", "rank parallel layouts for a model on a cluster (MFU, memory)"),
+    "dashboard": ("stalwart.cli.dashboard", "serve a live web dashboard of a run directory (localhost)"),
+    "report": ("stalwart.cli.report", "write a static HTML report, PNG plots and (--trace) a Perfetto trace"),
+    "diagnose": ("stalwart.cli.diagnose", "analyse flight-recorder dumps: which rank hung, and where"),
+    "doctor": ("stalwart.cli.doctor", "per-rank compute/communication health check; flags outlier ranks"),
 }
 
 USAGE = "usage: stalwart <command> [options]   (stalwart <command> --help for details)"

@@ -25,12 +25,13 @@ def preflight(cfg, nproc: int) -> None:
     """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
     from stalwart.data.corpus import Corpus
     from stalwart.models.flavors import resolve_args
-    from stalwart.parallel.dims import ParallelDims
+    from stalwart.parallel.dims import ParallelDims, virtual_stages
 
     world = int(os.environ.get("WORLD_SIZE", nproc))
     dims = ParallelDims.resolve(cfg.parallelism, world)
     args = resolve_args(cfg.model, 256, cfg.data.seq_len)
-    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
+                     virtual_stages(cfg.parallelism, dims))
     Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stalwart.config.core import ConfigError, option, section
+from stalwart.observe.config import ObserveConfig
 
 
 @dataclass
@@ -118,7 +119,25 @@ class ParallelismConfig:
     pp: int = option("Pipeline-parallel degree.", 1, min=1)
     cp: int = option("Context-parallel degree.", 1, min=1)
     reshard_after_forward: bool = option("FSDP: free gathered parameters after forward (less memory, one more "
-                                         "all-gather in backward).", True)
+                                         "all-gather in backward). Always off for pipeline stages.", True)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                         "zbv_zero_bubble", "dualpipe_v"] = option(
+        "Pipeline schedule (torch.distributed.pipelining). The interleaved, looped, zero-bubble and V "
+        "schedules place several stages on each rank.", "1f1b")
+    pp_virtual_stages: int = option("Stages per rank for the interleaved/looped schedules (V schedules use 2).",
+                                    2, min=1)
+    loss_parallel: bool = option("Tensor parallel: compute the cross-entropy on vocabulary-sharded logits.", True)
+    activation_checkpoint: Literal["none", "full", "selective"] = option(
+        "Recompute activations in backward: per block ('full') or all but matmul/attention outputs "
+        "('selective').", "none")
+    compile: bool = option("torch.compile each transformer block.", False)
+
+
+@dataclass
+class DebugConfig:
+    dump_grads: list[str] = option("Parameter names whose full gradient is written to <run>/debug/ (safetensors) "
+                                   "before clipping, for layout-parity checks.", factory=list)
+    dump_steps: int = option("Dump the gradients of this many first steps.", 1, min=0)
 
 
 @dataclass
@@ -130,6 +149,21 @@ class CheckpointConfig:
     keep_last: int = option("Keep this many newest checkpoints (0 = keep all). The newest complete one is "
                             "never deleted.", 3, min=0)
     at_end: bool = option("Save a checkpoint when training finishes.", True)
+    async_save: bool = option("Write checkpoints in a background thread: the loop stalls only to copy the state to "
+                              "host memory (one extra host copy of the local shard); the commit happens at a later "
+                              "step boundary, the next save, or exit.", True)
+    keep_every: int = option("Also keep every checkpoint whose step is a multiple of this forever (0 = none); "
+                             "these do not count towards keep_last.", 0, min=0)
+    on_failure: Literal["continue", "stop"] = option(
+        "What a failed save (disk full, read-only storage) does after logging checkpoint_failed: 'continue' "
+        "training (the previous checkpoint stays loadable) or 'stop' with an error.", "continue")
+    memory_interval: int = option("Keep an in-memory snapshot of each rank's shard (in /dev/shm, plus a copy on a "
+                                  "peer rank) every this many steps (0 = off); resume prefers it when newer than "
+                                  "the newest disk checkpoint. Costs 2x the local shard state in host RAM.", 0, min=0)
+    memory_dir: str = option("Directory for in-memory snapshots ('' = /dev/shm/stalwart-<hash of run.dir>). Must "
+                             "be RAM-backed (tmpfs) and outlive the worker processes.", "")
+    init_from_hf: str = option("Initialise the weights from a Hugging Face Llama directory (config.json + "
+                               "safetensors) when starting fresh ('' = seeded random init).", "")
 
 
 @dataclass
@@ -172,6 +206,8 @@ class JobConfig:
     eval: EvalConfig = section(EvalConfig, "Periodic evaluation on held-out data.")
     metrics: MetricsConfig = section(MetricsConfig, "Metrics and progress display.")
     sample: SampleConfig = section(SampleConfig, "Text sample at the end of training.")
+    observe: ObserveConfig = section(ObserveConfig, "Observability: timings, flight recorder, metric sinks.")
+    debug: DebugConfig = section(DebugConfig, "Debugging aids (gradient dumps).")
 
     def __post_init__(self) -> None:
         t = self.training

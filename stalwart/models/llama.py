@@ -69,6 +69,7 @@ class CoreAttention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # positions: (seq,) absolute positions of these queries and keys.
         gqa = q.shape[1] != k.shape[1]
         if self.sliding_window <= 0 or self.sliding_window >= q.shape[2]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -86,12 +87,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = CoreAttention(args.sliding_window)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         bs, seq, _ = x.shape
         # (batch, seq, heads, head_dim); -1 heads so a tensor-parallel shard sees its local heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        # Positions default to 0..seq-1 of the sequence as seen *here* (after a sequence-parallel
+        # all-gather it is the full sequence); context parallelism passes its chunks' true offsets.
+        if positions is None:
+            positions = torch.arange(seq, device=x.device)
+        rope = rope_table[positions]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
@@ -120,7 +126,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = None if self.parallel else RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         if self.parallel:
             h = self.attention_norm(x)
             return x + self.attention(h, rope, positions) + self.feed_forward(h)
@@ -152,13 +158,9 @@ class Transformer(nn.Module):
 
         Returns logits (batch, seq, vocab) if this model has an output head, else activations.
         """
-        seq = tokens.shape[1]
-        if positions is None:
-            positions = torch.arange(seq, device=tokens.device)
-        rope = self.rope[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, rope, positions)
+            h = layer(h, self.rope, positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -12,21 +12,75 @@ Each step lives in its own module; this file only decides whether and in which o
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from stalwart.parallel.dims import ParallelDims
+from stalwart.parallel.dims import LayoutError, Meshes, ParallelDims
 from stalwart.parallel.fsdp import apply_fsdp
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg, param_dtype: torch.dtype) -> nn.Module:
-    """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section."""
-    unsupported = [name for name in ("tp", "pp", "cp") if getattr(dims, name) > 1]
-    if unsupported:
-        from stalwart.parallel.dims import LayoutError
+@dataclass
+class ParallelModel:
+    """This rank's share of the model, ready to materialize.
 
-        raise LayoutError(f"parallelism: {', '.join(unsupported)} > 1 is not available in this build yet; "
-                          "use data parallelism (dp_shard / dp_replicate)")
-    if mesh is not None and (dims.world_size > 1 or param_dtype != torch.float32):
-        apply_fsdp(model, mesh.fsdp, param_dtype, cfg.reshard_after_forward)
-    return model
+    ``container`` holds every parameter this rank owns under its original name (optimizer,
+    checkpoint, initialisation); ``stages`` are the modules that run forward (one, unless this rank
+    owns several pipeline stages). ``schedule`` is set when pipelining.
+    """
+
+    container: nn.Module
+    stages: list[nn.Module]
+    stage_indices: list[int] = field(default_factory=lambda: [0])
+    n_stages: int = 1
+    loss_parallel: bool = False
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_indices
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg, param_dtype: torch.dtype,
+                rank: int = 0) -> ParallelModel:
+    """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section."""
+    # 1. Pipeline split.
+    if dims.pp > 1:
+        from stalwart.parallel.pipeline import split_model
+
+        if model.args.tie_embeddings:
+            raise LayoutError("parallelism.pp > 1 needs untied embeddings (the embedding and the output head "
+                              "live on different stages); set --model.tie_embeddings false")
+        if dims.cp > 1:
+            raise LayoutError("parallelism: pp > 1 together with cp > 1 is not supported; use one of them")
+        pp_rank = dims.coordinates(rank)["pp"]
+        parts = split_model(model, pp_rank, dims.pp, cfg.pp_schedule, cfg.pp_virtual_stages)
+        pm = ParallelModel(parts.container, parts.stages, parts.stage_indices, parts.n_stages)
+    else:
+        pm = ParallelModel(model, [model])
+    for stage in pm.stages:
+        # 2. Tensor + sequence parallel.
+        if dims.tp > 1:
+            from stalwart.parallel.tensor import apply_tensor_parallel
+
+            pm.loss_parallel = cfg.loss_parallel
+            apply_tensor_parallel(stage, meshes["tp"], cfg.loss_parallel)
+        # 3. Context parallel.
+        if dims.cp > 1:
+            from stalwart.parallel.context import apply_context_parallel
+
+            apply_context_parallel(stage, meshes["cp"].get_group())
+        # 4-5. Activation checkpointing, compile.
+        from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
+
+        apply_activation_checkpointing(stage, cfg.activation_checkpoint)
+        if cfg.compile:
+            apply_compile(stage)
+        # 6. FSDP / HSDP (on a 1-rank mesh too when mixed precision needs FSDP's casting policy).
+        if meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
+            apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1)
+    return pm

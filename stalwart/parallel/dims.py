@@ -107,6 +107,15 @@ class ParallelDims:
         return " x ".join(parts) if parts else "single process"
 
 
+def virtual_stages(cfg, dims: ParallelDims) -> int:
+    """Pipeline stages per rank implied by the schedule (1 without pipelining). ``cfg``: parallelism."""
+    if dims.pp == 1:
+        return 1
+    from stalwart.parallel.pipeline import stages_per_rank
+
+    return stages_per_rank(cfg.pp_schedule, cfg.pp_virtual_stages)
+
+
 @dataclass
 class Meshes:
     """The world mesh and the views each technique needs, built once and passed explicitly."""

@@ -39,23 +39,37 @@ def _aliases(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     return out
 
 
+# Wrappers that insert themselves into parameter names; seeds use the canonical (unwrapped) name.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 @torch.no_grad()
-def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> None:
-    aliases = _aliases(model)
-    model.to_empty(device=device)
-    # to_empty() gives each alias its own tensor; tie them again (FSDP2 keeps its own ties itself).
-    for mod, attr, name in aliases:
-        shared = model.get_parameter(name)
-        if getattr(mod, attr) is not shared and type(shared) is nn.Parameter:
-            setattr(mod, attr, shared)
-    spec = model.init_spec()
+def materialize_and_init(model: nn.Module, device: torch.device, seed: int,
+                         stages: list[nn.Module] | None = None) -> None:
+    """Allocate ``model`` on ``device`` and initialise it. With pipeline parallelism ``model`` is the
+    rank's container and ``stages`` the modules that share its submodules (each is materialized)."""
+    for module in stages or [model]:
+        aliases = _aliases(module)
+        module.to_empty(device=device)
+        # to_empty() gives each alias its own tensor; tie them again (FSDP2 keeps its own ties itself).
+        for mod, attr, name in aliases:
+            shared = module.get_parameter(name)
+            if getattr(mod, attr) is not shared and type(shared) is nn.Parameter:
+                setattr(mod, attr, shared)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    spec = {canonical_name(k): v for k, v in model.init_spec().items()}
     for name, param in model.named_parameters():
+        name = canonical_name(name)
         kind, std = spec[name]
         full = _full_value(kind, std, param.shape, seed, name)
-        local = _local_shard(param, full)
-        param.copy_(local)
-    if hasattr(model, "reset_buffers"):
-        model.reset_buffers()
+        param.copy_(_local_shard(param, full))
 
 
 def _local_shard(param: torch.Tensor, full: torch.Tensor):

@@ -114,14 +114,20 @@ class LRSchedule:
         self.step_count = int(state["step_count"])
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Global gradient norm over all shards (clipped in place when max_norm > 0)."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> float:
+    """Global gradient norm over all shards and pipeline stages (clipped in place when max_norm > 0)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    total = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        sq = (total.float() ** 2).reshape(1)
+        dist.all_reduce(sq, group=pp_group)
+        total = sq[0].sqrt()
+    if not grads:
+        return float(total)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)

@@ -6,6 +6,7 @@ restored through the checkpoint manager, so a resumed run continues bit-for-bit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from stalwart import __version__
 from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
+from stalwart.checkpoint.snapshot import SnapshotStore, default_snapshot_dir
 from stalwart.config.core import to_toml
 from stalwart.config.job import JobConfig
 from stalwart.data.corpus import Corpus
@@ -26,14 +28,16 @@ from stalwart.data.tokenizer import build_tokenizer, eos_id, load_tokenizer
 from stalwart.generate import sample
 from stalwart.metrics.mfu import peak_tflops
 from stalwart.metrics.progress import Progress
-from stalwart.metrics.records import EventLog, JsonlWriter
+from stalwart.metrics.records import EventLog
+from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
 from stalwart.models.flavors import resolve_args
 from stalwart.models.llama import Transformer, count_params, flops_per_token
 from stalwart.parallel.apply import parallelize
-from stalwart.parallel.dims import ParallelDims, build_mesh
+from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
 from stalwart.train.dist_env import DistEnv
 from stalwart.train.init import materialize_and_init
 from stalwart.train.optim import LRSchedule, build_optimizer, clip_grad_norm
+from stalwart.train.step import StepRunner
 
 
 def run_dir_for(cfg: JobConfig) -> Path:
@@ -59,10 +63,24 @@ class Trainer:
 
         self.dims = ParallelDims.resolve(cfg.parallelism, env.world_size)
         self.events = EventLog(self.run_dir / "events.jsonl", enabled=env.is_main)
-        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", enabled=env.is_main)
+        # metrics.jsonl (always) plus the configured sinks (TensorBoard, Prometheus, W&B), rank 0 only.
+        self.metrics = build_sinks(cfg.observe, self.run_dir, cfg.run.name, is_main=env.is_main)
+        self.recorder = (FlightRecorder(env.rank, env.world_size, self.run_dir, cfg.observe.flight_entries,
+                                        cfg.observe.hang_timeout_s).install()
+                         if env.is_distributed and cfg.observe.flight_recorder else None)
+        self.timer = PhaseTimer(env.rank, env.device, TimingsWriter(self.run_dir, env.rank),
+                                cfg.observe.timings_flush_every, enabled=cfg.observe.timings,
+                                on_phase=self.recorder.set_phase if self.recorder else None,
+                                comm_clock=self.recorder.blocked_seconds if self.recorder else None)
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", cfg.checkpoint, env.rank, env.world_size, self.events,
-            describe={"layout": self.dims.degrees(), "stalwart": __version__, "torch": torch.__version__})
+            describe={"layout": self.dims.degrees(), "stalwart": __version__, "torch": torch.__version__,
+                      "config_sha256": hashlib.sha256(to_toml(cfg).encode()).hexdigest()})
+        self.snapshots = None
+        if cfg.checkpoint.memory_interval:
+            self.snapshots = SnapshotStore(
+                cfg.checkpoint.memory_dir or default_snapshot_dir(self.run_dir), env.rank, env.world_size,
+                env.local_world_size, layout=self.dims.describe())
         self._refuse_overwrite()
 
         # Data and tokenizer: rank 0 trains/caches the tokenizer, the others read the cached file.
@@ -80,12 +98,14 @@ class Trainer:
         # Model: build on meta, parallelize, then materialize and initialise from the seed.
         self.model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
         a = self.model_args
-        self.dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, cfg.data.seq_len)
+        self.dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, cfg.data.seq_len,
+                              virtual_stages(cfg.parallelism, self.dims))
         self.mesh = build_mesh(self.dims, self.device.type) if env.is_distributed else None
         with torch.device("meta"):
             model = Transformer(a)
-        self.model = parallelize(model, self.dims, self.mesh, cfg.parallelism, self.param_dtype)
-        materialize_and_init(self.model, self.device, cfg.run.seed)
+        self.pm = parallelize(model, self.dims, self.mesh, cfg.parallelism, self.param_dtype, env.rank)
+        self.model = self.pm.container  # every parameter this rank owns, under its original name
+        materialize_and_init(self.model, self.device, cfg.run.seed, stages=self.pm.stages)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optimizer, self.model)
         self.schedule = LRSchedule(cfg.scheduler, cfg.optimizer.lr, cfg.training.steps)
@@ -98,6 +118,9 @@ class Trainer:
         val_stream = TokenStream(self.corpus, self.corpus.val, self.tokenizer, self.eos, cfg.run.seed, True)
         self.val_batches = validation_batches(val_stream, cfg.data.seq_len, cfg.eval.batches * cfg.training.global_batch,
                                               cfg.training.micro_batch, dp_rank, self.dims.dp)
+        self.runner = StepRunner(self.pm, self.dims, self.mesh, self.device, env.rank, self.loader.accum_steps,
+                                 cfg.parallelism.pp_schedule, self.timer)
+        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
 
         self.step = 0
         self.tokens_seen = 0
@@ -116,47 +139,57 @@ class Trainer:
 
     def _resume(self) -> None:
         path = self.checkpoints.resolve_resume()
-        if path is None:
+        disk_step = int(path.name.split("-")[-1]) if path is not None else -1
+        snap = self.snapshots.newest_complete_step() if (
+            self.snapshots is not None and self.cfg.checkpoint.resume == "auto") else None
+        if snap is not None and snap > disk_step:
+            st = self.snapshots.load(snap, self.model, self.optimizer)
+            source, self.step = "memory", int(st["step"])
+            path = self.snapshots.job_dir
+        elif path is None:
+            if self.cfg.checkpoint.init_from_hf:
+                from stalwart.export.hf import load_hf_into
+                load_hf_into(self.model, self.model_args, self.cfg.checkpoint.init_from_hf)
+                self.events("initialized", source="hf", path=self.cfg.checkpoint.init_from_hf)
             return
-        loaded = self.checkpoints.load(path, self.model, self.optimizer)
-        st = loaded.trainer_state
-        self.step = loaded.step
+        else:
+            loaded = self.checkpoints.load(path, self.model, self.optimizer)
+            st, source, self.step = loaded.trainer_state, "disk", loaded.step
         self.tokens_seen = int(st["tokens_seen"])
         self.schedule.load_state_dict(st["schedule"])
         self.loader.load_state_dict(st["data"])
         self.resumed_from = path
-        self.events("resumed", step=self.step, path=str(path))
+        self.events("resumed", step=self.step, path=str(path), source=source)
 
     def trainer_state(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
                 "data": self.loader.state_dict(), "model_args": to_dict_args(self.model_args)}
 
-    def save_checkpoint(self) -> Path:
-        return self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state())
+    def save_checkpoint(self, block: bool = False) -> Path | None:
+        """Start a checkpoint (async: returns after staging); ``block`` waits until it is committed."""
+        return self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(), block=block)
+
+    def save_snapshot(self) -> None:
+        self.snapshots.save(self.step, self.model, self.optimizer, self.trainer_state())
 
     # ------------------------------------------------------------------ the loop
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-        logits = self.model(inputs.to(self.device, non_blocking=True))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
-        (loss * scale).backward()
-        return loss.detach()
-
     def train_step(self) -> dict:
         t0 = time.perf_counter()
-        micro = self.loader.next()
+        with self.timer.phase("data"):
+            micro = self.loader.next()
         data_wait = time.perf_counter() - t0
         lr = self.schedule.apply(self.optimizer)
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in micro:
-            loss_sum += self.forward_backward(batch.inputs, batch.targets, 1.0 / len(micro))
-        grad_norm = clip_grad_norm(self.params, self.cfg.training.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = self.runner.forward_backward(micro)
+        self._maybe_dump_grads()
+        with self.timer.phase("optimizer"):
+            grad_norm = clip_grad_norm(self.params, self.cfg.training.grad_clip, self.pp_group)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
         self.step += 1
         tokens = self.cfg.training.global_batch * self.cfg.data.seq_len
         self.tokens_seen += tokens
-        loss = self._mean_over_dp(loss_sum / len(micro))
+        loss = self._mean_over_ranks(local_loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - t0
@@ -166,29 +199,43 @@ class Trainer:
                 "step_time_s": step_time, "data_wait_s": data_wait, "mem_bytes": self._memory(),
                 "tokens_seen": self.tokens_seen}
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
+    def _mean_over_ranks(self, local: torch.Tensor | None) -> float:
+        """Average of the ranks that computed a loss (pipeline ranks without the last stage did not)."""
+        pair = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if local is not None:
+            pair[0], pair[1] = float(local), 1.0
         if self.env.is_distributed:
-            value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-            value /= self.env.world_size
-        return float(value)
+            dist.all_reduce(pair)
+        return float(pair[0] / pair[1])
+
+    def _maybe_dump_grads(self) -> None:
+        names = self.cfg.debug.dump_grads
+        if not names or self.step >= self.cfg.debug.dump_steps:
+            return
+        from safetensors.torch import save_file
+
+        from stalwart.train.init import canonical_name
+
+        coords = self.dims.coordinates(self.env.rank)
+        writer = all(coords[d] == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+        for name, param in self.model.named_parameters():
+            name = canonical_name(name)
+            if name not in names or param.grad is None:
+                continue
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            if writer:
+                out = self.run_dir / "debug"
+                out.mkdir(parents=True, exist_ok=True)
+                save_file({"grad": grad.detach().float().cpu().contiguous()}, str(out / f"grad-step{self.step + 1}-{name}.safetensors"))
 
     def _memory(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.val_batches:
-            logits = self.model(batch.inputs.to(self.device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.to(self.device).flatten(),
-                                   reduction="sum")
-            total[0] += loss.double()
-            total[1] += batch.targets.numel()
-        self.model.train()
+        loss_sum, count = self.runner.evaluate(self.val_batches)
+        total = torch.tensor([loss_sum, count], dtype=torch.float64, device=self.device)
         if self.env.is_distributed:
             dist.all_reduce(total)
         return float(total[0] / total[1])
@@ -214,6 +261,7 @@ class Trainer:
         session_start_step = self.step
         steady_t, steady_tokens = None, 0
         while self.step < end:
+            self.timer.begin_step(self.step + 1)
             rec = self.train_step()
             last = rec
             if self.step - session_start_step == 3:  # throughput excludes the first (warm-up) steps
@@ -225,8 +273,16 @@ class Trainer:
             if cfg.eval.interval and self.step % cfg.eval.interval == 0 and self.step != end:
                 last_eval = self._eval_and_log(progress)
                 first_eval = first_eval if first_eval is not None else last_eval
+            self.checkpoints.poll()  # commits an async save once every rank's write is durable
+            if self.snapshots is not None and self.step % cfg.checkpoint.memory_interval == 0 and self.step != end:
+                self.save_snapshot()
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 and self.step != end:
-                self.save_checkpoint()
+                with self.timer.phase("checkpoint"):
+                    self.save_checkpoint()
+            self.timer.end_step()
+            if self.recorder is not None:
+                self.recorder.mark_progress(self.step)
+        self.timer.close()
         t_loop_end = time.perf_counter()
         progress.close()
         stopped_early = self.step < cfg.training.steps
@@ -235,7 +291,10 @@ class Trainer:
             first_eval = first_eval if first_eval is not None else last_eval
         ckpt = None
         if cfg.checkpoint.at_end or stopped_early:
-            ckpt = self.save_checkpoint()
+            ckpt = self.save_checkpoint(block=True)
+        self.checkpoints.wait()  # an in-flight async save commits before exit
+        if self.snapshots is not None and not stopped_early:
+            self.snapshots.clear()  # finished: the final disk checkpoint supersedes them
         elapsed = time.perf_counter() - t_start
         if steady_t is not None and self.tokens_seen > steady_tokens:
             tps = (self.tokens_seen - steady_tokens) / (t_loop_end - steady_t)
@@ -257,6 +316,8 @@ class Trainer:
             k: summary[k] for k in ("final_loss", "final_eval_loss", "tokens_per_s", "mfu")})
         self.metrics.close()
         self.events.close()
+        if self.recorder is not None:
+            self.recorder.uninstall()
         return summary
 
     def _banner(self) -> str:
@@ -268,19 +329,25 @@ class Trainer:
                 f"{self.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
 
     def _sample(self) -> str | None:
+        """Gather the full weights onto rank 0 and sample there from a plain single-device model, so
+        generation issues no collectives whatever the layout."""
         cfg = self.cfg.sample
-        if not cfg.prompt or not cfg.max_new_tokens:
+        if not cfg.prompt or not cfg.max_new_tokens or self.dims.pp > 1:
+            return None  # a pipeline rank holds only its stages: use `stalwart generate` on the checkpoint
+        if count_params(self.model_args) > 2e9:
+            return None  # too large to gather on one host for a quick sample
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.env.is_main:
             return None
+        from stalwart.train.init import canonical_name
+
+        plain = Transformer(self.model_args)
+        plain.load_state_dict({canonical_name(k): v for k, v in full.items()})
         prompt = self.tokenizer.encode(cfg.prompt, add_special_tokens=False).ids
-
-        def sync(t: torch.Tensor) -> torch.Tensor:
-            if self.env.is_distributed:
-                t = t.to(self.device)
-                dist.broadcast(t, src=0)
-            return t
-
-        ids = sample(self.model, prompt, cfg.max_new_tokens, self.model_args.max_seq_len, cfg.temperature,
-                     cfg.top_k, seed=self.cfg.run.seed, eos=self.eos, device=self.device, sync=sync)
+        ids = sample(plain, prompt, cfg.max_new_tokens, self.model_args.max_seq_len, cfg.temperature,
+                     cfg.top_k, seed=self.cfg.run.seed, eos=self.eos)
         return cfg.prompt + self.tokenizer.decode(ids)
 
 

@@ -1,0 +1,38 @@
+"""`stalwart dashboard RUN_DIR`: a live web dashboard of a run (served on localhost)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stalwart.errors import UserError
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="stalwart dashboard", description=(
+        "Serve a self-contained dashboard of a run directory: loss / eval loss / tokens/s / MFU curves, the "
+        "per-rank heat map, stragglers, goodput, events and flight-recorder findings. The directory is re-read "
+        "on every request, so it follows a running job. JSON API under /api/, a Perfetto trace at /trace.json."))
+    ap.add_argument("run_dir", help="the run directory (e.g. runs/default)")
+    ap.add_argument("--port", type=int, default=8765, help="port (0 = any free port; default 8765)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    args = ap.parse_args(argv)
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"no run directory at {args.run_dir}")
+    from stalwart.observe.server import make_server
+
+    server = make_server(args.run_dir, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"stalwart dashboard: serving {args.run_dir} at http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

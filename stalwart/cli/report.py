@@ -1,0 +1,46 @@
+"""`stalwart report RUN_DIR`: a static HTML report with PNG plots, optionally a Perfetto trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stalwart.errors import UserError
+
+
+def _window(text: str) -> tuple[int | None, int | None]:
+    a, _, b = text.partition(":")
+    try:
+        return (int(a) if a else None, int(b) if b else None)
+    except ValueError:
+        raise UserError(f"--trace-steps expects FIRST:LAST (e.g. 100:120), got {text!r}") from None
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="stalwart report", description=(
+        "Write a self-contained HTML report (the dashboard's content, no server needed) and PNG plots of a run "
+        "directory; with --trace also a merged Chrome/Perfetto trace.json of all ranks' phases."))
+    ap.add_argument("run_dir", help="the run directory")
+    ap.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    ap.add_argument("--trace", action="store_true", help="also write trace.json (open in ui.perfetto.dev)")
+    ap.add_argument("--trace-steps", default="", metavar="FIRST:LAST",
+                    help="steps in the trace (default: the last 20)")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    args = ap.parse_args(argv)
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"no run directory at {args.run_dir}")
+    from stalwart.observe.report import write_report
+
+    res = write_report(args.run_dir, args.out, trace=args.trace, trace_steps=_window(args.trace_steps),
+                       plots=not args.no_plots)
+    for f in res["files"]:
+        print(f)
+    st = res["data"]["stragglers"]
+    if st and st["suspects"]:
+        print(f"suspected straggler rank(s): {st['suspects']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,57 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style) via DTensor plans.
+
+Between blocks the residual stream is sharded along the sequence (``Shard(1)``); norms run on the
+shard (SequenceParallel); attention and MLP all-gather their input, run column-parallel projections
+(heads / hidden units split across ranks), and reduce-scatter the row-parallel output back to
+sequence shards. The output head stays vocabulary-sharded when loss parallelism is on, so the
+cross-entropy never materialises full logits on one rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``."""
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                        use_local_output=not loss_parallel)
+    tied = (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Both sides shard the vocabulary dimension (Shard(0)): re-tie to one DTensor parameter.
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if block.ffn_norm is not None:
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
