@@ -1,0 +1,124 @@
+"""`stalwart plan`: rank parallel layouts for a model on a cluster, or check the published points."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from stalwart.config.core import ConfigError, help_text, load, to_dict
+from stalwart.planner.config import PlanConfig
+from stalwart.planner.cost import Network, Options
+from stalwart.planner.hardware import GPUS
+from stalwart.planner.layout import Workload
+from stalwart.planner.search import Space, explain, rank_layouts
+from stalwart.planner.shapes import FLAVORS
+from stalwart.planner.validation import TOLERANCE, check_all
+
+INTRO = """usage: stalwart plan [--config PATH] [--json PATH] [--validate] [--section.key VALUE ...]
+
+Enumerates parallel layouts (fsdp/dp, tp, pp with schedule and virtual stages, cp, micro-batch,
+activation checkpointing) for a model on a cluster, predicts per-GPU memory and step time (compute,
+exposed communication per dimension and network tier, pipeline bubble), ranks the layouts that fit
+by tokens/s and explains the best one.
+
+options:
+  --config PATH   TOML file with the sections below
+  --json PATH     also write the ranking (and validation) as JSON
+  --validate      compare the model with published throughput points (exit 1 if any is off by >15%)
+  -h, --help      this help"""
+
+
+def build_workload(cfg: PlanConfig) -> Workload:
+    m = cfg.model
+    base = FLAVORS[m.flavor]
+    changes = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
+               if getattr(m, k)}
+    shape = dataclasses.replace(base, **changes)
+    if shape.dim % shape.n_heads or shape.n_heads % shape.n_kv_heads:
+        raise ConfigError(f"model: dim {shape.dim}, heads {shape.n_heads}, kv heads {shape.n_kv_heads} "
+                          "are inconsistent")
+    w = cfg.workload
+    batch = w.global_batch_tokens // w.seq_len if w.global_batch_tokens else w.global_batch
+    return Workload(shape, w.seq_len, batch)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(INTRO)
+        print("\nConfiguration (TOML [section] key = value, or --section.key VALUE; CLI > file > defaults):")
+        print(help_text(PlanConfig))
+        return 0
+    flags: dict[str, str] = {}
+    rest: list[str] = []
+    validate = False
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if name in ("--config", "--json"):
+            if not eq and i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            flags[name] = inline if eq else argv[i + 1]
+            i += 1 if eq else 2
+        elif name == "--validate":
+            validate, i = True, i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    cfg = load(PlanConfig, flags.get("--config"), rest)
+    doc: dict = {"config": to_dict(cfg)}
+    rc = 0
+    if validate:
+        rows = check_all()
+        print("published point                     metric                 published   predicted    error")
+        for r in rows:
+            print(f"  {r['name']:<34} {r['metric']:<22} {r['published']:9.0f}   {r['predicted']:9.0f}   "
+                  f"{100 * r['error']:+6.1f}%   ({r['layout']})")
+            if abs(r["error"]) > TOLERANCE:
+                rc = 1
+        doc["validation"] = rows
+    else:
+        w = build_workload(cfg)
+        c, s = cfg.cluster, cfg.search
+        gpu = GPUS[c.gpu]
+        net = Network(gpus_per_host=c.gpus_per_host, nic_gbps=c.nic_gbps, pod_gpus=c.pod_gpus,
+                      spine_oversubscription=c.spine_oversubscription)
+        opt = Options(compile=s.compile, async_tp=s.async_tp, power_limit_w=c.power_limit_w,
+                      reduce_bytes=s.reduce_bytes)
+        space = Space(tp=tuple(s.tp), pp=tuple(s.pp), cp=tuple(s.cp), micro_batch=tuple(s.micro_batch),
+                      virtual_stages=tuple(s.virtual_stages), schedules=tuple(s.schedules), ac=tuple(s.ac),
+                      fsdp=tuple(s.fsdp))
+        ranked = rank_layouts(w, c.gpus, gpu, net, opt, space=space, headroom_gb=s.headroom_gb)
+        fitting = [x for x in ranked if x.fits]
+        print(f"stalwart plan: {cfg.model.flavor} ({w.shape.params / 1e9:.1f}B params), seq {w.seq_len}, "
+              f"{w.global_batch} sequences/step ({w.tokens_per_step:,} tokens), {c.gpus} x {gpu.name}")
+        print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.hbm_gb - s.headroom_gb:.0f} GB\n")
+        if not ranked:
+            raise ConfigError("no valid layout: check that gpus, batch and the search lists are compatible")
+        shown = (fitting or ranked)[: s.top]
+        print(f"  {'#':>2}  {'layout':<56} {'tokens/s/GPU':>12} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7} "
+              f"{'mem GB':>7}")
+        for k, x in enumerate(shown, 1):
+            print(f"  {k:>2}  {x.layout.describe():<56} {x.time.tokens_per_s_per_gpu:12,.0f} "
+                  f"{x.time.tflops_per_gpu:8.0f} {100 * x.time.mfu:5.1f}% {x.time.step_s:7.2f} "
+                  f"{x.memory.total / 1e9:7.1f}")
+        if not fitting:
+            print("\nnothing fits in memory: the list shows the fastest layouts regardless; add GPUs, "
+                  "allow activation checkpointing or a larger pp/tp")
+            rc = 1
+        print("\nbest layout:")
+        for line in explain(shown[0], w, gpu):
+            print("  " + line)
+        doc["layouts"] = [{"layout": dataclasses.asdict(x.layout), "describe": x.layout.describe(), "fits": x.fits,
+                           "memory_bytes": x.memory.to_dict(), "time": x.time.to_dict()} for x in shown]
+        doc["explanation"] = explain(shown[0], w, gpu)
+    if "--json" in flags:
+        Path(flags["--json"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(flags["--json"]).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\nwrote {flags['--json']}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,86 @@
+"""The `stalwart plan` configuration tree; every field's help is what `stalwart plan --help` prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stalwart.config.core import ConfigError, option, section
+from stalwart.planner.hardware import GPUS
+from stalwart.planner.shapes import FLAVORS
+
+
+@dataclass
+class ModelSection:
+    flavor: str = option(f"Model shape: {', '.join(FLAVORS)}.", "llama3-8B", choices=tuple(FLAVORS))
+    dim: int = option("Override the hidden size (0 = the flavor's).", 0, min=0)
+    n_layers: int = option("Override the number of transformer blocks (0 = the flavor's).", 0, min=0)
+    n_heads: int = option("Override the attention heads (0 = the flavor's).", 0, min=0)
+    n_kv_heads: int = option("Override the key/value heads (0 = the flavor's).", 0, min=0)
+    ffn_hidden: int = option("Override the SwiGLU hidden size (0 = the flavor's).", 0, min=0)
+    vocab_size: int = option("Override the vocabulary size (0 = the flavor's).", 0, min=0)
+
+
+@dataclass
+class WorkloadSection:
+    seq_len: int = option("Sequence length in tokens.", 8192, min=1)
+    global_batch: int = option("Sequences per optimizer step (global_batch_tokens, if set, wins).", 16, min=1)
+    global_batch_tokens: int = option("Tokens per optimizer step; 0 = use global_batch. Must be a multiple of "
+                                      "seq_len.", 0, min=0)
+
+
+@dataclass
+class ClusterSection:
+    gpus: int = option("GPUs to lay the job out on.", 8, min=1)
+    gpu: str = option(f"GPU type: {', '.join(GPUS)} (peak bf16, HBM size and bandwidth in "
+                      "stalwart/planner/hardware.py).", "H100", choices=tuple(GPUS))
+    gpus_per_host: int = option("GPUs per host (one NVLink domain; tensor parallel stays inside it).", 8, min=1)
+    nic_gbps: float = option("Scale-out network bandwidth per GPU, Gbit/s.", 400.0, min=1.0)
+    pod_gpus: int = option("GPUs in one full-bisection network pod.", 3072, min=1)
+    spine_oversubscription: float = option("Oversubscription between pods (Llama 3: 7).", 7.0, min=1.0)
+    power_limit_w: float = option("GPU power cap in watts; 0 = the datasheet TDP.", 0.0, min=0.0)
+
+
+@dataclass
+class SearchSection:
+    tp: list[int] = option("Tensor-parallel degrees to try.", factory=lambda: [1, 2, 4, 8])
+    pp: list[int] = option("Pipeline-parallel degrees to try.", factory=lambda: [1, 2, 4, 8, 16, 32])
+    cp: list[int] = option("Context-parallel degrees to try.", factory=lambda: [1, 2, 4, 8, 16])
+    micro_batch: list[int] = option("Micro-batch sizes (sequences) to try.", factory=lambda: [1, 2, 4, 8])
+    virtual_stages: list[int] = option("Interleaved virtual stages per pipeline rank to try.",
+                                       factory=lambda: [1, 2, 4, 8])
+    schedules: list[Literal["1f1b", "interleaved", "gpipe"]] = option(
+        "Pipeline schedules to try.", factory=lambda: ["1f1b", "interleaved", "gpipe"])
+    ac: list[Literal["none", "selective", "op", "full"]] = option(
+        "Activation checkpointing modes to try (selective = recompute norms/SwiGLU; op = torchtitan's "
+        "every-other-matmul; full = whole layers).", factory=lambda: ["none", "selective", "op", "full"])
+    fsdp: list[bool] = option("Shard params/grads/optimizer over data parallel (true = FSDP/ZeRO-3, false = "
+                              "replicated params with a sharded optimizer).", factory=lambda: [True, False])
+    compile: bool = option("Assume torch.compile-fused elementwise kernels.", True)
+    async_tp: bool = option("Assume tensor-parallel collectives overlap with matmuls (async TP).", False)
+    reduce_bytes: int = option("Bytes per element of the gradient reduction (4 = fp32, 2 = bf16).", 4,
+                               choices=(2, 4))
+    headroom_gb: float = option("GPU memory kept free for the CUDA context, NCCL buffers and fragmentation.",
+                                4.0, min=0.0)
+    top: int = option("Layouts to list.", 10, min=1)
+
+
+@dataclass
+class PlanConfig:
+    model: ModelSection = section(ModelSection, "Model shape.")
+    workload: WorkloadSection = section(WorkloadSection, "Sequence length and batch.")
+    cluster: ClusterSection = section(ClusterSection, "GPUs and network.")
+    search: SearchSection = section(SearchSection, "The layouts to enumerate and the assumptions.")
+
+    def __post_init__(self) -> None:
+        w = self.workload
+        if w.global_batch_tokens and w.global_batch_tokens % w.seq_len:
+            raise ConfigError(f"workload.global_batch_tokens ({w.global_batch_tokens}) must be a multiple of "
+                              f"workload.seq_len ({w.seq_len})")
+        for name in ("tp", "pp", "cp", "micro_batch", "virtual_stages"):
+            vals = getattr(self.search, name)
+            if not vals or min(vals) < 1:
+                raise ConfigError(f"search.{name} must list positive integers")
+        for name in ("schedules", "ac", "fsdp"):
+            if not getattr(self.search, name):
+                raise ConfigError(f"search.{name} must not be empty")

@@ -1,0 +1,48 @@
+"""`stalwart plan` end to end through the real CLI."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+from stalwart.config.core import undocumented_fields
+from stalwart.planner.config import PlanConfig
+
+
+def test_plan_small_config_ranks_and_explains(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_cli("plan", "--model.flavor", "llama3-1B", "--cluster.gpus", "16", "--workload.seq_len", "4096",
+                   "--workload.global_batch", "64", "--search.top", "3", "--json", str(out))
+    assert "best layout" in proc.stdout and "MFU" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert len(doc["layouts"]) == 3 and all(x["fits"] for x in doc["layouts"])
+    tps = [x["time"]["tokens_per_s_per_gpu"] for x in doc["layouts"]]
+    assert tps == sorted(tps, reverse=True)
+    top = doc["layouts"][0]
+    lay = top["layout"]
+    assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 16
+    assert top["memory_bytes"]["total"] <= 76e9
+
+
+def test_plan_validate_passes(tmp_path):
+    out = tmp_path / "v.json"
+    proc = run_cli("plan", "--validate", "--json", str(out))
+    rows = json.loads(out.read_text())["validation"]
+    assert len(rows) == 3 and all(abs(r["error"]) <= 0.15 for r in rows), proc.stdout
+
+
+def test_plan_help_documents_every_field():
+    assert undocumented_fields(PlanConfig) == []
+    text = run_cli("plan", "--help").stdout
+    for key in ("model.flavor", "workload.global_batch_tokens", "cluster.gpu", "cluster.pod_gpus",
+                "search.ac", "search.virtual_stages", "--validate", "--json"):
+        assert key in text, key
+
+
+def test_plan_bad_input_is_one_line_and_nonzero():
+    for args in (["--model.flavor", "llama3-7B"], ["--cluster.gpus", "zero"], ["--config", "/nope.toml"],
+                 ["--search.tpp", "1"], ["--workload.global_batch_tokens", "100"]):
+        proc = run_cli("plan", *args, check=False)
+        assert proc.returncode == 2, args
+        assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr, proc.stderr
