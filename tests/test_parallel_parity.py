@@ -30,11 +30,15 @@ def grads(run_dir):
     return {p: load_file(str(run_dir / "debug" / f"grad-step1-{p}.safetensors"))["grad"] for p in GRAD_PARAMS}
 
 
+def final_eval(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())["final_eval_loss"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     run_cli(*args(d, 1))
-    return step_losses(d), grads(d)
+    return step_losses(d), grads(d), final_eval(d)
 
 
 LAYOUTS = {
@@ -63,8 +67,9 @@ def assert_close_losses(want, got):
 def test_layout_matches_single_process(layout, reference, tmp_path):
     nproc, extra = LAYOUTS[layout]
     run_cli(*args(tmp_path, nproc, *extra))
-    want_losses, want_grads = reference
+    want_losses, want_grads, want_eval = reference
     assert_close_losses(want_losses, step_losses(tmp_path))
+    assert abs(final_eval(tmp_path) - want_eval) <= 1e-4 * want_eval
     got = grads(tmp_path)
     for name in GRAD_PARAMS:
         torch.testing.assert_close(got[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -79,7 +84,7 @@ def test_context_parallel_with_sliding_window(tmp_path):
 
 def test_reshard_between_layouts(reference, tmp_path):
     """Save under dp_shard=2, continue under pp=2 x tp=2 ... and under 1 process: same losses."""
-    want, _ = reference
+    want = reference[0]
     run_cli(*args(tmp_path, 2, "--training.stop_at_step", "3"))
     assert (tmp_path / "checkpoints" / "step-3").is_dir()
     run_cli(*args(tmp_path, 4, "--parallelism.pp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1",
@@ -88,3 +93,20 @@ def test_reshard_between_layouts(reference, tmp_path):
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "resumed"] == [3, 4]
     assert_close_losses(want, step_losses(tmp_path))
+
+
+def test_per_rank_state_bytes_scale_and_match_the_planner(tmp_path):
+    """FSDP shards parameters, gradients and AdamW state ~1/N; the planner's memory model agrees."""
+    from stalwart.planner.memory import Precision, state_bytes
+
+    measured = {}
+    for n in (1, 2, 4):
+        run_cli(*args(tmp_path / f"n{n}", n, "--training.steps", "2", "--debug.dump_steps", "0"))
+        s = json.loads((tmp_path / f"n{n}" / "summary.json").read_text())
+        measured[n] = (s["param_bytes"], s["grad_bytes"], s["optim_bytes"])
+    n_params = measured[1][0] // 4
+    fp32 = Precision(param_bytes=4, compute_bytes=0, grad_bytes=4)
+    for n, got in measured.items():
+        want = state_bytes(n_params, n, True, fp32)
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 0.02 * w, (n, got, want)  # FSDP pads dim 0 to a multiple of N

@@ -34,11 +34,15 @@ class StepRunner:
         self.pm, self.dims, self.device = pm, dims, device
         self.timer = timer if timer is not None else PhaseTimer(enabled=False)
         self.cp_rank = dims.coordinates(rank)["cp"]
+        self.pp_rank = dims.coordinates(rank)["pp"]
         self.schedule = None
         if dims.pp > 1:
-            from stalwart.parallel.pipeline import build_schedule
+            from stalwart.parallel.pipeline import build_schedule, stages_per_rank
 
-            self.schedule = build_schedule(pm, meshes["pp"].get_group(), device, schedule_name, n_microbatches,
+            self.pp_group = meshes["pp"].get_group()
+            self.schedule_name = schedule_name
+            self.virtual = len(pm.stage_indices) if stages_per_rank(schedule_name, 1) > 1 else 1
+            self.schedule = build_schedule(pm, self.pp_group, device, schedule_name, n_microbatches,
                                            loss_fn=cross_entropy)
 
     def _loss_context(self):
@@ -109,19 +113,65 @@ class StepRunner:
                 stage.train()
 
     def _pipeline_eval(self, batches: list[Batch]) -> tuple[float, float]:
-        n = self.schedule._n_microbatches
+        """Forward-only pass through the stages in order, one micro-batch at a time.
+
+        NOTE: deliberately not ``schedule.eval``: the V-shaped and zero-bubble schedules of torch 2.13
+        cannot run forward-only. Evaluation is rare, so the simple sequential pass is fine.
+        """
+        import torch.distributed as dist
+
+        from stalwart.parallel.pipeline import stage_ids
+
+        group, pp, me = self.pp_group, self.dims.pp, self.pp_rank
+        owner = {sid: r for r in range(pp) for sid in stage_ids(r, pp, self.schedule_name, self.virtual)}
+        modules = dict(zip(self.pm.stage_indices, self.pm.stages))
         loss_sum, count = 0.0, 0.0
-        for start in range(0, len(batches) - n + 1, n):
-            group = batches[start:start + n]
-            inputs = torch.cat([b.inputs for b in group]).to(self.device)
-            targets = torch.cat([b.targets for b in group]).to(self.device)
-            losses: list[torch.Tensor] = []
-            with self._loss_context():
-                self.schedule.eval(*((inputs,) if self.pm.has_first else ()),
-                                   target=targets if self.pm.has_last else None,
-                                   losses=losses if self.pm.has_last else None, return_outputs=False)
-            if self.pm.has_last:
-                per = targets.numel() / n
-                loss_sum += sum(float(_local(x)) for x in losses) * per
-                count += targets.numel()
+        for batch in batches:
+            act = None
+            for sid in range(self.pm.n_stages):
+                if owner[sid] != me:
+                    continue
+                if sid == 0:
+                    inp = batch.inputs.to(self.device)
+                elif owner[sid - 1] == me:
+                    inp = act
+                else:
+                    inp = _recv_tensor(dist.get_global_rank(group, owner[sid - 1]), group, self.device)
+                out = modules[sid](inp)
+                if sid == self.pm.n_stages - 1:
+                    with self._loss_context():
+                        loss = cross_entropy(out, batch.targets.to(self.device))
+                    loss_sum += float(_local(loss)) * batch.targets.numel()
+                    count += batch.targets.numel()
+                elif owner[sid + 1] == me:
+                    act = out
+                else:
+                    _send_tensor(out, dist.get_global_rank(group, owner[sid + 1]), group)
         return loss_sum, count
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _send_tensor(t: torch.Tensor, dst: int, group) -> None:
+    import torch.distributed as dist
+
+    t = t.detach().contiguous()
+    header = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape], dtype=torch.int64, device=t.device)
+    size = torch.tensor([header.numel()], dtype=torch.int64, device=t.device)
+    dist.send(size, dst, group=group)
+    dist.send(header, dst, group=group)
+    dist.send(t, dst, group=group)
+
+
+def _recv_tensor(src: int, group, device) -> torch.Tensor:
+    import torch.distributed as dist
+
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, src, group=group)
+    header = torch.empty(int(size), dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    shape = [int(x) for x in header[2:2 + int(header[0])]]
+    out = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
+    dist.recv(out, src, group=group)
+    return out
