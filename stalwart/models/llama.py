@@ -40,13 +40,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels. x: (batch, seq, heads, head_dim); rope: (seq, head_dim/2, 2)."""
-    xf = x.float().unflatten(-1, (-1, 2))  # (b, s, h, d/2, 2)
-    cos = rope[..., 0].unsqueeze(1)  # (s, 1, d/2)
-    sin = rope[..., 1].unsqueeze(1)
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).type_as(x)
+    """Rotate channel pairs (x[2i], x[2i+1]) by position-dependent angles, as one complex multiply.
+
+    x: (batch, seq, heads, head_dim); rope: (seq, head_dim/2, 2) holding (cos, sin).
+    """
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (b, s, h, d/2)
+    freqs = torch.view_as_complex(rope.float().contiguous()).unsqueeze(1)  # (s, 1, d/2)
+    return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
