@@ -35,6 +35,7 @@ class ParallelModel:
     stage_indices: list[int] = field(default_factory=lambda: [0])
     n_stages: int = 1
     loss_parallel: bool = False
+    custom_comm_modules: int = 0  # FSDP modules whose collectives use Stalwart's algorithms
 
     @property
     def has_first(self) -> bool:
@@ -46,8 +47,9 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg, param_dtype: torch.dtype,
-                rank: int = 0) -> ParallelModel:
-    """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section."""
+                rank: int = 0, comm_cfg=None) -> ParallelModel:
+    """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section;
+    ``comm_cfg``: the comm section (which algorithms FSDP's collectives use)."""
     # 1. Pipeline split.
     if dims.pp > 1:
         from stalwart.parallel.pipeline import split_model
@@ -83,4 +85,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         # 6. FSDP / HSDP (on a 1-rank mesh too when mixed precision needs FSDP's casting policy).
         if meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1)
+    if comm_cfg is not None and comm_cfg.algorithm != "builtin" and meshes is not None and meshes.fsdp.size() > 1:
+        # FSDP's reduce-scatter / all-gather through the topology-aware algorithms.
+        from stalwart.comm.fsdp_comm import install_on_fsdp
+        from stalwart.comm.selector import build_selector
+
+        shard_group = meshes.fsdp.get_group(meshes.fsdp.ndim - 1)
+        pm.custom_comm_modules = install_on_fsdp(pm.stages, build_selector(comm_cfg, shard_group))
     return pm

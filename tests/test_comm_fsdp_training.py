@@ -1,0 +1,27 @@
+"""`stalwart train --comm.algorithm ...`: FSDP's collectives through our algorithms, same losses."""
+
+import json
+
+import pytest
+
+from conftest import TINY_RUN, run_cli, step_losses
+
+pytestmark = pytest.mark.slow
+
+
+def train(run_dir, nproc, *extra):
+    run_cli("train", "--run.dir", str(run_dir), *TINY_RUN, "--training.steps", "4", "--training.global_batch", "6", "--training.micro_batch", "1",
+            "--checkpoint.at_end", "false", "--sample.max_new_tokens", "0", "--nproc-per-node", str(nproc), *extra)
+
+
+@pytest.mark.parametrize("nproc,algorithm", [(2, "ring"), (3, "auto")])
+def test_custom_fsdp_collectives_give_the_same_losses(tmp_path, nproc, algorithm):
+    train(tmp_path / "builtin", nproc)
+    train(tmp_path / "custom", nproc, "--comm.algorithm", algorithm, "--comm.placement", "block")
+    events = [json.loads(x) for x in (tmp_path / "custom" / "events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["event"] == "start")
+    assert start["collectives"] == algorithm and start["custom_comm_modules"] >= 3  # blocks + root
+    want, got = step_losses(tmp_path / "builtin"), step_losses(tmp_path / "custom")
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        assert abs(want[step] - got[step]) <= 1e-5 * abs(want[step]), (step, want[step], got[step])
