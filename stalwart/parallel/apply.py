@@ -12,38 +12,12 @@ Each step lives in its own module; this file only decides whether and in which o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from stalwart.parallel.dims import LayoutError, Meshes, ParallelDims
 from stalwart.parallel.fsdp import apply_fsdp
-
-
-@dataclass
-class ParallelModel:
-    """This rank's share of the model, ready to materialize.
-
-    ``container`` holds every parameter this rank owns under its original name (optimizer,
-    checkpoint, initialisation); ``stages`` are the modules that run forward (one, unless this rank
-    owns several pipeline stages). ``schedule`` is set when pipelining.
-    """
-
-    container: nn.Module
-    stages: list[nn.Module]
-    stage_indices: list[int] = field(default_factory=lambda: [0])
-    n_stages: int = 1
-    loss_parallel: bool = False
-    custom_comm_modules: int = 0  # FSDP modules whose collectives use Stalwart's algorithms
-
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.stage_indices
-
-    @property
-    def has_last(self) -> bool:
-        return self.n_stages - 1 in self.stage_indices
+from stalwart.parallel.parts import ParallelModel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg, param_dtype: torch.dtype,
@@ -60,8 +34,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         if dims.cp > 1:
             raise LayoutError("parallelism: pp > 1 together with cp > 1 is not supported; use one of them")
         pp_rank = dims.coordinates(rank)["pp"]
-        parts = split_model(model, pp_rank, dims.pp, cfg.pp_schedule, cfg.pp_virtual_stages)
-        pm = ParallelModel(parts.container, parts.stages, parts.stage_indices, parts.n_stages)
+        pm = split_model(model, pp_rank, dims.pp, cfg.pp_schedule, cfg.pp_virtual_stages)
     else:
         pm = ParallelModel(model, [model])
     for stage in pm.stages:

@@ -9,10 +9,10 @@ under their original names, which is what the optimizer and the checkpoint see.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-
 import torch
 from torch import nn
+
+from stalwart.parallel.parts import ParallelModel
 
 # name -> (schedule class name in torch.distributed.pipelining, stages per rank, V-shaped placement)
 SCHEDULES: dict[str, tuple[str, int, bool]] = {
@@ -52,23 +52,7 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return out
 
 
-@dataclass
-class PipelineParts:
-    container: nn.Module  # this rank's parameters under their original names
-    stages: list[nn.Module]  # one module per owned stage, sharing modules with the container
-    stage_indices: list[int]
-    n_stages: int
-
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.stage_indices
-
-    @property
-    def has_last(self) -> bool:
-        return self.n_stages - 1 in self.stage_indices
-
-
-def split_model(model: nn.Module, pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> PipelineParts:
+def split_model(model: nn.Module, pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> ParallelModel:
     """Cut ``model`` (on the meta device) into this rank's stages."""
     n_stages = pp * stages_per_rank(schedule, virtual_stages)
     owned = stage_ids(pp_rank, pp, schedule, virtual_stages)
@@ -95,10 +79,10 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, schedule: str, virtual_
             stage.norm = None
             stage.output = None
         stages.append(stage)
-    return PipelineParts(container=model, stages=stages, stage_indices=owned, n_stages=n_stages)
+    return ParallelModel(container=model, stages=stages, stage_indices=owned, n_stages=n_stages)
 
 
-def build_schedule(parts: PipelineParts, pp_group, device: torch.device, schedule: str, n_microbatches: int,
+def build_schedule(parts: ParallelModel, pp_group, device: torch.device, schedule: str, n_microbatches: int,
                    loss_fn):
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
