@@ -50,6 +50,10 @@ LAYOUTS = {
     "pp2_dp2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"]),
     "pp2_tp2": (4, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "pp2_dp2_tp2": (8, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "2"]),
+    "dp2_ac_full": (2, ["--parallelism.activation_checkpoint", "full"]),
+    "tp2_ac_selective": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1",
+                             "--parallelism.activation_checkpoint", "selective"]),
+    "compile": (1, ["--parallelism.compile", "true"]),
 }
 for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                  "zbv_zero_bubble", "dualpipe_v"):

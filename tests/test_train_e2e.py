@@ -110,3 +110,19 @@ def test_help_documents_every_field():
     for key in ("--training.steps", "--data.path", "--checkpoint.resume", "--metrics.log_interval",
                 "--training.stop_at_step", "--run.dir", "--model.flavor", "--checkpoint.interval"):
         assert key in out
+
+
+def test_plain_torchrun_launch(run_dir):
+    """The documented multi-node form: torchrun -m stalwart.train (here with --standalone)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "stalwart.train", "--run.dir", str(run_dir), *TINY_RUN, "--training.steps", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(step_losses(run_dir)) == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
