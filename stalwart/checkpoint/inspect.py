@@ -43,7 +43,7 @@ def digest(path: str | Path, prefix: str = "") -> str:
     for key, value in sorted(load_flat(path, prefix).items()):
         h.update(key.encode())
         if isinstance(value, torch.Tensor):
-            h.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(repr(value).encode())
     return h.hexdigest()

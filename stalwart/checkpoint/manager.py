@@ -1,23 +1,34 @@
-"""Sharded, atomic, verified checkpoints of the whole training state.
+"""Sharded, atomic, verified checkpoints of the whole training state, saved synchronously or async.
 
 A checkpoint is written under ``checkpoints/.tmp-step-N``; every rank writes its DCP shard, its RNG
-state and a manifest of SHA-256 checksums of the files it wrote; after a barrier rank 0 merges the
-manifests into ``manifest.json``, fsyncs, renames the directory to ``step-N`` and updates ``latest``.
-A directory named ``step-N`` is therefore always complete, and a crash mid-save leaves only a
-``.tmp-*`` directory that is never loaded. Loading verifies every checksum first.
+state and a manifest of SHA-256 checksums of the files it wrote; after every rank's write is durable,
+rank 0 writes DCP's ``.metadata``, merges the manifests into ``manifest.json``, fsyncs, renames the
+directory to ``step-N`` and updates ``latest``. A directory named ``step-N`` is therefore always
+complete, and a crash mid-save leaves only a ``.tmp-*`` directory that is never loaded. Loading
+verifies every checksum first.
+
+Async saves (``checkpoint.async_save``) stall the loop only to copy the state to host memory and plan;
+the shard files are written by a background thread that issues no collectives. The commit (the
+collectives that check every rank finished, then the rename) runs on the main thread at the next step
+boundary where all ranks are done (``poll``), or before the next save / at exit (``wait``).
+
+A failed save (disk full, read-only storage) is logged as ``checkpoint_failed``, its partial
+directory removed, and training continues (``checkpoint.on_failure = "continue"``) or stops.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import json
 import os
 import re
 import shutil
+import sys
+import threading
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,14 +36,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from stalwart.errors import UserError
+from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
+                                        fsync_dir, plan_save, sha256_file, write_json_atomic, write_local)
+from stalwart.errors import UserError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state.json"
+_sha256 = sha256_file
+_write_json_atomic = write_json_atomic
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -44,40 +60,6 @@ class LoadedState:
     path: Path
     step: int
     trainer_state: dict[str, Any]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    _fsync_file(tmp)
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict[str, str]:
@@ -105,12 +87,43 @@ def _quiet_single_process():
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if distributed():
         dist.barrier()
 
 
+def _first_error(errors: list[str | None]) -> str | None:
+    return next((e for e in errors if e), None)
+
+
+_UNSAFE = re.compile(r"(checkpoint (?:metadata|entry) .*?(?:not allowed|not plain data)[^\n]*)|"
+                     r"(Weights only load failed[^\n]*)")
+
+
+def describe_load_failure(path: Path, e: BaseException) -> str:
+    """One line for a failed DCP load; unsafe content (code on load) is named as refused."""
+    text = str(e)
+    m = _UNSAFE.search(text)
+    if m:
+        return f"checkpoint {path}: refused: {(m.group(1) or m.group(2)).strip()}"
+    msg = text.strip().splitlines()[-1] if text.strip() else type(e).__name__
+    return f"checkpoint {path}: cannot be loaded into this model: {msg}"
+
+
+@dataclass
+class _Pending:
+    job: SaveJob
+    final: Path
+    future: Future
+    t0: float
+    stall_s: float
+
+
 class CheckpointManager:
-    """Save, find, verify and load checkpoints of one run. ``cfg`` is the ``checkpoint`` section."""
+    """Save, find, verify and load checkpoints of one run. ``cfg`` is the ``checkpoint`` section.
+
+    Every method that saves (``save``, ``poll``, ``wait``) is collective: all ranks call it at the
+    same step, on their main thread.
+    """
 
     def __init__(self, root: Path, cfg, rank: int, world_size: int, log_event: Callable[..., None],
                  describe: dict[str, Any] | None = None) -> None:
@@ -118,64 +131,165 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         self.log_event = log_event
         self.describe = describe or {}
+        self.async_save = bool(getattr(cfg, "async_save", False))
+        self.on_failure = getattr(cfg, "on_failure", "continue")
+        self._stager = HostStager()
+        self._pending: _Pending | None = None
+        self.last_saved: Path | None = None
+        self.last_stall_s = 0.0
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any]) -> Path:
+             trainer_state: dict[str, Any], block: bool = False) -> Path | None:
+        """Start a checkpoint of the current state. Returns once the state is staged (async) or committed.
+
+        Returns the committed path (sync / ``block``), or None while an async save is in flight or when
+        the save failed under ``on_failure = continue``.
+        """
+        self.wait()  # one save in flight at a time: the previous one commits first
         t0 = time.perf_counter()
-        tmp = self.root / f".tmp-step-{step}"
-        final = self.root / f"step-{step}"
+        tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
+        err = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as e:
+                err = f"cannot create {tmp}: {e}"
+        errors = all_gather_object(err)
+        if _first_error(errors):
+            return self._fail(step, tmp, _first_error(errors))
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _quiet_single_process():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                     no_dist=not (dist.is_available() and dist.is_initialized()))
-        rng_file = tmp / f"rng-rank{self.rank}.json"
-        _write_json_atomic(rng_file, rng_state())
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.async_save:
+            state = self._stager.stage(state)
+        job = plan_save(step, tmp, self.rank, state, rng_state(),
+                        {"step": step, **trainer_state} if self.rank == 0 else None)
+        future: Future = Future()
+        if self.async_save and not block:
+            def run() -> None:
+                try:
+                    future.set_result(write_local(job))
+                except BaseException as e:  # noqa: BLE001 - reported at commit, on the main thread
+                    future.set_exception(e)
+            threading.Thread(target=run, name=f"checkpoint-write-{step}", daemon=False).start()
+        else:
+            try:
+                future.set_result(write_local(job))
+            except Exception as e:  # noqa: BLE001
+                future.set_exception(e)
+        stall = time.perf_counter() - t0
+        self.last_stall_s = stall
+        self._pending = _Pending(job, final, future, t0, stall)
+        if self.async_save and not block:
+            return None
+        return self.wait()
+
+    def poll(self) -> None:
+        """At a step boundary: commit the in-flight save if every rank's write has finished."""
+        if self._pending is None:
+            return
+        done = int(self._pending.future.done())
+        if distributed():
+            flag = torch.tensor([done], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = int(flag.item())
+        if done:
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the in-flight save (if any) is durable on every rank, then commit it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        job = pending.job
+        try:
+            results, err = pending.future.result(), None
+        except Exception as e:  # noqa: BLE001
+            results, err = None, f"rank {self.rank}: {type(e).__name__}: {e}"
+        gathered = all_gather_object((err, results))
+        err = _first_error([e for e, _ in gathered])
+        if err is None and self.rank == 0:
+            try:
+                self._commit(job, pending.final, [r for _, r in gathered])
+            except OSError as e:
+                err = f"rank 0: committing {pending.final.name}: {e}"
+        if distributed():
+            box = [err]
+            dist.broadcast_object_list(box, src=0)
+            err = box[0]
+        if err:
+            return self._fail(job.step, job.tmp, err)
+        self.last_saved = pending.final
         if self.rank == 0:
-            _write_json_atomic(tmp / TRAINER_STATE, {"step": step, **trainer_state})
-        # Each rank checksums what it wrote; rank 0 also owns the shared metadata files.
-        mine = sorted(tmp.glob(f"__{self.rank}_*.distcp")) + [rng_file]
+            self.log_event("checkpoint_saved", step=job.step, path=str(pending.final),
+                           seconds=time.perf_counter() - pending.t0, stall_s=pending.stall_s,
+                           async_save=self.async_save)
+            self._apply_retention(keep=pending.final)
+        return pending.final
+
+    def _commit(self, job: SaveJob, final: Path, results: list[Any]) -> None:
+        tmp = job.tmp
+        job.writer.finish(metadata=job.metadata, results=results)
+        _writer.fault_point("after_metadata")
+        files: dict[str, Any] = {}
+        for r in range(self.world_size):
+            part = tmp / f"manifest-rank{r}.json"
+            files.update(json.loads(part.read_text()))
+        for name in (".metadata",):
+            files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+        manifest = {"step": job.step, "files": files, "world_size": self.world_size,
+                    "created": time.time(), **self.describe}
+        write_json_atomic(tmp / MANIFEST, manifest)
+        for r in range(self.world_size):
+            (tmp / f"manifest-rank{r}.json").unlink()
+        fsync_dir(tmp)
+        _writer.fault_point("before_rename")
+        if final.exists():  # a stale checkpoint of the same step from an abandoned trajectory
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        _writer.fault_point("after_rename")
+        (self.root / "latest.tmp").write_text(final.name + "\n")
+        os.replace(self.root / "latest.tmp", self.root / "latest")
+        fsync_dir(self.root)
+
+    def _fail(self, step: int, tmp: Path, error: str) -> None:
+        """Every rank agrees the save failed: report it, drop the partial directory, continue or stop."""
+        _barrier()  # nobody still writes into tmp
         if self.rank == 0:
-            mine += [tmp / ".metadata", tmp / TRAINER_STATE]
-        entries = {}
-        for f in mine:
-            _fsync_file(f)
-            entries[f.name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
-        _write_json_atomic(tmp / f"manifest-rank{self.rank}.json", entries)
+            removed = True
+            try:
+                shutil.rmtree(tmp)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                removed = False
+                with contextlib.suppress(OSError):  # quarantine: never looks like a checkpoint
+                    os.replace(tmp, tmp.with_name(f".failed-step-{step}-{int(time.time())}"))
+            self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
+                           on_failure=self.on_failure)
+            print(f"warning: checkpoint step-{step} failed: {error}; the previous checkpoint is kept"
+                  f"{'' if self.on_failure == 'stop' else ', training continues'}", file=sys.stderr, flush=True)
         _barrier()
-        if self.rank == 0:
-            files: dict[str, Any] = {}
-            for r in range(self.world_size):
-                part = tmp / f"manifest-rank{r}.json"
-                files.update(json.loads(part.read_text()))
-                part.unlink()
-            manifest = {"step": step, "files": files, "world_size": self.world_size,
-                        "created": time.time(), **self.describe}
-            _write_json_atomic(tmp / MANIFEST, manifest)
-            _fsync_dir(tmp)
-            if final.exists():  # a stale checkpoint of the same step from an abandoned trajectory
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            (self.root / "latest.tmp").write_text(final.name + "\n")
-            os.replace(self.root / "latest.tmp", self.root / "latest")
-            _fsync_dir(self.root)
-            self.log_event("checkpoint_saved", step=step, path=str(final), seconds=time.perf_counter() - t0)
-            self._apply_retention(keep=final)
-        _barrier()
-        return final
+        if self.on_failure == "stop":
+            raise CheckpointError(f"checkpoint step-{step} failed: {error} (checkpoint.on_failure = stop)")
+        return None
 
     def _apply_retention(self, keep: Path) -> None:
-        if not self.cfg.keep_last:
+        """Keep the newest ``keep_last`` plus every ``keep_every``-th step; never the only complete one."""
+        keep_last, keep_every = self.cfg.keep_last, getattr(self.cfg, "keep_every", 0)
+        if not keep_last:
             return
         complete = self.complete_checkpoints()
-        for path in complete[:-self.cfg.keep_last]:
-            if path == keep:
+        recent = set(complete[-keep_last:]) | {keep}
+        for path in complete:
+            step = int(STEP_DIR.match(path.name).group(1))
+            if path in recent or (keep_every and step % keep_every == 0):
                 continue
+            if len(self.complete_checkpoints()) <= 1:  # never delete the only complete checkpoint
+                break
             try:
                 shutil.rmtree(path)
                 self.log_event("checkpoint_deleted", path=str(path))
@@ -198,16 +312,23 @@ class CheckpointManager:
         try:
             manifest = json.loads(manifest_path.read_text())
             files = manifest["files"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({e})") from None
-        for name, meta in sorted(files.items()):
+            entries = sorted((str(name), int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items())
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({type(e).__name__}: {e})") from None
+        names = {name for name, _, _ in entries}
+        for required in (".metadata", TRAINER_STATE):
+            if required not in names:
+                raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {required} (corrupt manifest)")
+        for name, size, sha in entries:
             f = path / name
+            if "/" in name or name.startswith(".."):
+                raise CheckpointError(f"checkpoint {path}: {MANIFEST} names a file outside it: {name}")
             if not f.is_file():
                 raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-            if f.stat().st_size != meta["bytes"]:
+            if f.stat().st_size != size:
                 raise CheckpointError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, "
-                                      f"expected {meta['bytes']} (truncated?)")
-            if _sha256(f) != meta["sha256"]:
+                                      f"expected {size} (truncated?)")
+            if _sha256(f) != sha:
                 raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
         return manifest
 
@@ -235,7 +356,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:
         self.verify(path)
-        trainer_state = json.loads((path / TRAINER_STATE).read_text())
+        try:
+            trainer_state = json.loads((path / TRAINER_STATE).read_text())
+            int(trainer_state["step"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: file {TRAINER_STATE} is malformed ({e})") from None
         no_dist = not (dist.is_available() and dist.is_initialized())
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -248,14 +373,16 @@ class CheckpointManager:
                          no_dist=no_dist)
         except UnsafeCheckpointError as e:
             raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
-        except Exception as e:  # DCP wraps per-rank failures in its own exception types
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint {path}: cannot be loaded into this model: {msg}") from None
+        except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (a BaseException)
+            raise CheckpointError(describe_load_failure(path, e)) from None
         if optimizer is not None:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
             set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         rng_file = path / f"rng-rank{self.rank}.json"
         if rng_file.is_file():
-            set_rng_state(json.loads(rng_file.read_text()))
+            try:
+                set_rng_state(json.loads(rng_file.read_text()))
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"checkpoint {path}: file {rng_file.name} is malformed ({e})") from None
         return LoadedState(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state)

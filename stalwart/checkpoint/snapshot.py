@@ -1,0 +1,343 @@
+"""In-memory snapshots for checkpoint-free recovery: each rank's shard in tmpfs, plus a copy on a peer.
+
+Every ``checkpoint.memory_interval`` steps each rank serializes its *local* shard of the model and
+optimizer state, the trainer state and its RNG into one blob and keeps it in RAM that outlives the
+process: a file under a per-job directory in ``/dev/shm`` (the elastic agent restarts the whole worker
+group, so the process heap is gone). The blob is also sent (``torch.distributed`` send/recv) to a
+peer rank, which stores it in its own ``/dev/shm``: the rank with the same local rank on the next host,
+or the next rank on a single host. A replaced host's shard is thus still held by its peer.
+
+On restart, ``newest_complete_step()`` (collective) finds the newest step whose every rank's shard is
+available (own copy, else the peer's), and ``load()`` (collective) restores it; a missing own copy is
+sent back by the peer. Snapshots restore only into the same world layout (they hold local shards);
+otherwise recovery falls back to the disk checkpoint, which DCP can reshard.
+
+Memory: ``2 x`` this rank's local shard state (model + optimizer + a little JSON) per rank in tmpfs
+(own + peer copy), bounded: only the newest snapshot of each is kept (``memory_bytes``).
+
+Blob format (no pickle): ``MAGIC | sha256(rest) | u64 header length | header JSON | raw tensor bytes``.
+The header holds the state dict's structure with tensors replaced by ``{"__t__": index}`` entries
+(dtype, shape, byte offset); plain values are JSON. Loading parses JSON and copies raw bytes.
+
+Fault-tolerance API (all methods except ``clear`` are collective over the default process group)::
+
+    store = SnapshotStore(job_dir, rank, world_size, local_world_size, layout="dp_shard=2")
+    store.save(step, model, optimizer, trainer_state)   # trainer_state: JSON-able dict
+    step = store.newest_complete_step()                 # int | None
+    trainer_state = store.load(step, model, optimizer)  # restores weights, optimizer, RNG; returns dict
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from stalwart.checkpoint.writer import all_gather_object
+from stalwart.errors import UserError
+
+MAGIC = b"STALWART-SNAP-1\n"
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class SnapshotError(UserError, RuntimeError):
+    """A snapshot blob that is corrupt, malformed or does not fit the model."""
+
+
+def default_snapshot_dir(run_dir: Path) -> Path:
+    """A per-job tmpfs directory: ``/dev/shm/stalwart-<sha256(absolute run dir)[:16]>``."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return Path("/dev/shm") / f"stalwart-{key}"
+
+
+# ---------------------------------------------------------------------- (de)serialization
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(_local(obj).detach())
+        return {"__t__": len(tensors) - 1}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("snapshot state dicts must have string keys")
+        return {"__d__": {k: _encode(v, tensors) for k, v in obj.items()}}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot snapshot a value of type {type(obj).__name__}")
+
+
+def serialize(state: dict[str, Any]) -> bytearray:
+    """One blob, built in a single preallocated buffer (no intermediate copies of the tensor data)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _encode(state, tensors)
+    table, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        table.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "bytes": n})
+        offset += n
+    header = json.dumps({"state": skeleton, "tensors": table}).encode()
+    prefix = len(MAGIC) + 32
+    start = prefix + 8 + len(header)
+    blob = bytearray(start + offset)
+    view = memoryview(blob)
+    view[:len(MAGIC)] = MAGIC
+    view[prefix:start] = struct.pack("<Q", len(header)) + header
+    for t, meta in zip(tensors, table):
+        if meta["bytes"]:
+            raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            view[start + meta["offset"]: start + meta["offset"] + meta["bytes"]] = memoryview(raw)
+    view[len(MAGIC):prefix] = hashlib.sha256(view[prefix:]).digest()
+    return blob
+
+
+def deserialize(blob: bytes | bytearray, what: str = "snapshot") -> dict[str, Any]:
+    """Parse a blob (checksum first). Raises SnapshotError naming ``what`` if anything is off."""
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 40:
+        raise SnapshotError(f"{what}: not a Stalwart snapshot")
+    digest, body = bytes(blob[len(MAGIC):len(MAGIC) + 32]), memoryview(blob)[len(MAGIC) + 32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise SnapshotError(f"{what}: fails its checksum (corrupted or truncated)")
+    try:
+        (hlen,) = struct.unpack("<Q", body[:8])
+        header = json.loads(bytes(body[8:8 + hlen]))
+        start = len(MAGIC) + 32 + 8 + hlen
+        writable = blob if isinstance(blob, bytearray) else bytearray(blob)  # tensors view it, no copy each
+        tensors = []
+        for meta in header["tensors"]:
+            dtype, off, n = _DTYPES[meta["dtype"]], int(meta["offset"]), int(meta["bytes"])
+            if off < 0 or n < 0 or start + off + n > len(blob):
+                raise ValueError("tensor data out of range")
+            t = torch.frombuffer(writable, dtype=torch.uint8, offset=start + off, count=n) if n else \
+                torch.empty(0, dtype=torch.uint8)
+            tensors.append(t.view(dtype).reshape(meta["shape"]))
+        return _decode(header["state"], tensors)
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError, struct.error) as e:
+        raise SnapshotError(f"{what}: malformed ({type(e).__name__}: {e})") from None
+
+
+def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__t__" in obj:
+            return tensors[int(obj["__t__"])]
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        return {k: _decode(v, tensors) for k, v in obj["__d__"].items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+def _restore_into(target: Any, saved: Any, where: str) -> Any:
+    """Copy saved local shards into the live state dict's tensors; plain values replace."""
+    if isinstance(target, torch.Tensor):
+        local = _local(target)
+        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape or saved.dtype != local.dtype:
+            raise SnapshotError(f"snapshot entry {where} does not match the model (layout changed?)")
+        with torch.no_grad():
+            local.copy_(saved)
+        return target
+    if isinstance(target, dict):
+        if not isinstance(saved, dict) or set(saved) != set(target):
+            raise SnapshotError(f"snapshot entry {where or 'root'} does not match the model's keys")
+        return {k: _restore_into(target[k], saved[k], f"{where}.{k}" if where else k) for k in target}
+    return saved
+
+
+# ---------------------------------------------------------------------- the store
+class SnapshotStore:
+    """Newest in-memory snapshot of this rank's shard, plus the peer copy of another rank's."""
+
+    def __init__(self, job_dir: str | Path, rank: int, world_size: int, local_world_size: int | None = None,
+                 layout: str = "") -> None:
+        self.job_dir = Path(job_dir)
+        self.rank, self.world = rank, world_size
+        self.local_world = local_world_size or world_size
+        self.layout = layout
+        self.own_dir = self.job_dir / f"rank-{rank}" / "own"
+        self.peer_dir = self.job_dir / f"rank-{rank}" / "peer"
+        self.peer = self.peer_of(rank)
+        self.source = next((r for r in range(world_size) if self.peer_of(r) == rank and r != rank), None)
+        self._verified: set[tuple] = set()
+
+    def peer_of(self, rank: int) -> int | None:
+        """Same local rank on the next host (multi-node), else the next rank on this host."""
+        if self.world <= 1:
+            return None
+        step = self.local_world if self.world > self.local_world else 1
+        return (rank + step) % self.world
+
+    # -------------------------------------------------------------- files
+    @staticmethod
+    def _files(d: Path) -> dict[int, Path]:
+        out = {}
+        if d.is_dir():
+            for p in d.glob("step-*.snap"):
+                try:
+                    out[int(p.stem.split("-")[1])] = p
+                except ValueError:
+                    continue
+        return out
+
+    @staticmethod
+    def _write(d: Path, step: int, blob: bytes | bytearray) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".step-{step}.snap.tmp"
+        with tmp.open("wb") as fh:
+            fh.write(blob)
+        os.replace(tmp, d / f"step-{step}.snap")
+        for s, p in SnapshotStore._files(d).items():  # bounded: only the newest one is kept
+            if s != step:
+                p.unlink(missing_ok=True)
+
+    @staticmethod
+    def _read(path: Path) -> bytearray:
+        buf = bytearray(path.stat().st_size)
+        with path.open("rb") as fh:
+            fh.readinto(buf)
+        return buf
+
+    def _valid(self, path: Path, what: str) -> bool:
+        """Checksum-verified once per file version (a rewrite changes size/mtime/inode)."""
+        try:
+            st = path.stat()
+            key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+            if key in self._verified:
+                return True
+            deserialize(self._read(path), what)
+            self._verified.add(key)
+            return True
+        except (OSError, SnapshotError):
+            return False
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes this rank holds in tmpfs now (own + peer copy)."""
+        return sum(p.stat().st_size for d in (self.own_dir, self.peer_dir) for p in self._files(d).values())
+
+    # -------------------------------------------------------------- save
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any]) -> int:
+        """Snapshot this rank's shard (collective: peer exchange). Returns the blob size in bytes."""
+        from stalwart.checkpoint.manager import rng_state
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        blob = serialize({"meta": {"step": step, "rank": self.rank, "world": self.world, "layout": self.layout},
+                          "model": model_sd, "optim": optim_sd, "trainer": {"step": step, **trainer_state},
+                          "rng": rng_state()})
+        self._write(self.own_dir, step, blob)
+        if self.world > 1:
+            got = self._exchange(blob if self.peer is not None else None, send_to=self.peer, recv_from=self.source)
+            if got is not None:
+                self._write(self.peer_dir, step, got)
+        return len(blob)
+
+    def _exchange(self, blob: bytes | None, send_to: int | None, recv_from: int | None,
+                  recv_size: int | None = None) -> bytes | None:
+        """Send ``blob`` to ``send_to`` and receive from ``recv_from`` (sizes first unless given)."""
+        ops = []
+        if recv_size is None:
+            size_out = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
+            size_in = torch.zeros(1, dtype=torch.int64)
+            if send_to is not None:
+                ops.append(dist.P2POp(dist.isend, size_out, send_to))
+            if recv_from is not None:
+                ops.append(dist.P2POp(dist.irecv, size_in, recv_from))
+            for w in dist.batch_isend_irecv(ops) if ops else []:
+                w.wait()
+            recv_size = int(size_in.item())
+            ops = []
+        data_in = torch.empty(recv_size, dtype=torch.uint8) if recv_from is not None else None
+        if send_to is not None:
+            buf = blob if isinstance(blob, bytearray) else bytearray(blob)
+            ops.append(dist.P2POp(dist.isend, torch.frombuffer(buf, dtype=torch.uint8), send_to))
+        if recv_from is not None:
+            ops.append(dist.P2POp(dist.irecv, data_in, recv_from))
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+        return bytearray(data_in.numpy().data) if data_in is not None else None
+
+    # -------------------------------------------------------------- recovery
+    def _report(self) -> dict[str, Any]:
+        own = {s: p.stat().st_size for s, p in self._files(self.own_dir).items()
+               if self._valid(p, f"snapshot {p}")}
+        peer = {s: p.stat().st_size for s, p in self._files(self.peer_dir).items()
+                if self._valid(p, f"snapshot {p}")}
+        return {"rank": self.rank, "world": self.world, "layout": self.layout, "own": own, "peer": peer}
+
+    def _plan(self, reports: list[dict[str, Any]], step: int) -> dict[int, int] | None:
+        """rank -> who provides its shard at ``step`` (itself or its peer), or None if incomplete."""
+        if any(r["world"] != self.world or r["layout"] != self.layout for r in reports):
+            return None
+        plan = {}
+        for r in range(self.world):
+            if step in reports[r]["own"]:
+                plan[r] = r
+            elif (p := self.peer_of(r)) is not None and step in reports[p]["peer"]:
+                plan[r] = p
+            else:
+                return None
+        return plan
+
+    def newest_complete_step(self) -> int | None:
+        """Newest step whose every rank's shard is available somewhere (collective)."""
+        reports = all_gather_object(self._report())
+        steps = sorted({s for r in reports for s in list(r["own"]) + list(r["peer"])}, reverse=True)
+        return next((s for s in steps if self._plan(reports, s) is not None), None)
+
+    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore ``step`` into model and optimizer (collective). Returns the trainer state (with ``step``)."""
+        from stalwart.checkpoint.manager import set_rng_state
+
+        reports = all_gather_object(self._report())
+        plan = self._plan(reports, step)
+        if plan is None:
+            raise SnapshotError(f"in-memory snapshot of step {step} is not complete on every rank")
+        blob = None
+        if plan[self.rank] == self.rank:
+            blob = self._read(self._files(self.own_dir)[step])
+        if self.world > 1:
+            # The peer of a rank whose own copy is gone sends that rank its copy back.
+            send_to = self.source if (self.source is not None and plan[self.source] == self.rank
+                                      and self.source != self.rank) else None
+            need = plan[self.rank] != self.rank
+            out = self._read(self._files(self.peer_dir)[step]) if send_to is not None else None
+            got = self._exchange(out, send_to, self.peer if need else None,
+                                 recv_size=reports[self.peer]["peer"][step] if need else 0)
+            if need:
+                blob = got
+                self._write(self.own_dir, step, blob)
+        state = deserialize(blob, f"snapshot step-{step} of rank {self.rank}")
+        meta = state.get("meta", {})
+        if meta.get("rank") != self.rank or meta.get("step") != step:
+            raise SnapshotError(f"snapshot step-{step} of rank {self.rank}: belongs to rank {meta.get('rank')}")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = _restore_into(model_sd, state["model"], "model")
+        optim_sd = _restore_into(optim_sd, state["optim"], "optim")
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_rng_state(state["rng"])
+        return state["trainer"]
+
+    def clear(self) -> None:
+        """Drop this rank's snapshots (after a clean finish; frees the RAM)."""
+        shutil.rmtree(self.job_dir / f"rank-{self.rank}", ignore_errors=True)
+        try:
+            self.job_dir.rmdir()
+        except OSError:
+            pass

@@ -1,0 +1,66 @@
+"""`stalwart export --run runs/X --format hf --out DIR`: a run's checkpoint as a Hugging Face Llama model.
+
+Writes config.json (LlamaConfig), model.safetensors (or shards + index), tokenizer.json and
+tokenizer_config.json. The checkpoint is verified and read without unpickling anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stalwart.errors import UserError
+
+
+class ExportCliError(UserError):
+    pass
+
+
+def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Export ``run_dir``'s newest complete checkpoint (or ``checkpoint``) to ``out``; returns the checkpoint."""
+    from stalwart.checkpoint.inspect import load_flat
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from stalwart.checkpoint.manager import CheckpointManager, describe_load_failure
+    from stalwart.checkpoint.safe_io import UnsafeCheckpointError
+    from stalwart.config.core import load
+    from stalwart.config.job import CheckpointConfig, JobConfig
+    from stalwart.data.tokenizer import EOS, load_tokenizer
+    from stalwart.export.hf import export_hf
+    from stalwart.models.flavors import resolve_args
+
+    if not (run_dir / "config.toml").is_file():
+        raise ExportCliError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
+    cfg = load(JobConfig, run_dir / "config.toml")
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    manager = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
+                                lambda *a, **k: None)
+    path = manager.resolve_resume()
+    if path is None:
+        raise ExportCliError(f"{run_dir} has no complete checkpoint to export")
+    args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)
+    try:
+        flat = load_flat(path, "model.")
+    except UnsafeCheckpointError as e:
+        raise ExportCliError(f"checkpoint {path}: refused: {e}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps reader failures
+        raise ExportCliError(describe_load_failure(path, e)) from None
+    state = {k.removeprefix("model."): v for k, v in flat.items()}
+    export_hf(state, args, run_dir / "tokenizer.json", EOS, tokenizer.token_to_id(EOS), out, max_shard_bytes)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="stalwart export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="run directory (runs/<name>)")
+    p.add_argument("--format", default="hf", choices=["hf"], help="output format (hf = Hugging Face Llama)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: newest complete)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split model.safetensors above this size")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    path = export_run(Path(a.run), out, a.checkpoint, int(a.max_shard_gb * 2**30))
+    print(f"exported {path} -> {out} (Hugging Face Llama: config.json, safetensors, tokenizer)", file=sys.stderr)
+    return 0

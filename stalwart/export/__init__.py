@@ -1,0 +1,1 @@
+"""Exporting trained weights to other formats (Hugging Face Llama) and importing them back."""

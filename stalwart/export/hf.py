@@ -1,0 +1,225 @@
+"""Hugging Face Llama format: export a run's checkpoint, and import HF weights as initial weights.
+
+Names map one to one (``layers.i.attention.wq`` <-> ``model.layers.i.self_attn.q_proj``, ...). The one
+non-trivial difference is RoPE: Stalwart rotates interleaved channel pairs ``(x[2i], x[2i+1])``, HF
+Llama rotates halves ``(x[i], x[i + d/2])``. Permuting the rows of ``wq``/``wk`` within each head
+(even channels first, then odd) makes the two compute the same function; import applies the inverse.
+
+Only safetensors and JSON are read or written: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.errors import UserError
+from stalwart.models.flavors import TransformerArgs
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+class ExportError(UserError):
+    pass
+
+
+# ---------------------------------------------------------------------- RoPE layout
+def to_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection, interleaved pairs -> rotate-half. w: (n_heads * head_dim, dim)."""
+    rows, cols = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, hd // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, 2, hd // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# ---------------------------------------------------------------------- names
+def _layer_map(i: int) -> list[tuple[str, str]]:
+    p, q = f"layers.{i}.", f"model.layers.{i}."
+    return [(p + "attention.wq.weight", q + "self_attn.q_proj.weight"),
+            (p + "attention.wk.weight", q + "self_attn.k_proj.weight"),
+            (p + "attention.wv.weight", q + "self_attn.v_proj.weight"),
+            (p + "attention.wo.weight", q + "self_attn.o_proj.weight"),
+            (p + "feed_forward.w1.weight", q + "mlp.gate_proj.weight"),
+            (p + "feed_forward.w3.weight", q + "mlp.up_proj.weight"),
+            (p + "feed_forward.w2.weight", q + "mlp.down_proj.weight"),
+            (p + "attention_norm.weight", q + "input_layernorm.weight"),
+            (p + "ffn_norm.weight", q + "post_attention_layernorm.weight")]
+
+
+def name_map(args: TransformerArgs) -> list[tuple[str, str]]:
+    """(stalwart name, HF name) for every stored tensor (the tied head is stored once, as the embedding)."""
+    out = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    for i in range(args.n_layers):
+        out += _layer_map(i)
+    if not args.tie_embeddings:
+        out.append(("output.weight", "lm_head.weight"))
+    return out
+
+
+def check_exportable(args: TransformerArgs) -> None:
+    if args.parallel_block:
+        raise ExportError("model.parallel_block = true has no Hugging Face Llama equivalent; cannot export")
+    if args.sliding_window:
+        raise ExportError("model.sliding_window has no Hugging Face Llama equivalent; cannot export")
+
+
+def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": None, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "initializer_range": args.init_std, "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
+        "bos_token_id": eos, "eos_token_id": eos,
+    }
+
+
+# ---------------------------------------------------------------------- export
+def to_hf_state(state: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
+    """Stalwart full state dict (unprefixed names) -> HF tensors."""
+    out = {}
+    for ours, theirs in name_map(args):
+        if ours not in state:
+            raise ExportError(f"checkpoint has no tensor '{ours}'")
+        t = state[ours].detach().cpu()
+        if ours.endswith("attention.wq.weight"):
+            t = to_hf_rope(t, args.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            t = to_hf_rope(t, args.n_kv_heads)
+        out[theirs] = t.contiguous().clone()
+    return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
+    """One model.safetensors, or shards + model.safetensors.index.json when larger than max_shard_bytes."""
+    from safetensors.torch import save_file
+
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if total <= max_shard_bytes:
+        save_file(tensors, str(out / SAFE_SINGLE), metadata={"format": "pt"})
+        return [SAFE_SINGLE]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    (out / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=1))
+    return names + [SAFE_INDEX]
+
+
+def write_tokenizer(tokenizer_json: Path, out: Path, eos_token: str, max_len: int) -> None:
+    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": eos_token,
+        "unk_token": None, "pad_token": None, "model_max_length": max_len, "clean_up_tokenization_spaces": False,
+    }, indent=1))
+    (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos_token, "bos_token": eos_token}))
+
+
+def export_hf(state: dict[str, torch.Tensor], args: TransformerArgs, tokenizer_json: Path, eos_token: str,
+              eos: int | None, out: Path, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    check_exportable(args)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf_state(state, args)
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config(args, eos, dtype), indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}))
+    files = write_safetensors(tensors, out, max_shard_bytes)
+    write_tokenizer(tokenizer_json, out, eos_token, args.max_seq_len)
+    return ["config.json", "generation_config.json", *files, "tokenizer.json", "tokenizer_config.json"]
+
+
+# ---------------------------------------------------------------------- import
+def read_hf(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) of an HF directory; safetensors only."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"checkpoint.init_from_hf: {d} has no config.json (not a Hugging Face model directory)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"checkpoint.init_from_hf: {cfg_path} is not valid JSON ({e})") from None
+    if (d / SAFE_INDEX).is_file():
+        files = sorted(set(json.loads((d / SAFE_INDEX).read_text())["weight_map"].values()))
+    elif (d / SAFE_SINGLE).is_file():
+        files = [SAFE_SINGLE]
+    else:
+        raise ExportError(f"checkpoint.init_from_hf: {d} has no {SAFE_SINGLE} or {SAFE_INDEX} "
+                          "(only safetensors are loaded, never pickles)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if os.sep in f or f.startswith(".."):
+            raise ExportError(f"checkpoint.init_from_hf: index names a file outside {d}: {f}")
+        try:
+            tensors.update(load_file(str(d / f)))
+        except (SafetensorError, OSError) as e:
+            raise ExportError(f"checkpoint.init_from_hf: cannot read {d / f}: {e}") from None
+    return config, tensors
+
+
+def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args: TransformerArgs,
+                  where: str = "") -> dict[str, torch.Tensor]:
+    """HF tensors -> Stalwart full state dict, after checking the shapes agree with ``args``."""
+    expect = {"hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+              "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden,
+              "vocab_size": args.vocab_size}
+    for key, value in expect.items():
+        if config.get(key, value if key == "num_key_value_heads" else None) != value:
+            raise ExportError(f"checkpoint.init_from_hf {where}: config.json has {key} = {config.get(key)}, "
+                              f"but this run's model has {value} (set --model.* to match)")
+    state = {}
+    for ours, theirs in name_map(args):
+        if theirs not in tensors:
+            raise ExportError(f"checkpoint.init_from_hf {where}: tensor '{theirs}' is missing")
+        t = tensors[theirs].float()
+        if ours.endswith("attention.wq.weight"):
+            t = from_hf_rope(t, args.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            t = from_hf_rope(t, args.n_kv_heads)
+        state[ours] = t
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return state
+
+
+@torch.no_grad()
+def load_hf_into(model: torch.nn.Module, args: TransformerArgs, directory: str | Path) -> None:
+    """Set a (possibly sharded) model's weights from an HF Llama directory (every rank reads the files)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    check_exportable(args)
+    config, tensors = read_hf(directory)
+    state = from_hf_state(config, tensors, args, str(directory))
+    own = model.state_dict()
+    state = {k: v.to(own[k].dtype) for k, v in state.items() if k in own}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -1,0 +1,173 @@
+"""Checkpoints crafted to run code on load are refused on every load path, and the code never runs.
+
+The attacker is assumed to control the whole checkpoint directory, so each crafted file's checksum
+is re-written into manifest.json (checksums alone do not stop this attack; the safe loaders must).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_RUN, run_cli
+from stalwart.checkpoint.manager import CheckpointManager, _sha256
+from stalwart.checkpoint.safe_io import read_dcp_metadata
+from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, default_snapshot_dir, deserialize
+from stalwart.config.job import CheckpointConfig
+from stalwart.errors import UserError
+from test_checkpoint_unit import tiny
+
+pytestmark = pytest.mark.slow
+
+
+class Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("sec") / "run"
+    run_cli("train", "--run.dir", str(run), *TINY_RUN, "--training.steps", "2", "--sample.max_new_tokens", "0")
+    return run
+
+
+def _rehash(ckpt: Path) -> None:
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in manifest["files"]:
+        f = ckpt / name
+        manifest["files"][name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _evil_metadata(ckpt: Path, marker: Path) -> None:
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
+
+
+def _evil_entry(ckpt: Path, marker: Path, tensor: bool) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    with (ckpt / ".metadata").open("rb") as fh:
+        metadata = read_dcp_metadata(fh)
+    kind = TensorStorageMetadata if tensor else BytesStorageMetadata
+    index = next(i for i in metadata.storage_data if isinstance(metadata.state_dict_metadata[i.fqn], kind))
+    info = metadata.storage_data[index]
+    payload = io.BytesIO()
+    torch.save(Evil(marker), payload)
+    shard = ckpt / info.relative_path
+    offset = shard.stat().st_size
+    with shard.open("ab") as fh:
+        fh.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    with (ckpt / ".metadata").open("wb") as fh:
+        pickle.dump(metadata, fh)
+
+
+def _evil_trainer_state(ckpt: Path, marker: Path) -> None:
+    (ckpt / "trainer_state.json").write_bytes(pickle.dumps(Evil(marker)))
+
+
+def _evil_rng(ckpt: Path, marker: Path) -> None:
+    (ckpt / "rng-rank0.json").write_bytes(pickle.dumps(Evil(marker)))
+
+
+CRAFTS = {
+    "metadata": _evil_metadata,
+    "distcp_bytes_entry": lambda c, m: _evil_entry(c, m, tensor=False),
+    "distcp_tensor_entry": lambda c, m: _evil_entry(c, m, tensor=True),
+    "trainer_state": _evil_trainer_state,
+    "rng": _evil_rng,
+}
+
+
+def _load_for_resume(run: Path) -> None:
+    """What Trainer._resume does: the manager loads model *and* optimizer."""
+    from stalwart.config.core import load
+    from stalwart.config.job import JobConfig
+    from stalwart.data.tokenizer import load_tokenizer
+    from stalwart.models.flavors import resolve_args
+    from stalwart.models.llama import Transformer
+    from stalwart.train.optim import build_optimizer
+
+    cfg = load(JobConfig, run / "config.toml")
+    args = resolve_args(cfg.model, load_tokenizer(run / "tokenizer.json").get_vocab_size(), cfg.data.seq_len)
+    model = Transformer(args)
+    m = CheckpointManager(run / "checkpoints", CheckpointConfig(), 0, 1, lambda *a, **k: None)
+    m.load(run / "checkpoints" / "step-2", model, build_optimizer(cfg.optimizer, model))
+
+
+def _generate(run: Path) -> None:
+    from stalwart.cli.generate import load_run_model
+
+    load_run_model(run)
+
+
+def _export(run: Path) -> None:
+    from stalwart.cli.export import export_run
+
+    export_run(run, run.parent / "hf-out")
+
+
+@pytest.mark.parametrize("craft", list(CRAFTS))
+def test_malicious_checkpoint_is_refused_everywhere(good_run, tmp_path, craft):
+    run = tmp_path / "run"
+    shutil.copytree(good_run, run)
+    marker = tmp_path / "PWNED"
+    ckpt = run / "checkpoints" / "step-2"
+    CRAFTS[craft](ckpt, marker)
+    _rehash(ckpt)
+    # Which load paths read the crafted file (the others must simply not run it either).
+    reads = {"metadata": {"resume", "generate", "export"}, "distcp_bytes_entry": {"resume"},
+             "distcp_tensor_entry": {"resume", "generate", "export"}, "trainer_state": {"resume", "generate"},
+             "rng": {"resume", "generate"}}[craft]
+    for name, load_path in (("resume", _load_for_resume), ("generate", _generate), ("export", _export)):
+        try:
+            load_path(run)
+            refused = None
+        except UserError as e:
+            refused = str(e)
+        assert not marker.exists(), f"{craft} executed code via {name}"
+        if name in reads:
+            assert refused and "step-2" in refused, (name, refused)
+
+
+def test_malicious_checkpoint_through_the_cli(good_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(good_run, run)
+    marker = tmp_path / "PWNED"
+    _evil_metadata(run / "checkpoints" / "step-2", marker)
+    _rehash(run / "checkpoints" / "step-2")
+    for args in (["generate", "--run", str(run), "--max-new-tokens", "2"],
+                 ["export", "--run", str(run), "--out", str(tmp_path / "hf")],
+                 ["train", "--run.dir", str(run), *TINY_RUN, "--training.steps", "4"]):
+        proc = run_cli(*args, check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "not allowed" in proc.stderr or "refused" in proc.stderr, proc.stderr[-2000:]
+        assert not marker.exists()
+
+
+def test_malicious_snapshot_is_refused(tmp_path):
+    marker = tmp_path / "PWNED"
+    job = tmp_path / "job"
+    own = job / "rank-0" / "own"
+    own.mkdir(parents=True)
+    (own / "step-5.snap").write_bytes(pickle.dumps(Evil(marker)))
+    store = SnapshotStore(job, 0, 1)
+    assert store.newest_complete_step() is None
+    with pytest.raises(SnapshotError):
+        store.load(5, *tiny())
+    with pytest.raises(SnapshotError):
+        deserialize((own / "step-5.snap").read_bytes())
+    assert not marker.exists()
+    assert default_snapshot_dir(tmp_path).parent == Path("/dev/shm")

@@ -1,0 +1,120 @@
+"""Hugging Face export/import: logits match transformers' LlamaForCausalLM, and the round trip is exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_RUN, run_cli
+from stalwart.checkpoint.inspect import digest
+from stalwart.export.hf import ExportError, export_hf, from_hf_rope, from_hf_state, load_hf_into, read_hf, to_hf_rope
+from stalwart.models.flavors import TransformerArgs
+from stalwart.models.llama import Transformer
+from stalwart.train.init import materialize_and_init
+
+transformers = pytest.importorskip("transformers")
+
+ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=96, max_seq_len=32,
+                       rope_theta=10000.0)
+
+
+def build(args: TransformerArgs, seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    materialize_and_init(model, torch.device("cpu"), seed)
+    return model.eval()
+
+
+def _tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.add_special_tokens(["<|endoftext|>"])
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    return path
+
+
+def test_rope_permutation_is_inverted_by_import():
+    w = torch.randn(4 * 16, 8)
+    assert torch.equal(from_hf_rope(to_hf_rope(w, 4), 4), w)
+    assert not torch.equal(to_hf_rope(w, 4), w)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_matches_transformers_and_round_trips(tmp_path, tie):
+    args = dataclasses.replace(ARGS, tie_embeddings=tie)
+    model = build(args)
+    state = {k: v for k, v in model.state_dict().items()}
+    out = tmp_path / "hf"
+    export_hf(state, args, _tokenizer(tmp_path), "<|endoftext|>", 0, out)
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                                "tokenizer_config.json"}
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    # Import back: bit-identical weights and logits.
+    config, tensors = read_hf(out)
+    back = from_hf_state(config, tensors, args)
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k
+    fresh = build(args, seed=7)
+    load_hf_into(fresh, args, out)
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens), ours)
+
+
+def test_sharded_export_writes_an_index(tmp_path):
+    model = build(ARGS)
+    out = tmp_path / "hf"
+    files = export_hf(model.state_dict(), ARGS, _tokenizer(tmp_path), "<|endoftext|>", 0, out,
+                      max_shard_bytes=64 * 1024)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "model.safetensors.index.json" in files
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = torch.randint(0, ARGS.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
+
+
+def test_import_refuses_a_mismatched_shape(tmp_path):
+    model = build(ARGS)
+    out = tmp_path / "hf"
+    export_hf(model.state_dict(), ARGS, _tokenizer(tmp_path), "<|endoftext|>", 0, out)
+    with pytest.raises(ExportError, match="hidden_size"):
+        load_hf_into(build(dataclasses.replace(ARGS, dim=32, ffn_hidden=48)),
+                     dataclasses.replace(ARGS, dim=32, ffn_hidden=48), out)
+    (out / "model.safetensors").unlink()
+    (out / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ExportError, match="never pickles"):
+        read_hf(out)
+
+
+@pytest.mark.slow
+def test_cli_export_then_init_from_hf(tmp_path):
+    from stalwart.cli.generate import load_run_model
+
+    src, dst, hf_dir = tmp_path / "src", tmp_path / "dst", tmp_path / "hf"
+    run_cli("train", "--run.dir", str(src), *TINY_RUN, "--training.steps", "3", "--sample.max_new_tokens", "0")
+    run_cli("export", "--run", str(src), "--format", "hf", "--out", str(hf_dir))
+    model, _, _, path = load_run_model(src)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert tok.eos_token == "<|endoftext|>"
+    # Import as initial weights; with lr = 0 the first checkpoint holds exactly the imported weights.
+    run_cli("train", "--run.dir", str(dst), *TINY_RUN, "--training.steps", "2", "--optimizer.lr", "0",
+            "--data.tokenizer", str(src / "tokenizer.json"), "--checkpoint.init_from_hf", str(hf_dir),
+            "--sample.max_new_tokens", "0")
+    assert digest(dst / "checkpoints" / "step-2", "model.") == digest(path, "model.")
+    events = [json.loads(x) for x in (dst / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "initialized" and e["source"] == "hf" for e in events)
