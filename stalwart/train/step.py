@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from stalwart.data.loader import Batch
-from stalwart.parallel.apply import ParallelModel
+from stalwart.parallel.parts import ParallelModel
 from stalwart.parallel.dims import Meshes, ParallelDims
 
 
