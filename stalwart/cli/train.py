@@ -8,7 +8,6 @@ Multi-node jobs use standard torchrun rendezvous instead of --nproc-per-node:
 from __future__ import annotations
 
 import os
-import sys
 
 from stalwart.cli.common import job_help, load_job, split_args
 from stalwart.train.worker import LAUNCHER_FLAGS, worker_main
@@ -55,31 +54,39 @@ def main(argv: list[str]) -> int:
         return worker_main(argv)
     nproc = int(opts.get("--nproc-per-node") or opts.get("--nproc_per_node") or cfg.launch.nproc_per_node)
     preflight(cfg, nproc)
-    if nproc == 1:
+    supervised = cfg.launch.max_restarts > 0 or cfg.fault.inject or cfg.fault.chaos_mtbf_s > 0
+    if nproc == 1 and not supervised:
         return worker_main(argv)
     return launch(argv, nproc, cfg)
 
 
 def launch(argv: list[str], nproc: int, cfg) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    """Start the workers under Stalwart's supervisor (torch's elastic agent + fault tolerance)."""
+    from pathlib import Path
 
+    from stalwart.checkpoint.snapshot import default_snapshot_dir
+    from stalwart.ft.agent import read_exclusions, run_supervised
+    from stalwart.ft.detect import EXIT_EXCLUDE
+    from stalwart.metrics.records import EventLog
+    from stalwart.parallel.dims import LayoutError
+    from stalwart.train.trainer import run_dir_for
     from stalwart.train.worker import threads_for
 
-    worker_argv = [a for a in argv]
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_for(cfg, nproc)))
-    # A restarted gloo group must not reuse the previous attempt's store (pytorch issue 135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={cfg.launch.max_restarts}",
-        "--module", "stalwart.train", *worker_argv])
-    try:
-        run(args)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()  # the root cause, not the peers the agent then stopped
-        code = failure.exitcode
-        if code != 2:  # exit 2 = a user error the worker already explained in one line
-            print(f"stalwart train: worker rank {rank} failed with exit code {code} (see its message above)",
-                  file=sys.stderr)
-        return 2 if code == 2 else 1
-    return 0
+    run_dir = run_dir_for(cfg)
+    snap = Path(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_dir else default_snapshot_dir(run_dir)
+    budget = cfg.launch.max_restarts
+    while True:
+        code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
+                              cfg.fault, run_dir, snap if cfg.checkpoint.memory_interval else None, budget)
+        if code != EXIT_EXCLUDE:
+            return code
+        # A host was excluded (fault.exclude_after): continue on the rest, same global batch.
+        ex = read_exclusions(run_dir)[-1]
+        nproc, budget = nproc - ex["size"], max(0, budget - ex["restarts_used"] - 1)
+        if nproc < 1:
+            raise LayoutError("fault.exclude_after: every host has been excluded; nothing left to train on")
+        preflight(cfg, nproc)  # the global batch must still split into the smaller data-parallel degree
+        log = EventLog(run_dir / "events.jsonl")
+        log("excluded", host=ex["host"], ranks=ex["ranks"], nproc_per_node=nproc, remaining_restarts=budget)
+        log.close()

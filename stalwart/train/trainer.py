@@ -25,6 +25,7 @@ from stalwart.config.job import JobConfig
 from stalwart.data.corpus import Corpus
 from stalwart.data.loader import DataLoader, TokenStream, validation_batches
 from stalwart.data.tokenizer import build_tokenizer, eos_id, load_tokenizer
+from stalwart.ft.guard import StepGuard
 from stalwart.generate import sample
 from stalwart.metrics.mfu import peak_tflops
 from stalwart.metrics.progress import Progress
@@ -62,6 +63,9 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
 
         self.dims = ParallelDims.resolve(cfg.parallelism, env.world_size)
+        if env.is_main and self.dims.tp > env.local_world_size:
+            print(f"warning: parallelism.tp = {self.dims.tp} exceeds the {env.local_world_size} processes per host: "
+                  "tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
         self.events = EventLog(self.run_dir / "events.jsonl", enabled=env.is_main)
         # metrics.jsonl (always) plus the configured sinks (TensorBoard, Prometheus, W&B), rank 0 only.
         self.metrics = build_sinks(cfg.observe, self.run_dir, cfg.run.name, is_main=env.is_main)
@@ -103,7 +107,7 @@ class Trainer:
         self.mesh = build_mesh(self.dims, self.device.type) if env.is_distributed else None
         with torch.device("meta"):
             model = Transformer(a)
-        self.pm = parallelize(model, self.dims, self.mesh, cfg.parallelism, self.param_dtype, env.rank)
+        self.pm = parallelize(model, self.dims, self.mesh, cfg.parallelism, self.param_dtype, env.rank, cfg.comm)
         self.model = self.pm.container  # every parameter this rank owns, under its original name
         materialize_and_init(self.model, self.device, cfg.run.seed, stages=self.pm.stages)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -129,6 +133,7 @@ class Trainer:
         self.peak_flops = peak * 1e12
         self.resumed_from: Path | None = None
         self._resume()
+        self.ft = StepGuard(cfg.fault, self.run_dir, env.rank, env.world_size, self.device, self.events)
 
     # ------------------------------------------------------------------ set-up helpers
     def _refuse_overwrite(self) -> None:
@@ -180,10 +185,12 @@ class Trainer:
         data_wait = time.perf_counter() - t0
         lr = self.schedule.apply(self.optimizer)
         local_loss = self.runner.forward_backward(micro)
+        local_loss = self.ft.after_backward(self.step + 1, local_loss, self.params)  # fault injection
         self._maybe_dump_grads()
         with self.timer.phase("optimizer"):
             grad_norm = clip_grad_norm(self.params, self.cfg.training.grad_clip, self.pp_group)
-            self.optimizer.step()
+            if self.ft.commit(self.step + 1, local_loss, grad_norm):  # collective; False = skip on all ranks
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
         self.step += 1
@@ -228,6 +235,18 @@ class Trainer:
                 out.mkdir(parents=True, exist_ok=True)
                 save_file({"grad": grad.detach().float().cpu().contiguous()}, str(out / f"grad-step{self.step + 1}-{name}.safetensors"))
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's local shards of parameters, gradients and optimizer state."""
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = sum(local_bytes(p) for p in self.params)
+        grads = params  # every trainable parameter's gradient has its shard's shape (freed between steps)
+        optim = sum(local_bytes(v) for st in self.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
+
     def _memory(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
@@ -252,8 +271,10 @@ class Trainer:
         end = cfg.training.stop_at_step or cfg.training.steps
         progress = Progress(cfg.training.steps, self.step, cfg.metrics.progress, self.env.is_main)
         self.events("start", step=self.step, world_size=self.env.world_size, layout=self.dims.describe(),
-                    params=count_params(self.model_args), device=str(self.device))
+                    params=count_params(self.model_args), device=str(self.device),
+                    collectives=cfg.comm.algorithm, custom_comm_modules=self.pm.custom_comm_modules)
         progress.log(self._banner())
+        self.ft.start(self.step)
         first_eval = last_eval = None
         if cfg.eval.at_start and self.step == 0:
             first_eval = last_eval = self._eval_and_log(progress)
@@ -262,7 +283,9 @@ class Trainer:
         steady_t, steady_tokens = None, 0
         while self.step < end:
             self.timer.begin_step(self.step + 1)
+            self.ft.before_step(self.step + 1)  # heartbeat; injected kill/hang/exception fire here
             rec = self.train_step()
+            self.ft.after_step(rec)  # loss-spike check: may raise RollbackRequested
             last = rec
             if self.step - session_start_step == 3:  # throughput excludes the first (warm-up) steps
                 steady_t, steady_tokens = time.perf_counter(), self.tokens_seen
@@ -284,6 +307,7 @@ class Trainer:
                 self.recorder.mark_progress(self.step)
         self.timer.close()
         t_loop_end = time.perf_counter()
+        self.ft.finishing(self.step)
         progress.close()
         stopped_early = self.step < cfg.training.steps
         if last:  # evaluate the final weights of this session
@@ -307,9 +331,11 @@ class Trainer:
             "peak_tflops_per_device": self.peak_flops / 1e12, "peak_source": self.peak_source,
             "world_size": self.env.world_size, "layout": self.dims.describe(), "elapsed_s": elapsed,
             "checkpoint": str(ckpt) if ckpt else None, "run_dir": str(self.run_dir),
-            "mem_bytes": self._memory(),
+            "mem_bytes": self._memory(), **self.state_bytes(),
         }
         summary["sample"] = self._sample() if not stopped_early else None
+        summary["fault_tolerance"] = self.ft.summary()
+        self.ft.close()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.events("stopped" if stopped_early else "finished", step=self.step, **{

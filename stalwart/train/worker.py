@@ -9,6 +9,8 @@ import torch
 
 from stalwart.cli.common import load_job, split_args
 from stalwart.errors import UserError
+from stalwart.ft.detect import EXIT_ROLLBACK
+from stalwart.ft.guard import RollbackRequested
 
 LAUNCHER_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True}
 
@@ -36,6 +38,12 @@ def format_summary(s: dict) -> str:
                      f"({100 * ratio:.0f}% of the first)")
     lines.append(f"  peak memory     {s['mem_bytes'] / 2**20:.0f} MiB per process")
     lines.append(f"  wall time       {s['elapsed_s']:.1f} s")
+    ft = s.get("fault_tolerance") or {}
+    if ft.get("skipped_steps"):
+        lines.append(f"  skipped steps   {ft['skipped_steps']} (non-finite or rolled-back data)")
+    for st in ft.get("stragglers", []):
+        lines.append(f"  straggler       rank {st['rank']}: {st['phase']} {st['ratio']:.1f}x its peers "
+                     f"(median over {st['steps']} steps)")
     lines.append(f"  checkpoint      {s['checkpoint'] or '-'}")
     lines.append(f"  run directory   {s['run_dir']}  (metrics.jsonl, events.jsonl, summary.json)")
     if s.get("sample"):
@@ -51,7 +59,7 @@ def worker_main(argv: list[str]) -> int:
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(threads_for(cfg, local_world))
-    env = init_distributed(cfg.training.device)
+    env = init_distributed(cfg.training.device, timeout_s=cfg.fault.collective_timeout_s)
     try:
         from stalwart.train.trainer import Trainer
 
@@ -63,5 +71,22 @@ def worker_main(argv: list[str]) -> int:
         if env.is_main:
             print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except RollbackRequested as e:
+        if env.is_main:
+            print(f"stalwart train: rolling back to the last good state: {e}", file=sys.stderr, flush=True)
+        return EXIT_ROLLBACK
+    except Exception as e:  # a bug or a failure: report it and leave at once
+        if not env.is_distributed:
+            raise
+        # Tearing the process group down can block on a dead or hung peer; the supervisor restarts the
+        # group only once this process is gone, so exit now (traceback and flight-recorder dump first).
+        from stalwart.ft.guard import record_exit
+        from stalwart.train.trainer import run_dir_for
+
+        record_exit(run_dir_for(cfg), env.rank, e)
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         shutdown()

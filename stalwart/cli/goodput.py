@@ -1,0 +1,33 @@
+"""`stalwart goodput RUN_DIR`: where a run's wall time went (productive, lost, detection, restart, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from stalwart.errors import UserError
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="stalwart goodput", description=(
+        "Split a run's wall time into productive training, lost (recomputed) work, failure detection, "
+        "restart/re-initialisation, checkpoint stalls, start-up and other; ETTR = productive / wall. "
+        "Reads RUN_DIR/events.jsonl and metrics.jsonl; lists every failure with its detection latency, "
+        "time to the next completed step and steps recomputed."))
+    ap.add_argument("run_dir", help="the run directory")
+    ap.add_argument("--json", action="store_true", help="print the accounting as JSON")
+    args = ap.parse_args(argv)
+    run = Path(args.run_dir)
+    if not (run / "events.jsonl").is_file():
+        raise UserError(f"{run} is not a run directory (no events.jsonl)")
+    from stalwart.ft.goodput import account_run, format_report
+
+    g = account_run(run)
+    print(json.dumps(g, indent=1) if args.json else format_report(g))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

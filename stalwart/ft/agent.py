@@ -1,0 +1,286 @@
+"""The process layer: torch's LocalElasticAgent with Stalwart's supervisor plugged in.
+
+``SupervisedAgent`` keeps torch's launch/rendezvous/restart machinery (so it runs across nodes like
+torchrun) and adds, per monitor tick: the heartbeat/progress watchdog (kills a hung group), chaos
+injection, and on every failure the restart decision (crash loop / budget, ``stalwart.ft.supervisor``).
+
+``launch(torchrun_argv, cfg)`` is what ``stalwart train`` calls; ``python -m stalwart.ft.agent
+<torchrun args> -m stalwart.train ...`` is the multi-node entry point (torchrun's arguments, our agent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from stalwart.ft.detect import (
+    EXIT_CRASH_LOOP,
+    EXIT_EXCLUDE,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_RESTART_BUDGET,
+    EXIT_USER_ERROR,
+)
+from stalwart.ft.supervisor import (
+    BUDGET_EXHAUSTED,
+    CRASH_LOOP,
+    EXCLUDE,
+    Supervisor,
+    classify,
+)
+from stalwart.metrics.records import EventLog
+
+
+class SupervisedAgent(LocalElasticAgent):
+    def __init__(self, *args, stalwart_supervisor: Supervisor, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sup = stalwart_supervisor
+
+    # ------------------------------------------------------------------ helpers
+    def _pids(self) -> dict[int, int]:
+        """global rank -> pid of this node's live workers."""
+        if self._pcontext is None:
+            return {}
+        pids = self._pcontext.pids()
+        return {w.global_rank: pids[w.local_rank] for w in self._worker_group.workers if w.local_rank in pids}
+
+    def _kill_group(self) -> None:
+        """SIGTERM (and SIGCONT for a stopped process), a grace period, then SIGKILL."""
+        pids = list(self._pids().values())
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + self.sup.cfg.kill_grace_s
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ torch agent hooks
+    def _monitor_workers(self, worker_group) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        now = time.time()
+        stall = None
+        if result.state == WorkerState.HEALTHY:
+            stall = self.sup.poll(now)
+            if stall is None:
+                self._inject_chaos(now)
+                return result
+            print(f"stalwart supervisor: rank {stall.rank} {stall.kind}: {stall.detail}; restarting the group",
+                  file=sys.stderr, flush=True)
+            self._kill_group()
+            deadline = time.monotonic() + 10
+            while result.state == WorkerState.HEALTHY and time.monotonic() < deadline:
+                time.sleep(0.05)
+                result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY:
+                result = RunResult(state=WorkerState.FAILED)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            if stall is not None:
+                kind, rank, code = stall.kind, stall.rank, None
+            else:
+                rank, failure = _root_cause(result, self.sup.run_dir, self.sup.attempt_start,
+                                            self.sup.injected_since(self.sup.attempt_start))
+                code = failure.exitcode if failure is not None else None
+                kind = classify(code)
+            decision = self.sup.on_failure(now, kind, rank, code, stall)
+            if decision in (CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE, "user_error"):
+                self._remaining_restarts = 0  # torch's loop then stops the group and returns the failure
+                if decision == CRASH_LOOP:
+                    print(f"stalwart supervisor: crash loop: {self.sup.cfg.crash_loop_restarts} failures in a row "
+                          f"without progress (newest saved step {self.sup.policy.progress}); giving up, exit "
+                          f"{EXIT_CRASH_LOOP} (do not requeue)", file=sys.stderr, flush=True)
+        return result
+
+    def _initialize_workers(self, worker_group) -> None:
+        super()._initialize_workers(worker_group)
+        self.sup.ranks = [w.global_rank for w in worker_group.workers]  # known after rendezvous
+
+    def _restart_workers(self, worker_group) -> None:
+        t0 = time.time()
+        super()._restart_workers(worker_group)
+        self.sup.restarted(time.time(), time.time() - t0)
+
+    def _inject_chaos(self, now: float) -> None:
+        pids = self._pids()
+        for _, kind, index in self.sup.chaos_due(now):
+            rank = sorted(pids)[index % len(pids)]
+            sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "exception": signal.SIGUSR2}[kind]
+            self.sup.chaos_injected(now, kind, rank, pids[rank])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[rank], sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _root_cause(result: RunResult, run_dir: Path, since: float, injected: list[dict]):
+    """The failed rank that caused the others to fail: an injected fault's rank, else one killed by a
+    signal (not the SIGTERM torch sends the survivors), else the earliest to record its exit
+    (``<run>/ft/exit``), else the lowest rank."""
+    if not result.failures:
+        return -1, None
+    from stalwart.ft.supervisor import read_exits
+
+    fired = [f for f in injected if f.get("rank") in result.failures]
+    if fired:
+        rank = max(fired, key=lambda f: f["time"])["rank"]
+        return rank, result.failures[rank]
+    signalled = [r for r, f in result.failures.items()
+                 if f.exitcode is not None and f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    if signalled:
+        return min(signalled), result.failures[min(signalled)]
+    exits = {r: t for r, t in read_exits(run_dir).items() if r in result.failures and t >= since}
+    rank = min(exits, key=exits.get) if exits else min(result.failures)
+    return rank, result.failures[rank]
+
+
+@contextlib.contextmanager
+def _patched_agent(factory):
+    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments)."""
+    from torch.distributed.launcher import api
+
+    saved = api.LocalElasticAgent
+    api.LocalElasticAgent = factory
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = saved
+
+
+def run_supervised(torchrun_argv: list[str], fault_cfg, run_dir: Path, snapshot_dir: Path | None,
+                   max_restarts: int) -> int:
+    """Run torch.distributed.run with our agent; return the documented exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # pytorch issue 135712
+    args = get_args_parser().parse_args(torchrun_argv)
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        import uuid
+
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, cmd, cmd_args = config_from_args(args)
+    config.monitor_interval = fault_cfg.monitor_interval_s
+    config.max_restarts = max_restarts
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(run_dir / "events.jsonl", enabled=True)
+    holder: dict = {}
+
+    def factory(spec, *a, **kw):
+        node = int(os.environ.get("GROUP_RANK", "0"))  # unknown before rendezvous: assume a regular grid
+        ranks = [node * spec.local_world_size + i for i in range(spec.local_world_size)]
+        sup = Supervisor(fault_cfg, run_dir, snapshot_dir, max_restarts, ranks, events,
+                         host_size=fault_cfg.host_size or spec.local_world_size)
+        sup.launched(time.time(), nproc_per_node=spec.local_world_size)
+        holder["sup"] = sup
+        return SupervisedAgent(spec, *a, stalwart_supervisor=sup, **kw)
+
+    from torch.distributed.launcher.api import elastic_launch
+
+    code = EXIT_OK
+    try:
+        with _patched_agent(factory):
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as e:
+        sup = holder.get("sup")
+        rank, failure = e.get_first_failure()
+        if sup is not None and sup.failures and sup.failures[-1]["rank"] in e.failures:
+            rank = sup.failures[-1]["rank"]
+            failure = e.failures[rank]
+        verdict = sup.verdict if sup else ""
+        if verdict == CRASH_LOOP:
+            code = EXIT_CRASH_LOOP
+        elif verdict == EXCLUDE:
+            code = EXIT_EXCLUDE
+            host, size = sup.excluded_host, sup.host_size
+            record_exclusion(run_dir, {"host": host, "ranks": list(range(host * size, (host + 1) * size)),
+                                       "size": size, "reason": f"{fault_cfg.exclude_after} failures",
+                                       "restarts_used": sup.policy.restarts, "time": time.time()})
+            print(f"stalwart supervisor: host {host} (ranks {host * size}-{(host + 1) * size - 1}) failed "
+                  f"{fault_cfg.exclude_after} times: excluding it", file=sys.stderr, flush=True)
+        elif failure.exitcode == EXIT_USER_ERROR:
+            code = EXIT_USER_ERROR
+        elif verdict == BUDGET_EXHAUSTED and max_restarts > 0:
+            code = EXIT_RESTART_BUDGET
+            print(f"stalwart supervisor: restart budget (launch.max_restarts = {max_restarts}) used up; last failure "
+                  f"rank {rank} exit code {failure.exitcode}; exit {EXIT_RESTART_BUDGET} (requeue to continue)",
+                  file=sys.stderr, flush=True)
+        else:
+            code = EXIT_FAILED
+            print(f"stalwart train: worker rank {rank} failed with exit code {failure.exitcode} (see its message "
+                  "above)", file=sys.stderr)
+    finally:
+        if "sup" in holder:
+            holder["sup"].finished(time.time(), code)
+        events.close()
+    if code != EXIT_EXCLUDE and holder.get("sup") is not None and (holder["sup"].failures or fault_cfg.chaos_mtbf_s):
+        from stalwart.ft.goodput import account_run, format_report
+
+        g = account_run(run_dir)
+        (run_dir / "goodput.json").write_text(json.dumps(g, indent=1))
+        print(format_report(g), flush=True)
+    return code
+
+
+def read_exclusions(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "ft" / "excluded.json"
+    try:
+        return json.loads(path.read_text())["excluded"] if path.is_file() else []
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def record_exclusion(run_dir: Path, rec: dict) -> None:
+    path = Path(run_dir) / "ft" / "excluded.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(".excluded.json.tmp")
+    tmp.write_text(json.dumps({"excluded": [*read_exclusions(run_dir), rec]}, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Multi-node: ``python -m stalwart.ft.agent <torchrun args> -m stalwart.train --config ...``."""
+    from stalwart.cli.common import load_job, split_args
+    from stalwart.train.trainer import run_dir_for
+    from stalwart.train.worker import LAUNCHER_FLAGS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-m" not in argv and "--module" not in argv:
+        print("usage: python -m stalwart.ft.agent [torchrun options] -m stalwart.train [train options]",
+              file=sys.stderr)
+        return 2
+    i = argv.index("-m") if "-m" in argv else argv.index("--module")
+    opts, overrides = split_args(argv[i + 2:], LAUNCHER_FLAGS)
+    cfg = load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]
+    from stalwart.checkpoint.snapshot import default_snapshot_dir
+
+    run_dir = run_dir_for(cfg)
+    snap = Path(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_dir else default_snapshot_dir(run_dir)
+    return run_supervised(argv, cfg.fault, run_dir, snap, cfg.launch.max_restarts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The supervisor's decisions, separate from processes: what failed, when, and what to do about it.
+
+``Supervisor`` is driven by the elastic agent (``stalwart.ft.agent``) once per monitor tick and on
+each failure/restart. It reads only files (heartbeats, fired-fault markers, checkpoint and snapshot
+directories) and takes the clock as an argument, so its logic is unit-tested without processes.
+Events it writes to ``events.jsonl``: ``launch``, ``failure``, ``restart``, ``recovered``,
+``fault_injected`` (chaos), ``supervisor_exit``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stalwart.ft.detect import (
+    BUDGET_EXHAUSTED,
+    CRASH_LOOP,
+    EXCLUDE,
+    EXIT_ROLLBACK,
+    EXIT_USER_ERROR,
+    RESTART,
+    Beat,
+    RestartPolicy,
+    Stall,
+    check_heartbeat,
+)
+from stalwart.ft.guard import heartbeat_dir
+from stalwart.ft.plan import ChaosSchedule, read_fired
+
+_STEP = re.compile(r"^step-(\d+)(?:\.snap)?$")
+
+
+def newest_state_step(run_dir: Path, snapshot_dir: Path | None) -> int:
+    """Newest step a restart could resume from: a complete checkpoint, or a snapshot every rank has."""
+    best = -1
+    ckpts = Path(run_dir) / "checkpoints"
+    if ckpts.is_dir():
+        for p in ckpts.iterdir():
+            m = _STEP.match(p.name)
+            if m and p.is_dir() and (p / "manifest.json").is_file():
+                best = max(best, int(m.group(1)))
+    if snapshot_dir is not None and Path(snapshot_dir).is_dir():
+        per_rank = []
+        for rank_dir in Path(snapshot_dir).glob("rank-*"):
+            steps = {int(m.group(1)) for d in ("own", "peer") for p in (rank_dir / d).glob("step-*.snap")
+                     if (m := _STEP.match(p.name))}
+            per_rank.append(steps)
+        if per_rank:
+            common = set.intersection(*per_rank)
+            if common:
+                best = max(best, max(common))
+    return best
+
+
+def read_beats(run_dir: Path, ranks: list[int]) -> dict[int, Beat]:
+    out = {}
+    d = heartbeat_dir(run_dir)
+    for r in ranks:
+        try:
+            out[r] = Beat.from_dict(json.loads((d / f"rank-{r}.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def read_exits(run_dir: Path) -> dict[int, float]:
+    """rank -> unix time it recorded a failing exit (``<run>/ft/exit/rank-<r>.json``)."""
+    out = {}
+    d = Path(run_dir) / "ft" / "exit"
+    for p in d.glob("rank-*.json") if d.is_dir() else []:
+        try:
+            rec = json.loads(p.read_text())
+            out[int(rec["rank"])] = float(rec["time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def classify(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "crash"
+    if exitcode < 0:
+        return "signal"
+    if exitcode == EXIT_ROLLBACK:
+        return "rollback"
+    if exitcode == EXIT_USER_ERROR:
+        return "user_error"
+    return "crash"
+
+
+@dataclass
+class _Failure:
+    kind: str
+    rank: int
+    step: int
+    fault_time: float
+    detect_time: float
+
+
+@dataclass
+class Supervisor:
+    cfg: object                 # the job's `fault` section
+    run_dir: Path
+    snapshot_dir: Path | None
+    max_restarts: int
+    ranks: list[int]            # global ranks of this node's workers
+    log_event: Callable[..., None]
+    attempt: int = 0
+    attempt_start: float = 0.0
+    verdict: str = ""           # "", restart, crash_loop, budget_exhausted, user_error
+    failures: list[dict] = field(default_factory=list)
+    _pending: _Failure | None = None
+    _max_step: int = 0
+    _recovered: bool = False
+    _chaos: ChaosSchedule | None = None
+    _chaos_queue: list = field(default_factory=list)
+    _t0: float = 0.0
+    _chaos_fired: list = field(default_factory=list)
+    host_size: int = 1                 # ranks per host (exclusion unit)
+    host_failures: dict = field(default_factory=dict)
+    excluded_host: int | None = None
+
+    def __post_init__(self) -> None:
+        self.policy = RestartPolicy(self.max_restarts, self.cfg.crash_loop_restarts,
+                                    newest_state_step(self.run_dir, self.snapshot_dir))
+        if self.cfg.chaos_mtbf_s > 0:
+            self._chaos = ChaosSchedule(self.cfg.chaos_mtbf_s, self.cfg.chaos_seed, tuple(self.cfg.chaos_kinds),
+                                        len(self.ranks))
+
+    # ------------------------------------------------------------------ lifecycle
+    def launched(self, now: float, **info) -> None:
+        self._t0 = self.attempt_start = now
+        self.log_event("launch", time=now, max_restarts=self.max_restarts, ranks=self.ranks,
+                       progress_step=self.policy.progress, **info)
+
+    def restarted(self, now: float, stop_s: float) -> None:
+        self.attempt += 1
+        self.attempt_start = now
+        self._recovered = False
+        self._max_step = 0
+        self.log_event("restart", time=now, attempt=self.attempt, remaining_restarts=self.max_restarts -
+                       self.policy.restarts, progress_step=self.policy.progress, restart_s=round(stop_s, 3))
+
+    # ------------------------------------------------------------------ monitoring
+    def poll(self, now: float) -> Stall | None:
+        """One monitor tick while the group is healthy: recovery bookkeeping, then the watchdog."""
+        beats = read_beats(self.run_dir, self.ranks)
+        current = {r: b for r, b in beats.items() if b.attempt == self.attempt and b.beat_time >= self.attempt_start}
+        if current:
+            self._max_step = max([self._max_step] + [b.step for b in current.values()])
+        if not self._recovered and current and all(b.step > b.resumed_step for b in current.values()):
+            self._recovered = True
+            self._on_recovered(current)
+        for r in self.ranks:
+            stall = check_heartbeat(beats.get(r), r, now, self.attempt_start, self.attempt,
+                                    self.cfg.heartbeat_timeout_s, self.cfg.progress_timeout_s,
+                                    self.cfg.init_timeout_s)
+            if stall is not None:
+                return stall
+        return None
+
+    def _on_recovered(self, beats: dict[int, Beat]) -> None:
+        f, self._pending = self._pending, None
+        if f is None:
+            return
+        done = max(b.progress_time for b in beats.values())  # the step is done when every rank is
+        resumed = min(b.resumed_step for b in beats.values())
+        self.log_event("recovered", attempt=self.attempt, failure_kind=f.kind, failure_step=f.step,
+                       resumed_step=resumed, steps_recomputed=max(0, f.step - resumed),
+                       recovery_s=round(done - f.detect_time, 3), fault_to_step_s=round(done - f.fault_time, 3))
+
+    def chaos_due(self, now: float) -> list[tuple[float, str, int]]:
+        """Chaos faults to inject now (at most one, and only once the group trains again)."""
+        if self._chaos is None:
+            return []
+        self._chaos_queue += self._chaos.due(now - self._t0)
+        if not self._recovered or self._pending is not None or not self._chaos_queue:
+            return []
+        return [self._chaos_queue.pop(0)]
+
+    def chaos_injected(self, now: float, kind: str, rank: int, pid: int) -> None:
+        rec = {"kind": kind, "rank": rank, "step": self._max_step + 1, "time": now, "source": "chaos", "pid": pid}
+        self._chaos_fired.append(rec)
+        self.log_event("fault_injected", **rec)
+
+    # ------------------------------------------------------------------ failures
+    def injected_since(self, since: float) -> list[dict]:
+        """Injected faults (plan markers and chaos) that fired in this attempt, oldest first."""
+        return sorted([f for f in read_fired(self.run_dir) + self._chaos_fired
+                       if f.get("time", 0) >= since - 1e-3 and f.get("kind") in ("kill", "hang", "exception")],
+                      key=lambda f: f["time"])
+
+    def on_failure(self, now: float, kind: str, rank: int, exitcode: int | None = None,
+                   stall: Stall | None = None) -> str:
+        """Record a failure and decide: RESTART, EXCLUDE, CRASH_LOOP, BUDGET_EXHAUSTED or user_error."""
+        step = self._max_step
+        injected = self.injected_since(self.attempt_start)
+        fault_time = injected[-1]["time"] if injected else (stall.since if stall is not None else now)
+        if injected:
+            step = max(step, int(injected[-1].get("step", step)) - 1)
+        progress = newest_state_step(self.run_dir, self.snapshot_dir)
+        host = rank // self.host_size if rank >= 0 else -1
+        self.host_failures[host] = self.host_failures.get(host, 0) + (kind != "rollback")
+        if kind == "user_error":
+            decision = "user_error"
+        elif self.cfg.exclude_after and host >= 0 and self.host_failures[host] >= self.cfg.exclude_after:
+            decision = EXCLUDE
+            self.excluded_host = host
+        else:
+            decision = self.policy.on_failure(progress)
+        rec = {"kind": kind, "rank": rank, "host": host, "step": step, "exitcode": exitcode, "attempt": self.attempt,
+               "fault_time": fault_time, "detect_time": now, "detection_latency_s": round(now - fault_time, 3),
+               "injected": injected[-1]["kind"] if injected else None, "progress_step": progress,
+               "decision": decision}
+        if stall is not None:
+            rec["detail"] = stall.detail
+        self.failures.append(rec)
+        self.log_event("failure", time=now, **rec)
+        self._pending = _Failure(kind, rank, step, fault_time, now)
+        self.verdict = decision
+        return decision
+
+    def finished(self, now: float, code: int) -> None:
+        self.log_event("supervisor_exit", time=now, code=code, verdict="finished" if code == 0 else self.verdict,
+                       restarts=self.policy.restarts, failures=len(self.failures))
+
+
+__all__ = ["BUDGET_EXHAUSTED", "CRASH_LOOP", "EXCLUDE", "RESTART", "Supervisor", "classify", "newest_state_step"]
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,240 @@
+"""Fault tolerance, pure logic: plans, detectors, restart policy, supervisor and goodput (no processes)."""
+
+import json
+
+import pytest
+
+from stalwart.config.core import ConfigError, load
+from stalwart.config.job import JobConfig
+from stalwart.ft.detect import (
+    BUDGET_EXHAUSTED,
+    CRASH_LOOP,
+    RESTART,
+    Beat,
+    RestartPolicy,
+    SpikeDetector,
+    StragglerDetector,
+    check_heartbeat,
+    validate_timeouts,
+)
+from stalwart.ft.goodput import account
+from stalwart.ft.plan import (
+    ChaosSchedule,
+    FaultPlanError,
+    fired_ids,
+    mark_fired,
+    parse_plan,
+    pending,
+)
+from stalwart.ft.supervisor import Supervisor, newest_state_step
+
+PLAN = ("kill:rank=1,step=17;hang:rank=0,step=30;nan:step=40;slow:rank=1,factor=3,steps=50-80;"
+        "exception:rank=0,step=60;corrupt_checkpoint:step=50")
+
+
+def test_parse_plan_typed():
+    faults = parse_plan(PLAN)
+    assert [f.kind for f in faults] == ["kill", "hang", "nan", "slow", "exception", "corrupt_checkpoint"]
+    kill, _, nan, slow, *_ = faults
+    assert (kill.rank, kill.step, kill.once) == (1, 17, True)
+    assert (nan.rank, nan.step) == (0, 40)
+    assert (slow.rank, slow.factor, slow.first, slow.last) == (1, 3.0, 50, 80)
+    assert parse_plan("") == [] and parse_plan(" ; ") == []
+    assert not parse_plan("exception:step=2,once=0")[0].once
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("kil:step=3", "did you mean 'kill'"),
+    ("kill:rank=1", "needs step=N"),
+    ("kill:step=x", "not an integer"),
+    ("kill:step=0", "must be >= 1"),
+    ("kill:stp=3", "takes once, rank, step"),
+    ("slow:rank=1,factor=3", "needs factor=F and steps=A-B"),
+    ("slow:factor=0.5,steps=1-2", "factor must be >= 1"),
+    ("slow:factor=2,steps=5-2", "is empty"),
+    ("kill:step", "expected key=value"),
+])
+def test_parse_plan_errors(bad, msg):
+    with pytest.raises(FaultPlanError, match=msg):
+        parse_plan(bad)
+
+
+def test_fired_faults_are_not_fired_again(tmp_path):
+    faults = parse_plan("kill:rank=1,step=3;exception:step=5,once=0")
+    mark_fired(tmp_path, faults[0], 3, 1.0)
+    mark_fired(tmp_path, faults[1], 5, 2.0)
+    assert fired_ids(tmp_path) == {"0-kill", "1-exception"}
+    assert [f.kind for f in pending(faults, fired_ids(tmp_path))] == ["exception"]  # once=0 repeats
+
+
+def test_chaos_schedule_is_seeded():
+    a, b = ChaosSchedule(60, seed=3, world_size=4), ChaosSchedule(60, seed=3, world_size=4)
+    da, db = a.due(3600), b.due(3600)
+    assert da == db and 30 < len(da) < 100  # ~60 faults in an hour at MTBF 60 s
+    assert all(k in ("kill", "hang", "exception") and 0 <= r < 4 for _, k, r in da)
+    assert a.due(3600) == []  # each fault is returned once
+    assert ChaosSchedule(60, seed=4).due(3600) != ChaosSchedule(60, seed=3).due(3600)
+
+
+def test_timeouts_must_be_ordered():
+    validate_timeouts(0.5, 10, 120, 300, 900)
+    with pytest.raises(ConfigError, match="progress_timeout_s .* must be smaller than fault.collective_timeout_s"):
+        validate_timeouts(0.5, 10, 400, 300, 900)
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
+        load(JobConfig, None, ["--fault.heartbeat_timeout_s", "200"])
+    with pytest.raises(FaultPlanError, match="unknown fault kind"):
+        load(JobConfig, None, ["--fault.inject", "boom:step=1"])
+
+
+def beat(step=5, phase="train", progress=100.0, beat_t=100.0, attempt=0):
+    return Beat(0, attempt, step, 0, phase, progress, beat_t)
+
+
+def test_heartbeat_watchdog_bounds():
+    kw = {"heartbeat_timeout_s": 3, "progress_timeout_s": 5, "init_timeout_s": 60}
+    assert check_heartbeat(beat(), 0, 102.0, 0.0, 0, **kw) is None          # healthy
+    hang = check_heartbeat(beat(beat_t=104.9), 0, 105.1, 0.0, 0, **kw)       # beating, no progress for 5.1 s
+    assert hang.kind == "hang" and hang.since == 100.0 and hang.step == 5
+    dead = check_heartbeat(beat(progress=104, beat_t=100.0), 0, 103.1, 0.0, 0, **kw)
+    assert dead.kind == "unresponsive"
+    # start-up and the end of training get the init timeout, not the progress timeout
+    assert check_heartbeat(beat(phase="init", beat_t=130), 0, 130.0, 0.0, 0, **kw) is None
+    assert check_heartbeat(None, 0, 59.0, 0.0, 0, **kw) is None
+    assert check_heartbeat(None, 0, 61.0, 0.0, 0, **kw).kind == "hang"
+    assert check_heartbeat(beat(attempt=0), 0, 10.0, 0.0, 1, **kw) is None  # a previous attempt's file
+    assert check_heartbeat(beat(beat_t=50.0), 0, 120.0, 100.0, 0, **kw) is None  # a previous launch's file
+
+
+def test_spike_detector():
+    d = SpikeDetector(threshold=6, window=16)
+    losses = [5.0 - 0.01 * i + (0.02 if i % 3 == 0 else -0.02) for i in range(40)]
+    assert all(d.update(x) is None for x in losses)  # a healthy, noisy, decreasing curve: no spike
+    z = d.update(9.0)
+    assert z is not None and z > 6
+    assert d.update(losses[-1]) is None  # the spike did not enter the history
+    assert SpikeDetector(0, 16).update(100.0) is None  # off
+
+
+def test_straggler_detector_names_the_slow_rank():
+    d = StragglerDetector(threshold=2.0, window=4)
+    found = []
+    for i in range(8):
+        found += d.update({"forward_backward": [0.10 + 0.01 * (i % 2), 0.31, 0.1, 0.11]})
+    assert [(s.rank, s.phase) for s in found] == [(1, "forward_backward")] and found[0].ratio > 2.5
+    healthy = StragglerDetector(threshold=2.0, window=4)
+    assert not any(healthy.update({"forward_backward": [0.1, 0.1 + 0.04 * (i % 3)]}) for i in range(20))
+
+
+def test_restart_policy_crash_loop_vs_budget():
+    p = RestartPolicy(max_restarts=5, crash_loop_restarts=2, initial_progress=-1)
+    assert p.on_failure(-1) == RESTART      # 1 failure without progress
+    assert p.on_failure(-1) == CRASH_LOOP   # 2 in a row: do not requeue
+    q = RestartPolicy(max_restarts=2, crash_loop_restarts=2, initial_progress=-1)
+    assert [q.on_failure(s) for s in (2, 4, 6)] == [RESTART, RESTART, BUDGET_EXHAUSTED]
+    r = RestartPolicy(max_restarts=9, crash_loop_restarts=2, initial_progress=0)
+    assert [r.on_failure(s) for s in (0, 3, 3, 3)] == [RESTART, RESTART, RESTART, CRASH_LOOP]  # progress resets
+
+
+class Cfg:
+    heartbeat_timeout_s, progress_timeout_s, init_timeout_s = 3.0, 5.0, 60.0
+    crash_loop_restarts, chaos_mtbf_s, chaos_seed, chaos_kinds = 2, 0.0, 0, ["kill"]
+    exclude_after = 0
+
+
+def write_beat(run_dir, rank, **kw):
+    d = run_dir / "ft" / "heartbeat"
+    d.mkdir(parents=True, exist_ok=True)
+    rec = {"rank": rank, "attempt": 0, "step": 5, "resumed_step": 0, "phase": "train", "progress_time": 100.0,
+           "beat_time": 100.0, **kw}
+    (d / f"rank-{rank}.json").write_text(json.dumps(rec))
+
+
+def test_supervisor_detects_hang_and_records_recovery(tmp_path):
+    events = []
+    sup = Supervisor(Cfg(), tmp_path, None, 3, [0, 1], lambda name, **kw: events.append({"event": name, **kw}))
+    sup.launched(90.0)
+    write_beat(tmp_path, 0, beat_time=104.0)
+    write_beat(tmp_path, 1, progress_time=99.0, beat_time=104.5)  # stuck in a collective since 99
+    assert sup.poll(103.0) is None
+    stall = sup.poll(104.1)
+    assert stall.kind == "hang" and stall.rank == 1
+    assert sup.on_failure(104.1, stall.kind, stall.rank, None, stall) == RESTART
+    fail = events[-1]
+    assert fail["event"] == "failure" and fail["detection_latency_s"] == pytest.approx(5.1) and fail["step"] == 5
+    sup.restarted(110.0, 1.0)
+    write_beat(tmp_path, 0, attempt=1, step=4, resumed_step=4, progress_time=111, beat_time=111)
+    write_beat(tmp_path, 1, attempt=1, step=5, resumed_step=4, progress_time=112, beat_time=112)
+    assert sup.poll(112.0) is None  # rank 0 has not completed a step yet
+    write_beat(tmp_path, 0, attempt=1, step=5, resumed_step=4, progress_time=113, beat_time=113)
+    sup.poll(113.0)
+    rec = events[-1]
+    assert rec["event"] == "recovered" and rec["steps_recomputed"] == 1
+    assert rec["recovery_s"] == pytest.approx(113 - 104.1) and rec["fault_to_step_s"] == pytest.approx(14)
+
+
+def test_newest_state_step(tmp_path):
+    assert newest_state_step(tmp_path, None) == -1
+    (tmp_path / "checkpoints" / "step-4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-4" / "manifest.json").write_text("{}")
+    (tmp_path / "checkpoints" / ".tmp-step-6").mkdir()
+    assert newest_state_step(tmp_path, None) == 4
+    snap = tmp_path / "shm"
+    for r in (0, 1):
+        (snap / f"rank-{r}" / "own").mkdir(parents=True)
+        (snap / f"rank-{r}" / "own" / "step-7.snap").write_bytes(b"x")
+    assert newest_state_step(tmp_path, snap) == 7
+    (snap / "rank-1" / "own" / "step-7.snap").unlink()  # not every rank has it
+    assert newest_state_step(tmp_path, snap) == 4
+
+
+def test_goodput_split():
+    step = lambda s, t: {"step": s, "loss": 1.0, "step_time_s": 1.0, "time": t}
+    events = [
+        {"event": "launch", "time": 0.0},
+        {"event": "checkpoint_saved", "time": 12.5, "stall_s": 0.5, "async_save": True},
+        {"event": "failure", "time": 15.0, "kind": "signal", "rank": 1, "step": 4, "injected": "kill",
+         "fault_time": 14.5, "detect_time": 15.0, "detection_latency_s": 0.5, "attempt": 0},
+        {"event": "restart", "time": 16.0, "attempt": 1},
+        {"event": "resumed", "time": 19.0, "step": 2},
+        {"event": "recovered", "time": 21.0, "attempt": 1, "steps_recomputed": 2, "recovery_s": 6.0,
+         "fault_to_step_s": 6.5},
+        {"event": "supervisor_exit", "time": 26.0},
+    ]
+    metrics = [step(1, 11), step(2, 12), step(3, 14), step(4, 14.2)] + [step(s, 17 + s) for s in (3, 4, 5, 6)]
+    g = account(events, metrics)
+    b = g["buckets"]
+    assert g["wall_s"] == 26.0
+    assert b["startup"] == pytest.approx(10.0)          # launch -> first step starts
+    assert b["productive"] == pytest.approx(6.0)        # steps 1, 2 and the final 3..6
+    assert b["lost"] == pytest.approx(2.3)              # steps 3, 4 of attempt 0 + 0.3 s until the fault
+    assert b["detection"] == pytest.approx(0.5)
+    assert b["restart"] == pytest.approx(19.0 - 15.0)   # detection -> first step of attempt 1 starts
+    assert b["checkpoint"] == pytest.approx(0.5)
+    assert sum(b.values()) == pytest.approx(26.0)
+    assert g["ettr"] == pytest.approx(6 / 26)
+    assert g["failures"][0]["steps_recomputed"] == 2 and g["failures"][0]["fault_to_step_s"] == 6.5
+
+
+def test_corrupt_checkpoint_fault_flips_one_byte(tmp_path):
+    from stalwart.ft.guard import _corrupt_checkpoint
+
+    root = tmp_path / "checkpoints"
+    assert not _corrupt_checkpoint(root, 4)  # not there yet: fires later
+    (root / "step-4").mkdir(parents=True)
+    shard = root / "step-4" / "__0_0.distcp"
+    shard.write_bytes(bytes(100))
+    assert not _corrupt_checkpoint(root, 4)  # incomplete (no manifest): not a checkpoint yet
+    (root / "step-4" / "manifest.json").write_text("{}")
+    assert _corrupt_checkpoint(root, 4)
+    data = shard.read_bytes()
+    assert data[50] == 0xFF and sum(data) == 0xFF
+
+
+def test_supervisor_excludes_a_host_after_repeated_failures(tmp_path):
+    cfg = Cfg()
+    cfg.exclude_after, cfg.crash_loop_restarts = 2, 0
+    sup = Supervisor(cfg, tmp_path, None, 9, [0, 1, 2, 3], lambda *a, **k: None, host_size=2)
+    sup.launched(0.0)
+    assert sup.on_failure(1.0, "crash", 3) == RESTART   # host 1, first failure
+    assert sup.on_failure(2.0, "crash", 0) == RESTART   # host 0
+    assert sup.on_failure(3.0, "signal", 2) == "exclude" and sup.excluded_host == 1
