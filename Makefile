@@ -3,12 +3,19 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stalwart-installed
+TEST_STAMP := $(VENV)/.stalwart-test-installed
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: env train test bench clean-env
 
+# The runtime environment: torch (reused if importable, else pinned torch==2.13.0) + Stalwart.
 $(STAMP): pyproject.toml scripts/bootstrap.py
-	$(PYTHON) scripts/bootstrap.py --venv $(VENV)
+	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras ""
+	@touch $@
+
+# Test-only extras (pytest, transformers, selenium, tensorboard) on top.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
 	@touch $@
 
 env: $(STAMP)
@@ -18,7 +25,7 @@ train: $(STAMP)
 	$(BIN)/stalwart train --config default
 
 ## Run the whole test suite (what CI runs).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 ## Throughput benchmark (reference workload, 1 and 2 processes).
