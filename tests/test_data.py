@@ -136,3 +136,19 @@ def test_global_batch_must_split_over_ranks(corpus, tok):
         make_loader(corpus, tok, world=3, global_batch=8)
     with pytest.raises(DataError, match="not a multiple of training.micro_batch"):
         make_loader(corpus, tok, world=2, global_batch=8, micro=3)
+
+
+def test_validation_set_spans_the_split_and_is_layout_independent(corpus, tok):
+    from stalwart.data.loader import validation_batches
+
+    def val(rank, world):
+        stream = TokenStream(corpus, corpus.val, tok, eos_id(tok), 0, shuffle=True)
+        return flat(validation_batches(stream, 32, 8, 2, rank, world))
+
+    whole = val(0, 1)
+    assert torch.equal(torch.cat([val(0, 2), val(1, 2)]), whole)
+    stream = TokenStream(corpus, corpus.val, tok, eos_id(tok), 0, shuffle=True)
+    span = stream.epoch_tokens()
+    assert span > 8 * 33 * 4  # the split is much longer than the set: sequences are spread out
+    contiguous = torch.stack([torch.from_numpy(stream.read(i * 32, 33)[:-1].copy()) for i in range(8)])
+    assert not torch.equal(contiguous, whole)  # not simply the first sequences of the split

@@ -71,6 +71,16 @@ class TokenStream:
         if self.cursor >= len(order):
             self.epoch, self.cursor = self.epoch + 1, 0
 
+    def epoch_tokens(self) -> int:
+        """Length of one pass over the split's documents (tokenizes the whole first epoch; meant for
+        the small validation split, whose stream is never released)."""
+        if self.base != 0:
+            raise RuntimeError("epoch_tokens() needs a stream whose start was never released")
+        while self.epoch == 0:
+            self._extend()
+        first_of_next = [start for start, epoch, _ in self.doc_starts if epoch == 1]
+        return first_of_next[0] if first_of_next else self.base + len(self.buffer)
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start+length) of the global stream. ``start`` must not go backwards past
         data already released with :meth:`release`."""
@@ -177,13 +187,15 @@ class DataLoader:
 
 def validation_batches(stream: TokenStream, seq_len: int, n_sequences: int, micro_batch: int,
                        dp_rank: int, dp_size: int) -> list[Batch]:
-    """This rank's share of a fixed validation set: the first `n_sequences` of the validation stream."""
+    """This rank's share of a fixed validation set of `n_sequences` sequences, spaced evenly over one
+    pass of the validation split (so the estimate covers every held-out document, not the first one)."""
+    stride = max(1, stream.epoch_tokens() // ((seq_len + 1) * n_sequences))
     per_rank = n_sequences // dp_size
     first = dp_rank * per_rank
     out = []
     for lo in range(0, per_rank, micro_batch):
         n = min(micro_batch, per_rank - lo)
-        seqs = np.stack([stream.read((first + lo + i) * seq_len, seq_len + 1) for i in range(n)])
+        seqs = np.stack([stream.read((first + lo + i) * stride * seq_len, seq_len + 1) for i in range(n)])
         t = torch.from_numpy(seqs)
         out.append(Batch(inputs=t[:, :-1].contiguous(), targets=t[:, 1:].contiguous()))
     return out
