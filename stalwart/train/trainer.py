@@ -274,6 +274,9 @@ class Trainer:
                     params=count_params(self.model_args), device=str(self.device),
                     collectives=cfg.comm.algorithm, custom_comm_modules=self.pm.custom_comm_modules)
         progress.log(self._banner())
+        if self.step >= end:
+            progress.log(f"already at step {self.step} of {cfg.training.steps}: nothing to train "
+                         "(raise --training.steps to continue this run)")
         self.ft.start(self.step)
         first_eval = last_eval = None
         if cfg.eval.at_start and self.step == 0:
@@ -313,8 +316,8 @@ class Trainer:
         if last:  # evaluate the final weights of this session
             last_eval = self._eval_and_log(progress)
             first_eval = first_eval if first_eval is not None else last_eval
-        ckpt = None
-        if cfg.checkpoint.at_end or stopped_early:
+        ckpt = self.resumed_from if isinstance(self.resumed_from, Path) and not last else None
+        if (cfg.checkpoint.at_end or stopped_early) and last:  # nothing trained: nothing new to save
             ckpt = self.save_checkpoint(block=True)
         self.checkpoints.wait()  # an in-flight async save commits before exit
         if self.snapshots is not None and not stopped_early:
@@ -323,11 +326,11 @@ class Trainer:
         if steady_t is not None and self.tokens_seen > steady_tokens:
             tps = (self.tokens_seen - steady_tokens) / (t_loop_end - steady_t)
         else:
-            tps = (self.tokens_seen - tokens_start) / max(t_loop_end - t_start, 1e-9)
+            tps = (self.tokens_seen - tokens_start) / max(t_loop_end - t_start, 1e-9) if last else None
         summary = {
             "steps": self.step, "stopped_early": stopped_early, "final_loss": last.get("loss"),
             "first_eval_loss": first_eval, "final_eval_loss": last_eval, "tokens_per_s": tps,
-            "mfu": tps * self.flops_per_token / (self.peak_flops * self.env.world_size),
+            "mfu": tps * self.flops_per_token / (self.peak_flops * self.env.world_size) if tps else None,
             "peak_tflops_per_device": self.peak_flops / 1e12, "peak_source": self.peak_source,
             "world_size": self.env.world_size, "layout": self.dims.describe(), "elapsed_s": elapsed,
             "checkpoint": str(ckpt) if ckpt else None, "run_dir": str(self.run_dir),
@@ -336,7 +339,7 @@ class Trainer:
         summary["sample"] = self._sample() if not stopped_early else None
         summary["fault_tolerance"] = self.ft.summary()
         self.ft.close()
-        if self.env.is_main:
+        if self.env.is_main and last:  # a session that trained nothing keeps the previous summary
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.events("stopped" if stopped_early else "finished", step=self.step, **{
             k: summary[k] for k in ("final_loss", "final_eval_loss", "tokens_per_s", "mfu")})

@@ -27,9 +27,10 @@ def format_summary(s: dict) -> str:
         "== Stalwart run summary ==",
         f"  steps           {s['steps']}{'  (stopped early: training.stop_at_step)' if s['stopped_early'] else ''}",
         f"  layout          {s['world_size']} process(es): {s['layout']}",
-        f"  throughput      {s['tokens_per_s']:.0f} tokens/s (steady state)",
+        f"  throughput      {s['tokens_per_s']:.0f} tokens/s (steady state)" if s["tokens_per_s"] else
+        "  throughput      - (no steps this session)",
         f"  MFU             {100 * s['mfu']:.1f}% of {s['peak_tflops_per_device']:.3f} TFLOP/s per device "
-        f"({s['peak_source']})",
+        f"({s['peak_source']})" if s["mfu"] else "  MFU             -",
         f"  final loss      {s['final_loss']:.4f}" if s.get("final_loss") is not None else "  final loss      -",
     ]
     if s.get("first_eval_loss") is not None and s.get("final_eval_loss") is not None:
