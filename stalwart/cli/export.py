@@ -22,24 +22,14 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     from stalwart.checkpoint.inspect import load_flat
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from stalwart.checkpoint.manager import CheckpointManager, describe_load_failure
+    from stalwart.checkpoint.manager import describe_load_failure
+    from stalwart.checkpoint.run_dir import open_run_checkpoint
     from stalwart.checkpoint.safe_io import UnsafeCheckpointError
-    from stalwart.config.core import load
-    from stalwart.config.job import CheckpointConfig, JobConfig
-    from stalwart.data.tokenizer import EOS, load_tokenizer
+    from stalwart.data.tokenizer import EOS
     from stalwart.export.hf import export_hf
-    from stalwart.models.flavors import resolve_args
 
-    if not (run_dir / "config.toml").is_file():
-        raise ExportCliError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
-    cfg = load(JobConfig, run_dir / "config.toml")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
-    manager = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
-                                lambda *a, **k: None)
-    path = manager.resolve_resume()
-    if path is None:
-        raise ExportCliError(f"{run_dir} has no complete checkpoint to export")
-    args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)
+    run = open_run_checkpoint(run_dir, checkpoint)
+    path, args, tokenizer = run.path, run.args, run.tokenizer
     try:
         flat = load_flat(path, "model.")
     except UnsafeCheckpointError as e:

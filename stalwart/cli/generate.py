@@ -6,39 +6,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from stalwart.errors import UserError
-
-
-class GenerateError(UserError):
-    pass
-
-
 def load_run_model(run_dir: Path, checkpoint: str | None = None):
     """(model, tokenizer, config, checkpoint path) for a run directory, on CPU, weights only."""
     import torch
 
     from stalwart.checkpoint.manager import CheckpointManager
-    from stalwart.config.core import load
-    from stalwart.config.job import CheckpointConfig, JobConfig
-    from stalwart.data.tokenizer import load_tokenizer
-    from stalwart.models.flavors import resolve_args
+    from stalwart.checkpoint.run_dir import open_run_checkpoint
+    from stalwart.config.job import CheckpointConfig
     from stalwart.models.llama import Transformer
 
-    if not (run_dir / "config.toml").is_file():
-        raise GenerateError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
-    cfg = load(JobConfig, run_dir / "config.toml")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
-    manager = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
-                                lambda *a, **k: None)
-    path = manager.resolve_resume()
-    if path is None:
-        raise GenerateError(f"{run_dir} has no complete checkpoint to sample from")
-    args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)
-    model = Transformer(args)
+    run = open_run_checkpoint(run_dir, checkpoint)
+    model = Transformer(run.args)
     with torch.no_grad():
-        manager.load(path, model, None)
+        CheckpointManager(run.path.parent, CheckpointConfig(), 0, 1, lambda *a, **k: None).load(run.path, model, None)
     model.reset_buffers()
-    return model, tokenizer, cfg, path
+    return model, run.tokenizer, run.cfg, run.path
 
 
 def main(argv: list[str]) -> int:

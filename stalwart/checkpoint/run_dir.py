@@ -1,0 +1,44 @@
+"""Open a finished (or running) run directory for the tools that read its checkpoints.
+
+`stalwart generate` and `stalwart export` both need the same four things: the run's resolved config,
+its tokenizer, the checkpoint to read (verified), and the model shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalwart.errors import UserError
+
+
+class RunDirError(UserError):
+    """The directory is not a run, or has no usable checkpoint."""
+
+
+@dataclass
+class RunCheckpoint:
+    cfg: object  # JobConfig
+    tokenizer: object  # tokenizers.Tokenizer
+    path: Path  # the verified checkpoint directory
+    args: object  # TransformerArgs
+
+
+def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunCheckpoint:
+    from stalwart.checkpoint.manager import CheckpointManager
+    from stalwart.config.core import load
+    from stalwart.config.job import CheckpointConfig, JobConfig
+    from stalwart.data.tokenizer import load_tokenizer
+    from stalwart.models.flavors import resolve_args
+
+    if not (run_dir / "config.toml").is_file():
+        raise RunDirError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
+    cfg = load(JobConfig, run_dir / "config.toml")
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    manager = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
+                                lambda *a, **k: None)
+    path = manager.resolve_resume()
+    if path is None:
+        raise RunDirError(f"{run_dir} has no complete checkpoint")
+    args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)
+    return RunCheckpoint(cfg, tokenizer, path, args)
