@@ -130,3 +130,20 @@ def test_failing_host_is_excluded_and_the_job_shrinks(tmp_path):
     assert any(e["event"] == "resumed" and e["step"] == 4 for e in events(run))  # resharded 2 -> 1 ranks
     assert sorted(step_losses(run)) == list(range(1, 9))
     assert json.loads((run / "summary.json").read_text())["steps"] == 8
+
+
+def test_excluded_host_is_replaced_by_a_spare(tmp_path):
+    """With a spare in reserve the excluded host is replaced: same world size, and so the run ends
+    bit-identical to an uninterrupted one."""
+    common = ["--training.steps", "8", "--checkpoint.interval", "2", "--checkpoint.async_save", "false"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(straight, *common)
+    train(run, *common, "--launch.max_restarts", "4", "--fault.exclude_after", "2", "--fault.host_size", "1",
+          "--fault.spare_hosts", "1", "--fault.inject", "kill:rank=1,step=3;exception:rank=1,step=5")
+    adopted = events(run, "spare_adopted")
+    assert len(adopted) == 1 and adopted[0]["host"] == 1 and adopted[0]["spares_left"] == 0
+    assert not events(run, "excluded")
+    assert events(run, "start")[-1]["world_size"] == 2
+    assert step_losses(run) == step_losses(straight)
+    a, b = straight / "checkpoints" / "step-8", run / "checkpoints" / "step-8"
+    assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")

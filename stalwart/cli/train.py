@@ -75,7 +75,7 @@ def launch(argv: list[str], nproc: int, cfg) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_for(cfg, nproc)))
     run_dir = run_dir_for(cfg)
     snap = Path(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_dir else default_snapshot_dir(run_dir)
-    budget = cfg.launch.max_restarts
+    budget, spares = cfg.launch.max_restarts, cfg.fault.spare_hosts
     while True:
         code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
                               cfg.fault, run_dir, snap if cfg.checkpoint.memory_interval else None, budget)
@@ -83,7 +83,15 @@ def launch(argv: list[str], nproc: int, cfg) -> int:
             return code
         # A host was excluded (fault.exclude_after): continue on the rest, same global batch.
         ex = read_exclusions(run_dir)[-1]
-        nproc, budget = nproc - ex["size"], max(0, budget - ex["restarts_used"] - 1)
+        budget = max(0, budget - ex["restarts_used"] - 1)
+        if spares > 0:  # a spare host takes the excluded one's place: same world size, same trajectory
+            spares -= 1
+            log = EventLog(run_dir / "events.jsonl")
+            log("spare_adopted", host=ex["host"], ranks=ex["ranks"], nproc_per_node=nproc, spares_left=spares,
+                remaining_restarts=budget)
+            log.close()
+            continue
+        nproc -= ex["size"]
         if nproc < 1:
             raise LayoutError("fault.exclude_after: every host has been excluded; nothing left to train on")
         preflight(cfg, nproc)  # the global batch must still split into the smaller data-parallel degree

@@ -170,6 +170,10 @@ class FaultConfig:
                                 "restarts without it, on fewer data-parallel ranks with the same global batch "
                                 "(more gradient accumulation), and records it in <run>/ft/excluded.json.", 0,
                                 min=0)
+    spare_hosts: int = option("Spare hosts in reserve: while any remain, an excluded host is replaced by one "
+                              "(same world size, so the same trajectory) instead of shrinking the job. On one "
+                              "machine the spare is local capacity; across nodes, start standby nodes in "
+                              "torchrun's elastic range (--nnodes MIN:MAX).", 0, min=0)
     host_size: int = option("Ranks per host for exclusion (0 = launch.nproc_per_node, i.e. a real host; tests "
                             "use 1 so one local process stands for a host).", 0, min=0)
     nonfinite: Literal["skip", "rollback", "off"] = option(
