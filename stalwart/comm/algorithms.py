@@ -124,35 +124,39 @@ def _doubling_gather(team: Team, buf: torch.Tensor, blocks: Bounds) -> None:
         mask *= 2
 
 
-def recursive_doubling_all_reduce(team: Team, buf: torch.Tensor, op: str) -> None:
-    """log2(p) steps (+2 when p is not a power of two), each exchanging the whole buffer."""
+def _on_power_of_two(team: Team, buf: torch.Tensor, op: str, body) -> None:
+    """Fold the extra ranks of a non-power-of-two team in, run ``body(sub_team)`` on the power-of-two
+    part, and send the result back out to the folded ranks."""
     if team.size == 1:
         return
     rem, active = _fold_plan(team.size)
     _fold_in(team, buf, op, rem)
     if team.index in active:
-        sub = team.sub([team.members[a] for a in active])
+        body(team.sub([team.members[a] for a in active]))
+    _fold_out(team, buf, rem)
+
+
+def recursive_doubling_all_reduce(team: Team, buf: torch.Tensor, op: str) -> None:
+    """log2(p) steps (+2 when p is not a power of two), each exchanging the whole buffer."""
+    def body(sub: Team) -> None:
         tmp = torch.empty_like(buf)
         mask = 1
         while mask < sub.size:
             sub.exchange([(buf, sub.index ^ mask)], [(tmp, sub.index ^ mask)])
             combine(buf, tmp, op)
             mask *= 2
-    _fold_out(team, buf, rem)
+
+    _on_power_of_two(team, buf, op, body)
 
 
 def rabenseifner_all_reduce(team: Team, buf: torch.Tensor, op: str) -> None:
     """Recursive halving reduce-scatter then recursive doubling all-gather (Rabenseifner)."""
-    if team.size == 1:
-        return
-    rem, active = _fold_plan(team.size)
-    _fold_in(team, buf, op, rem)
-    if team.index in active:
-        sub = team.sub([team.members[a] for a in active])
+    def body(sub: Team) -> None:
         blocks = chunk_bounds(buf.numel(), sub.size)
         _halving(sub, buf, blocks, op)
         _doubling_gather(sub, buf, blocks)
-    _fold_out(team, buf, rem)
+
+    _on_power_of_two(team, buf, op, body)
 
 
 def _active_blocks(bounds: Bounds, rem: int, p: int) -> Bounds:
