@@ -93,7 +93,7 @@ CRAFTS = {
 
 def _load_for_resume(run: Path) -> None:
     """What Trainer._resume does: the manager loads model *and* optimizer."""
-    from stalwart.config.core import load
+    from stalwart.config import load
     from stalwart.config.job import JobConfig
     from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args

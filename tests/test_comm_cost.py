@@ -19,7 +19,7 @@ from stalwart.comm.topology import (
     load_topology,
     write_topology,
 )
-from stalwart.config.core import ConfigError, help_text, load, undocumented_fields
+from stalwart.config import ConfigError, help_text, load, undocumented_fields
 
 REPO = Path(__file__).resolve().parents[1]
 ALPHA, GBPS, GAMMA_NS = 20.0, 2.0, 0.5  # microseconds, GB/s, ns/byte

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.cli.common import find_config
-from stalwart.config.core import ConfigError, load, to_toml, undocumented_fields
+from stalwart.config.loading import find_config
+from stalwart.config import ConfigError, load, to_toml, undocumented_fields
 from stalwart.config.job import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from stalwart.config.core import ConfigError, load
+from stalwart.config import ConfigError, load
 from stalwart.config.job import JobConfig
 from stalwart.ft.detect import (
     BUDGET_EXHAUSTED,
@@ -15,8 +15,8 @@ from stalwart.ft.detect import (
     SpikeDetector,
     StragglerDetector,
     check_heartbeat,
-    validate_timeouts,
 )
+from stalwart.config.job import validate_timeouts
 from stalwart.ft.goodput import account
 from stalwart.ft.plan import (
     ChaosSchedule,

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from stalwart.config.core import build, undocumented_fields
+from stalwart.config import build, undocumented_fields
 from stalwart.observe.aggregate import goodput, heatmap, load_timings, straggler_scores
-from stalwart.observe.config import ObserveConfig
+from stalwart.config.job import ObserveConfig
 from stalwart.observe.diagnose import analyze, format_diagnosis
 from stalwart.observe.flight import FlightRecorder
 from stalwart.observe.rundir import load_run

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from stalwart.errors import UserError
-from stalwart.observe.config import ObserveConfig
+from stalwart.config.job import ObserveConfig
 from stalwart.observe.sinks import JsonlSink, MetricsFanout, PrometheusSink, WandbSink, build_sinks
 
 RECORDS = [{"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.3, "time": 1.8e9},

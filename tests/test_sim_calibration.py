@@ -6,7 +6,7 @@ import math
 import time
 from pathlib import Path
 
-from stalwart.config.core import load
+from stalwart.config import load
 from stalwart.sim.causes import CATALOG, LLAMA3_PLANNED, LLAMA3_TOTAL
 from stalwart.sim.config import SimConfig
 from stalwart.sim.montecarlo import build_job_model, run

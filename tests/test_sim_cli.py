@@ -6,7 +6,7 @@ import json
 
 from conftest import run_cli
 
-from stalwart.config.core import undocumented_fields
+from stalwart.config import undocumented_fields
 from stalwart.sim.config import SimConfig
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from stalwart.config.core import load
+from stalwart.config import load
 from stalwart.sim import daly
 from stalwart.sim.config import SimConfig
 from stalwart.sim.engine import BUCKETS, SPARE_WAIT, fault_segment, simulate_once

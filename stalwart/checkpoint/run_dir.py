@@ -26,7 +26,7 @@ class RunCheckpoint:
 
 def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunCheckpoint:
     from stalwart.checkpoint.manager import CheckpointManager
-    from stalwart.config.core import load
+    from stalwart.config import load
     from stalwart.config.job import CheckpointConfig, JobConfig
     from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args

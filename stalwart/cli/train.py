@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from stalwart.cli.common import job_help, load_job, split_args
+from stalwart.config.loading import job_help, load_job, split_args
 from stalwart.train.worker import LAUNCHER_FLAGS, worker_main
 
 INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [--section.key VALUE ...]

@@ -1,4 +1,4 @@
-"""Topology-aware collectives over point-to-point messages (GitHub issue 7).
+"""Topology-aware collectives over point-to-point messages.
 
 Layers, bottom up: ``topology`` (hosts/racks/pods and tier costs, rank placement) -> ``team`` (ranks of
 a group, p2p) -> ``algorithms`` / ``hierarchical`` (ring, recursive doubling, Rabenseifner, double

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from stalwart.config.core import ConfigError, help_text, load, option, section
+from stalwart.config import ConfigError, help_text, load, option, section
 
 
 @dataclasses.dataclass

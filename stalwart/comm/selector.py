@@ -7,16 +7,13 @@ algorithm is chosen only where it is predicted faster) and caches the choice per
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 
 from stalwart.comm import collectives as coll
 from stalwart.comm.cost import predict
 from stalwart.comm.topology import Placement, Topology, detect_placement, load_topology
-from stalwart.config.core import option
+from stalwart.config.job import CommConfig
 
 
 class Selector:
@@ -73,23 +70,6 @@ class Selector:
         members = self._members(group)
         algo = self.choose("all_gather", numel * shard.element_size(), members, dist.get_world_size())
         return coll.all_gather(shard, numel, group, algo, self.placement(dist.get_world_size()))
-
-
-@dataclasses.dataclass
-class CommConfig:
-    """How data-parallel gradients are reduced (the trainer's ``[comm]`` section)."""
-
-    algorithm: Literal["builtin", "auto", "ring", "rd", "rhd", "dbtree", "hier_ring", "hier_rd", "hier2d_ring",
-                        "hier2d_rhd"] = option(
-        "Gradient all-reduce: 'builtin' (the process group's own), 'auto' (the cost model picks per bucket "
-        "size), or one algorithm by name.", "builtin")
-    topology: str = option("Topology TOML with calibrated tier costs (e.g. one written by `stalwart bench "
-                           "collectives --write_topology`); empty: built-in defaults.", "")
-    placement: Literal["detect", "block"] = option(
-        "Which host each rank is on: 'detect' asks the ranks (hostname + network namespace), 'block' uses "
-        "the topology's ranks_per_host.", "detect")
-    bucket_mb: float = option("Gradients are flattened into buckets of at most this many MiB per all-reduce.",
-                              25.0, min=0.001)
 
 
 def build_selector(cfg: CommConfig, group: dist.ProcessGroup | None = None) -> Selector | None:

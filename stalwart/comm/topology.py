@@ -15,7 +15,7 @@ import os
 import socket
 from pathlib import Path
 
-from stalwart.config.core import load, option, section, to_toml
+from stalwart.config import load, option, section, to_toml
 
 # Tier indices, lowest (fastest) first. A message between two ranks uses tier max(level they differ at).
 TIERS = ("host", "rack", "pod", "cluster")

@@ -338,8 +338,4 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Output (TOML, --help) lives in render.py; re-exported here so `stalwart.config.core` stays the one API.
-from stalwart.config.render import help_text, to_toml, undocumented_fields  # noqa: E402
-
-__all__ = ["ConfigError", "option", "section", "build", "load", "to_dict", "parse_overrides", "help_text",
-           "to_toml", "undocumented_fields"]
+__all__ = ["ConfigError", "option", "section", "build", "load", "to_dict", "parse_overrides"]

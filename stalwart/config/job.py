@@ -1,7 +1,7 @@
 """The training job's configuration tree: one section per component.
 
-Each component receives only its own section (``build_model(cfg.model, ...)``,
-``build_optimizer(cfg.optimizer, ...)``), never the root. Every field's help text is what
+Each component receives only its own section (``build_optimizer(cfg.optimizer, ...)``,
+``build_sinks(cfg.observe, ...)``), never the root. Every field's help text is what
 ``stalwart train --help`` prints.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import itertools
+
 from stalwart.config.core import ConfigError, option, section
-from stalwart.comm.selector import CommConfig
-from stalwart.observe.config import ObserveConfig
+from stalwart.config.fault_plan import CHAOS_KINDS, FaultPlanError, parse_plan
 
 
 @dataclass
@@ -136,6 +137,20 @@ class ParallelismConfig:
     compile: bool = option("torch.compile each transformer block.", False)
 
 
+def validate_timeouts(heartbeat_interval_s: float, heartbeat_timeout_s: float, progress_timeout_s: float,
+                      collective_timeout_s: float, init_timeout_s: float) -> None:
+    """Each detector must fire before the mechanism behind it would: a clear error otherwise."""
+    chain = [("fault.heartbeat_interval_s", heartbeat_interval_s), ("fault.heartbeat_timeout_s", heartbeat_timeout_s),
+             ("fault.progress_timeout_s", progress_timeout_s), ("fault.collective_timeout_s", collective_timeout_s),
+             ("fault.init_timeout_s", init_timeout_s)]
+    for (a, va), (b, vb) in itertools.pairwise(chain):
+        if not va < vb:
+            raise ConfigError(
+                f"{a} ({va:g} s) must be smaller than {b} ({vb:g} s): the timeouts must be ordered "
+                "heartbeat interval < heartbeat timeout < progress timeout < collective timeout < init timeout, "
+                "so a hang is caught by the watchdog before torch's collective timeout turns it into a crash")
+
+
 @dataclass
 class FaultConfig:
     inject: str = option("Fault-injection plan for tests and drills, e.g. 'kill:rank=1,step=17;hang:rank=0,step=30;"
@@ -196,9 +211,6 @@ class FaultConfig:
         "<run>/ft/excluded.json for the next launch.", "report")
 
     def __post_init__(self) -> None:
-        from stalwart.ft.detect import validate_timeouts
-        from stalwart.ft.plan import CHAOS_KINDS, FaultPlanError, parse_plan
-
         validate_timeouts(self.heartbeat_interval_s, self.heartbeat_timeout_s, self.progress_timeout_s,
                           self.collective_timeout_s, self.init_timeout_s)
         parse_plan(self.inject)
@@ -264,6 +276,46 @@ class SampleConfig:
     max_new_tokens: int = option("Tokens to generate for the end-of-training sample.", 80, min=0)
     temperature: float = option("Sampling temperature (0 = greedy).", 0.8, min=0.0)
     top_k: int = option("Sample among the k most likely tokens (0 = all).", 40, min=0)
+
+
+@dataclass
+class CommConfig:
+    """How data-parallel gradients are reduced (the trainer's ``[comm]`` section)."""
+
+    algorithm: Literal["builtin", "auto", "ring", "rd", "rhd", "dbtree", "hier_ring", "hier_rd", "hier2d_ring",
+                        "hier2d_rhd"] = option(
+        "Gradient all-reduce: 'builtin' (the process group's own), 'auto' (the cost model picks per bucket "
+        "size), or one algorithm by name.", "builtin")
+    topology: str = option("Topology TOML with calibrated tier costs (e.g. one written by `stalwart bench "
+                           "collectives --write_topology`); empty: built-in defaults.", "")
+    placement: Literal["detect", "block"] = option(
+        "Which host each rank is on: 'detect' asks the ranks (hostname + network namespace), 'block' uses "
+        "the topology's ranks_per_host.", "detect")
+    bucket_mb: float = option("Gradients are flattened into buckets of at most this many MiB per all-reduce.",
+                              25.0, min=0.001)
+
+
+@dataclass
+class ObserveConfig:
+    timings: bool = option("Write per-rank, per-phase step timings to timings/rank-<r>.jsonl.", True)
+    timings_flush_every: int = option(
+        "Flush the per-rank timings file (and resolve CUDA events) every N steps; no collective is "
+        "involved, each rank writes its own file and the tools merge them.", 10, min=1)
+    flight_recorder: bool = option("Record each rank's last collectives in a ring buffer and dump them to "
+                                   "flight/rank-<r>.json on a hang, an exception, SIGTERM or SIGUSR1.", True)
+    flight_entries: int = option("Ring-buffer size of the flight recorder (collectives kept per rank).",
+                                 2000, min=16)
+    hang_timeout_s: float = option(
+        "Watchdog: dump the flight recorder when a collective has been in flight, or no progress was "
+        "made, for this many seconds (0 = no watchdog thread).", 300.0, min=0.0)
+    tensorboard: bool = option("Also write metrics as TensorBoard event files under <run_dir>/tensorboard.",
+                               False)
+    prometheus_port: int = option("Serve Prometheus text metrics at http://<host>:<port>/metrics from rank 0 "
+                                  "(0 = off).", 0, min=0, max=65535)
+    prometheus_host: str = option("Address the Prometheus endpoint binds to (loopback by default).",
+                                  "127.0.0.1")
+    wandb: bool = option("Also log metrics to Weights & Biases (needs the wandb package).", False)
+    wandb_project: str = option("Weights & Biases project name.", "stalwart")
 
 
 @dataclass

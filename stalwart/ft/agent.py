@@ -173,7 +173,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, run_dir: Path, snapshot_
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser
 
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # pytorch issue 135712
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a restarted gloo group must not reuse the old store
     args = get_args_parser().parse_args(torchrun_argv)
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
@@ -263,7 +263,7 @@ def record_exclusion(run_dir: Path, rec: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Multi-node: ``python -m stalwart.ft.agent <torchrun args> -m stalwart.train --config ...``."""
-    from stalwart.cli.common import load_job, split_args
+    from stalwart.config.loading import load_job, split_args
     from stalwart.train.trainer import run_dir_for
     from stalwart.train.worker import LAUNCHER_FLAGS
 

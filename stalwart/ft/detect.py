@@ -1,6 +1,5 @@
 """Detectors as pure functions and small state machines: no processes, no torch, clocks passed in.
 
-- ``validate_timeouts``: heartbeat < progress < collective < init, or a clear error.
 - ``check_heartbeat``: is a rank unresponsive (no heartbeat) or hung (no step progress)?
 - ``SpikeDetector``: robust z-score of the loss over a trailing window.
 - ``StragglerDetector``: a rank consistently slower than its peers in a phase.
@@ -9,12 +8,9 @@
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass
-
-from stalwart.config.core import ConfigError
 
 # Exit codes of `stalwart train` (documented in docs/fault-tolerance.md).
 EXIT_OK = 0
@@ -24,20 +20,6 @@ EXIT_ROLLBACK = 3          # worker -> supervisor only: "restart me from the las
 EXIT_RESTART_BUDGET = 75   # launch.max_restarts used up while the job still progressed: requeue is fine
 EXIT_CRASH_LOOP = 76       # fault.crash_loop_restarts failures in a row without progress: do NOT requeue
 EXIT_EXCLUDE = 77          # supervisor -> launcher only: relaunch without the excluded host
-
-
-def validate_timeouts(heartbeat_interval_s: float, heartbeat_timeout_s: float, progress_timeout_s: float,
-                      collective_timeout_s: float, init_timeout_s: float) -> None:
-    """Each detector must fire before the mechanism behind it would: a clear error otherwise."""
-    chain = [("fault.heartbeat_interval_s", heartbeat_interval_s), ("fault.heartbeat_timeout_s", heartbeat_timeout_s),
-             ("fault.progress_timeout_s", progress_timeout_s), ("fault.collective_timeout_s", collective_timeout_s),
-             ("fault.init_timeout_s", init_timeout_s)]
-    for (a, va), (b, vb) in itertools.pairwise(chain):
-        if not va < vb:
-            raise ConfigError(
-                f"{a} ({va:g} s) must be smaller than {b} ({vb:g} s): the timeouts must be ordered "
-                "heartbeat interval < heartbeat timeout < progress timeout < collective timeout < init timeout, "
-                "so a hang is caught by the watchdog before torch's collective timeout turns it into a crash")
 
 
 # ---------------------------------------------------------------------- heartbeat / progress

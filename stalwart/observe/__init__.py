@@ -1,10 +1,10 @@
-"""Observability building blocks (issue 6): per-rank phase timings, a collective flight recorder,
+"""Observability building blocks: per-rank phase timings, a collective flight recorder,
 metric sinks, straggler scores, goodput, trace export, and the dashboard / report / diagnose / doctor
 tools. Everything except the recorders reads only the run directory (docs/run-directory.md).
 See docs/observability.md.
 """
 
-from stalwart.observe.config import ObserveConfig
+from stalwart.config.job import ObserveConfig
 from stalwart.observe.flight import FlightRecorder
 from stalwart.observe.sinks import (JsonlSink, MetricsFanout, PrometheusSink, Sink, TensorBoardSink,
                                     WandbSink, build_sinks)

@@ -167,7 +167,7 @@ class MetricsFanout:
 
 def build_sinks(cfg: Any, run_dir: str | Path, run_name: str = "run", is_main: bool = True,
                 config_dict: dict[str, Any] | None = None) -> MetricsFanout:
-    """The fan-out for ``cfg`` (an :class:`~stalwart.observe.config.ObserveConfig`); empty off rank 0."""
+    """The fan-out for ``cfg`` (an :class:`~stalwart.config.job.ObserveConfig`); empty off rank 0."""
     if not is_main:
         return MetricsFanout([])
     run_dir = Path(run_dir)

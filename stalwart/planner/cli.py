@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from stalwart.config.core import ConfigError, help_text, load, to_dict
+from stalwart.config import ConfigError, help_text, load, to_dict
 from stalwart.planner.config import PlanConfig
 from stalwart.planner.cost import Network, Options
 from stalwart.planner.hardware import GPUS

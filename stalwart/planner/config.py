@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from stalwart.config.core import ConfigError, option, section
+from stalwart.config import ConfigError, option, section
 from stalwart.planner.hardware import GPUS
 from stalwart.planner.shapes import FLAVORS
 

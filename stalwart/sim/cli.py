@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stalwart.config.core import ConfigError, help_text, load, to_dict
+from stalwart.config import ConfigError, help_text, load, to_dict
 from stalwart.sim import report
 from stalwart.sim.cluster import simulate_cluster
 from stalwart.sim.config import SimConfig

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from stalwart.config.core import ConfigError, option, section
+from stalwart.config import ConfigError, option, section
 from stalwart.sim.causes import CATALOG, Cause
 
 

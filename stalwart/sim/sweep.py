@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from stalwart.config.core import ConfigError
+from stalwart.config import ConfigError
 from stalwart.sim.config import SimConfig, spare_hosts
 
 MAX_POINTS = 64

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from stalwart import __version__
 from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
 from stalwart.checkpoint.snapshot import SnapshotStore, default_snapshot_dir
-from stalwart.config.core import to_toml
+from stalwart.config import to_toml
 from stalwart.config.job import JobConfig
 from stalwart.data.corpus import Corpus
 from stalwart.data.loader import DataLoader, TokenStream, validation_batches

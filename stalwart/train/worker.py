@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from stalwart.cli.common import load_job, split_args
+from stalwart.config.loading import load_job, split_args
 from stalwart.errors import UserError
 from stalwart.ft.detect import EXIT_ROLLBACK
 from stalwart.ft.guard import RollbackRequested

@@ -1,11 +1,14 @@
-"""Pieces shared by the commands that read a training config."""
+"""From a command line to a training config: find the TOML file, split launcher flags from dotted
+overrides, load and validate. Used by `stalwart train`, the worker entry point and the launcher, so
+argv is parsed in one place."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stalwart.config.core import ConfigError, help_text, load
+from stalwart.config.core import ConfigError, load
 from stalwart.config.job import JobConfig
+from stalwart.config.render import help_text
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,0 +1,175 @@
+"""Every path under a run directory, built in one place (the contract is docs/run-directory.md).
+
+Nothing else in Stalwart joins a file name onto a run directory: writers and readers alike ask a
+:class:`RunPaths` for it, so the layout can be read (and changed) here alone. Names of checkpoint
+directories and snapshot files are parsed here too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+_CHECKPOINT = re.compile(r"^step-(\d+)$")
+_SNAPSHOT = re.compile(r"^step-(\d+)\.snap$")
+
+
+def checkpoint_step(path: Path | str) -> int | None:
+    """N for a complete checkpoint directory name ``step-N``; None for anything else (``.tmp-*``)."""
+    m = _CHECKPOINT.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def snapshot_step(path: Path | str) -> int | None:
+    """N for a snapshot file name ``step-N.snap``; None for anything else (a ``.tmp`` file)."""
+    m = _SNAPSHOT.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def snapshot_name(step: int) -> str:
+    return f"step-{step}.snap"
+
+
+def default_run_dir(name: str, directory: str = "") -> Path:
+    """``run.dir`` if set, else ``runs/<run.name>``."""
+    return Path(directory or f"runs/{name}")
+
+
+class RunPaths:
+    """The layout of one run directory. Cheap to build; touches no file."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @classmethod
+    def of(cls, run_cfg) -> "RunPaths":
+        """From the ``[run]`` config section."""
+        return cls(default_run_dir(run_cfg.name, run_cfg.dir))
+
+    def __repr__(self) -> str:
+        return f"RunPaths({str(self.root)!r})"
+
+    # -- written once at start, read by every tool -------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer.json"
+
+    # -- records ----------------------------------------------------------------------------------
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def goodput(self) -> Path:
+        return self.root / "goodput.json"
+
+    @property
+    def timings_dir(self) -> Path:
+        return self.root / "timings"
+
+    def timings(self, rank: int) -> Path:
+        return self.timings_dir / f"rank-{rank}.jsonl"
+
+    @property
+    def flight_dir(self) -> Path:
+        return self.root / "flight"
+
+    def flight(self, rank: int) -> Path:
+        return self.flight_dir / f"rank-{rank}.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "report"
+
+    @property
+    def debug_dir(self) -> Path:
+        return self.root / "debug"
+
+    def grad_dump(self, step: int, name: str) -> Path:
+        return self.debug_dir / f"grad-step{step}-{name}.safetensors"
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    def checkpoint_tmp(self, step: int) -> Path:
+        return self.checkpoints / f".tmp-step-{step}"
+
+    @property
+    def latest(self) -> Path:
+        return self.checkpoints / "latest"
+
+    def snapshots(self, memory_dir: str = "") -> Path:
+        """In-memory snapshots live outside the run directory, in RAM that outlives the workers:
+        ``checkpoint.memory_dir``, or ``/dev/shm/stalwart-<sha256(absolute run dir)[:16]>``."""
+        if memory_dir:
+            return Path(memory_dir)
+        key = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:16]
+        return Path("/dev/shm") / f"stalwart-{key}"
+
+    # -- fault tolerance ------------------------------------------------------------------------
+    @property
+    def ft_dir(self) -> Path:
+        return self.root / "ft"
+
+    @property
+    def heartbeat_dir(self) -> Path:
+        return self.ft_dir / "heartbeat"
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeat_dir / f"rank-{rank}.json"
+
+    @property
+    def exit_dir(self) -> Path:
+        return self.ft_dir / "exit"
+
+    def exit_record(self, rank: int) -> Path:
+        return self.exit_dir / f"rank-{rank}.json"
+
+    @property
+    def fired_dir(self) -> Path:
+        return self.ft_dir / "fired"
+
+    def fired(self, fault_id: str) -> Path:
+        return self.fired_dir / f"{fault_id}.json"
+
+    @property
+    def skip_steps(self) -> Path:
+        return self.ft_dir / "skip_steps.json"
+
+    @property
+    def excluded(self) -> Path:
+        return self.ft_dir / "excluded.json"
+
+
+def rank_files(directory: Path, suffix: str) -> dict[int, Path]:
+    """``rank-<r><suffix>`` files in ``directory`` by rank (timings, flight dumps, heartbeats, exits)."""
+    out: dict[int, Path] = {}
+    if directory.is_dir():
+        for p in directory.glob(f"rank-*{suffix}"):
+            try:
+                out[int(p.name[len("rank-"):-len(suffix)])] = p
+            except ValueError:
+                continue
+    return dict(sorted(out.items()))
