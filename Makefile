@@ -6,7 +6,7 @@ STAMP := $(VENV)/.stalwart-installed
 TEST_STAMP := $(VENV)/.stalwart-test-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env train test bench clean-env
+.PHONY: env train test test-fast test-multiproc test-e2e bench clean-env
 
 # The runtime environment: torch (reused if importable, else pinned torch==2.13.0) + Stalwart.
 $(STAMP): pyproject.toml scripts/bootstrap.py
@@ -24,9 +24,21 @@ env: $(STAMP)
 train: $(STAMP)
 	$(BIN)/stalwart train --config default
 
-## Run the whole test suite (what CI runs).
+## Run the whole test suite (what CI runs): all three tiers.
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests
+
+## The fast tier: pure-logic unit tests, under two minutes. Run it on every change.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q tests -m unit
+
+## Multi-process tests on gloo (spawned workers), without the CLI.
+test-multiproc: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q tests -m multiproc
+
+## End-to-end tests through the real CLI (and the browser, network namespaces).
+test-e2e: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q tests -m e2e
 
 ## Throughput benchmark (reference workload, 1 and 2 processes).
 bench: $(STAMP)

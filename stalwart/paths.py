@@ -31,6 +31,34 @@ def snapshot_name(step: int) -> str:
     return f"step-{step}.snap"
 
 
+class CheckpointDir:
+    """Names inside a checkpoints directory: ``step-N`` (complete), ``.tmp-step-N`` (being written),
+    ``.failed-step-N-<time>`` (quarantined), ``latest`` (names the newest complete one)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def step(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def tmp(self, step: int) -> Path:
+        return self.root / f".tmp-step-{step}"
+
+    def failed(self, step: int, when: int) -> Path:
+        return self.root / f".failed-step-{step}-{when}"
+
+    @property
+    def latest(self) -> Path:
+        return self.root / "latest"
+
+    def complete(self) -> list[Path]:
+        """``step-N`` directories, oldest first (by name only: a ``.tmp-*`` one is never listed)."""
+        if not self.root.is_dir():
+            return []
+        found = [(s, p) for p in self.root.iterdir() if (s := checkpoint_step(p)) is not None and p.is_dir()]
+        return [p for _, p in sorted(found)]
+
+
 def default_run_dir(name: str, directory: str = "") -> Path:
     """``run.dir`` if set, else ``runs/<run.name>``."""
     return Path(directory or f"runs/{name}")
@@ -111,14 +139,7 @@ class RunPaths:
         return self.root / "checkpoints"
 
     def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step-{step}"
-
-    def checkpoint_tmp(self, step: int) -> Path:
-        return self.checkpoints / f".tmp-step-{step}"
-
-    @property
-    def latest(self) -> Path:
-        return self.checkpoints / "latest"
+        return CheckpointDir(self.checkpoints).step(step)
 
     def snapshots(self, memory_dir: str = "") -> Path:
         """In-memory snapshots live outside the run directory, in RAM that outlives the workers:

@@ -1,4 +1,17 @@
-"""Shared test helpers: run the real CLI in a subprocess, and a small real-text corpus."""
+"""Shared test helpers: run the real CLI in a subprocess, and a small real-text corpus.
+
+Every test belongs to exactly one tier (markers registered in pyproject.toml):
+
+- ``unit``: pure logic in the pytest process; no subprocesses, no worker processes, no browser.
+  ``make test-fast`` runs this tier (under two minutes on 2 CPU cores): run it on every change.
+- ``multiproc``: real worker processes (gloo groups, spawned, crashed or killed children) that do not
+  go through the ``stalwart`` CLI.
+- ``e2e``: end to end through the real CLI (``stalwart train ...``), a browser, network namespaces or
+  mounts.
+
+``make test`` (what CI runs) runs all three. A test without a tier, or with two, fails collection.
+Prefer one ``pytestmark = pytest.mark.<tier>`` per file; mark single tests where a file mixes tiers.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +25,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+TIERS = ("unit", "multiproc", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything: every collected test must choose
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    bad = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            bad.append(f"  {item.nodeid}: {'no tier marker' if not tiers else 'several tiers ' + ', '.join(tiers)}")
+    if bad:
+        raise pytest.UsageError(
+            "every test needs exactly one tier marker, one of " + ", ".join(f"@pytest.mark.{t}" for t in TIERS)
+            + " (see tests/conftest.py; prefer a module-level `pytestmark = pytest.mark.<tier>`):\n"
+            + "\n".join(bad))
+
 
 # A small slice of the standard library: real text, quick to tokenize.
 SMALL_CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
@@ -52,6 +82,25 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def step_losses(run_dir: Path) -> dict[int, float]:
     """step -> training loss (the last line wins if a step was logged twice)."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def unapplied_file_values(cfg, path: Path) -> list[str]:
+    """Dotted keys set in the TOML file ``path`` whose value the loaded config ``cfg`` does not hold."""
+    import tomllib
+
+    from stalwart.config import to_dict
+
+    def walk(raw: dict, loaded: dict, prefix: str) -> list[str]:
+        out = []
+        for key, value in raw.items():
+            name, got = prefix + key, loaded.get(key)
+            if isinstance(value, dict):
+                out += walk(value, got if isinstance(got, dict) else {}, name + ".")
+            elif got != value:
+                out.append(f"{name}: file says {value!r}, loaded {got!r}")
+        return out
+
+    return walk(tomllib.loads(Path(path).read_text()), to_dict(cfg), "")
 
 
 @pytest.fixture

@@ -20,13 +20,11 @@ import torch
 from conftest import TINY_RUN, run_cli
 from stalwart.checkpoint.manager import CheckpointManager, _sha256
 from stalwart.checkpoint.safe_io import read_dcp_metadata
-from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, default_snapshot_dir, deserialize
+from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, deserialize
+from stalwart.paths import RunPaths
 from stalwart.config.job import CheckpointConfig
 from stalwart.errors import UserError
 from test_checkpoint_unit import tiny
-
-pytestmark = pytest.mark.slow
-
 
 class Evil:
     def __init__(self, marker: Path) -> None:
@@ -119,6 +117,7 @@ def _export(run: Path) -> None:
     export_run(run, run.parent / "hf-out")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("craft", list(CRAFTS))
 def test_malicious_checkpoint_is_refused_everywhere(good_run, tmp_path, craft):
     run = tmp_path / "run"
@@ -142,6 +141,7 @@ def test_malicious_checkpoint_is_refused_everywhere(good_run, tmp_path, craft):
             assert refused and "step-2" in refused, (name, refused)
 
 
+@pytest.mark.e2e
 def test_malicious_checkpoint_through_the_cli(good_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(good_run, run)
@@ -157,6 +157,7 @@ def test_malicious_checkpoint_through_the_cli(good_run, tmp_path):
         assert not marker.exists()
 
 
+@pytest.mark.unit
 def test_malicious_snapshot_is_refused(tmp_path):
     marker = tmp_path / "PWNED"
     job = tmp_path / "job"
@@ -170,4 +171,4 @@ def test_malicious_snapshot_is_refused(tmp_path):
     with pytest.raises(SnapshotError):
         deserialize((own / "step-5.snap").read_bytes())
     assert not marker.exists()
-    assert default_snapshot_dir(tmp_path).parent == Path("/dev/shm")
+    assert RunPaths(tmp_path).snapshots().parent == Path("/dev/shm")

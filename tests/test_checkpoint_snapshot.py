@@ -3,6 +3,7 @@ after the whole process group is killed."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -18,20 +19,31 @@ import torch
 
 from conftest import REPO, TINY_RUN, cli_env, run_cli, step_losses
 from stalwart.checkpoint.inspect import digest
-from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, default_snapshot_dir, deserialize, serialize
+from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, deserialize, serialize
+from stalwart.paths import RunPaths
 from test_checkpoint_unit import tiny, train_step
 
 
 def _state(model, opt):
-    return {k: v.clone() for k, v in model.state_dict().items()}, {
-        k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+    """A deep copy of everything a restore must bring back: weights, optimizer state and hyper-parameters."""
+    return copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
 
 
 def _same(a, b) -> bool:
-    return all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and all(
-        torch.equal(a[1][k][n], b[1][k][n]) for k in a[1] for n in a[1][k])
+    """Bit-for-bit equality of two nested states: the same keys everywhere, tensors of the same dtype and
+    shape with equal values (torch.equal), plain values equal (==)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
+@pytest.mark.unit
 def test_blob_round_trip_and_corruption():
     state = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor(3.0),
              "c": torch.ones(2, dtype=torch.bfloat16), "g": [{"betas": (0.9, 0.95), "lr": 1e-3, "n": None}]}
@@ -50,6 +62,7 @@ def test_blob_round_trip_and_corruption():
         deserialize(pickle.dumps({"x": 1}), "snap")
 
 
+@pytest.mark.unit
 def test_single_rank_store_restores_bit_identically(tmp_path):
     model, opt = tiny()
     for s in range(1, 4):
@@ -75,7 +88,9 @@ def test_single_rank_store_restores_bit_identically(tmp_path):
     torch.manual_seed(5)
     st = store3.load(3, fresh, fresh_opt)
     assert st == {"step": 3, "tokens_seen": 3}
+    assert before["optim"]["state"], "AdamW state is empty: the comparison below would prove nothing"
     assert _same(_state(fresh, fresh_opt), before)
+    assert not _same(_state(fresh, fresh_opt), _state(model, opt))  # step 3's numbers, not step 4's
     assert torch.equal(torch.get_rng_state(), rng)
     # The restored optimizer continues exactly like the original.
     assert train_step(fresh, fresh_opt, 4) == train_step(m3, o3, 4)
@@ -117,7 +132,7 @@ def _peer_worker(rank: int, world: int, init: str, job: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.multiproc
 def test_lost_own_copy_is_restored_from_the_peer(tmp_path):
     import torch.multiprocessing as mp
 
@@ -132,6 +147,7 @@ def test_lost_own_copy_is_restored_from_the_peer(tmp_path):
     assert r1["trainer"] == {"step": 2, "tokens_seen": 2} and r1["own_rewritten"]
 
 
+@pytest.mark.unit
 def test_peer_is_same_local_rank_on_the_next_host():
     store = SnapshotStore("/nonexistent", rank=3, world_size=16, local_world_size=8)
     assert store.peer == 11 and store.source == 11
@@ -161,12 +177,12 @@ def _train_args(run_dir, steps, *extra):
             "--training.steps", str(steps), *extra]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_resume_from_memory_after_killing_the_process_group_is_bit_identical(tmp_path, request):
     steps = 24
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_cli(*_train_args(straight, steps))
-    snap_dir = default_snapshot_dir(killed)
+    snap_dir = RunPaths(killed).snapshots()
     shutil.rmtree(snap_dir, ignore_errors=True)
     request.addfinalizer(lambda: shutil.rmtree(snap_dir, ignore_errors=True))  # RAM, even if the test fails
     proc = subprocess.Popen([sys.executable, "-m", "stalwart", *_train_args(

@@ -67,6 +67,7 @@ def saved_run(root: Path, steps=(1, 2), **cfg) -> tuple[CheckpointManager, Event
 
 
 # ---------------------------------------------------------------------------- async
+@pytest.mark.unit
 def test_async_save_equals_sync_and_stages_before_the_optimizer_mutates(tmp_path):
     model, opt = tiny()
     train_step(model, opt, 1)
@@ -82,8 +83,14 @@ def test_async_save_equals_sync_and_stages_before_the_optimizer_mutates(tmp_path
     a, b = tmp_path / "sync" / "step-1", tmp_path / "async" / "step-1"
     assert digest(a, "model.") == digest(b, "model.")
     assert digest(a, "optim.") == digest(b, "optim.")
+    # ...and the digests see the difference: the state after the in-flight steps saves differently.
+    later = manager(tmp_path / "later", async_save=False)
+    later.save(3, model, opt, {"tokens_seen": 3})
+    c = tmp_path / "later" / "step-3"
+    assert digest(c, "model.") != digest(b, "model.") and digest(c, "optim.") != digest(b, "optim.")
 
 
+@pytest.mark.unit
 def test_manifest_describes_the_run(tmp_path):
     model, opt = tiny()
     m = CheckpointManager(tmp_path, CheckpointConfig(async_save=True), 0, 1, Events(),
@@ -142,6 +149,7 @@ def _trainer_state(ckpt: Path) -> str:
     return "trainer_state.json"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("corrupt", [_truncate, _flip, _delete, _metadata, _manifest_garbage, _manifest_missing,
                                      _trainer_state])
 def test_corruption_is_refused_by_name_and_resume_falls_back(tmp_path, corrupt):
@@ -159,6 +167,7 @@ def test_corruption_is_refused_by_name_and_resume_falls_back(tmp_path, corrupt):
 
 
 # ---------------------------------------------------------------------------- retention
+@pytest.mark.unit
 def test_retention_keeps_last_k_and_every_mth(tmp_path):
     events = Events()
     m = manager(tmp_path, events, async_save=True, keep_last=2, keep_every=4)
@@ -171,6 +180,7 @@ def test_retention_keeps_last_k_and_every_mth(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step-9"
 
 
+@pytest.mark.unit
 def test_retention_never_deletes_the_only_complete_checkpoint_and_survives_failed_deletes(tmp_path, monkeypatch):
     events = Events()
     m = manager(tmp_path, events, async_save=False, keep_last=1)
@@ -198,6 +208,7 @@ def _enospc(self, *a, **k):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("async_save", [True, False])
 def test_disk_full_fails_loudly_and_training_continues(tmp_path, monkeypatch, capsys, async_save):
     from torch.distributed.checkpoint import FileSystemWriter
@@ -220,6 +231,7 @@ def test_disk_full_fails_loudly_and_training_continues(tmp_path, monkeypatch, ca
     assert m.save(3, model, opt, {"tokens_seen": 3}, block=True) == tmp_path / "step-3"  # recovers
 
 
+@pytest.mark.unit
 def test_on_failure_stop_raises_a_user_error(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -231,6 +243,7 @@ def test_on_failure_stop_raises_a_user_error(tmp_path, monkeypatch):
         m.wait()
 
 
+@pytest.mark.e2e  # real tmpfs mounts (root only)
 def test_read_only_storage_fails_loudly(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a read-only tmpfs")
@@ -295,6 +308,7 @@ def _crash_run(tmp_path, point, mode):
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE), marker
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("point", ["before_write", "after_shards", "after_metadata", "before_rename"])
 def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, point):
     proc, _ = _crash_run(tmp_path, point, "exit")
@@ -307,6 +321,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, point):
     assert m.load(root / "step-1", *tiny(seed=7)).step == 1
 
 
+@pytest.mark.multiproc
 def test_sigkill_during_async_write_keeps_the_previous_checkpoint(tmp_path):
     import signal
     import time

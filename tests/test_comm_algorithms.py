@@ -99,7 +99,7 @@ def check_world(rank: int, world: int) -> tuple[int, list[str]]:
     return checked, bad
 
 
-@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8])
 def test_algorithms_match_builtin(world: int) -> None:
     results = run_workers(check_world, world, timeout_s=240)
@@ -112,6 +112,7 @@ def test_algorithms_match_builtin(world: int) -> None:
 # Pure logic
 # -------------------------------------------------------------------------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("p", list(range(1, 70)))
 def test_double_tree_is_two_trees_with_complementary_leaves(p: int) -> None:
     for parents in double_tree_parents(p):
@@ -131,6 +132,7 @@ def test_double_tree_is_two_trees_with_complementary_leaves(p: int) -> None:
         assert len(interior_a & interior_b) <= 1
 
 
+@pytest.mark.unit
 def test_chunk_bounds_and_fold_plan() -> None:
     assert chunk_bounds(7, 3) == [(0, 3), (3, 2), (5, 2)]
     assert chunk_bounds(0, 4) == [(0, 0)] * 4

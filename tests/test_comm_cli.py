@@ -10,8 +10,9 @@ from conftest import run_cli
 
 from stalwart.comm.topology import load_topology
 
+pytestmark = pytest.mark.e2e
 
-@pytest.mark.slow
+
 def test_bench_collectives_cli(tmp_path: Path) -> None:
     topo_file, out = tmp_path / "fitted.toml", tmp_path / "bench.json"
     proc = run_cli("bench", "collectives", "--world", "3", "--min_bytes", "1024", "--max_bytes", "65536",

@@ -21,6 +21,8 @@ from stalwart.comm.topology import (
 )
 from stalwart.config import ConfigError, help_text, load, undocumented_fields
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 ALPHA, GBPS, GAMMA_NS = 20.0, 2.0, 0.5  # microseconds, GB/s, ns/byte
 
@@ -95,8 +97,16 @@ def test_selector_two_tier_prefers_hierarchical() -> None:
 
 def test_selector_fixed_and_cache() -> None:
     sel = Selector(_flat(4), fixed={"all_reduce": "dbtree"})
-    assert sel.choose("all_reduce", 10, [0, 1, 2, 3]) == "dbtree"
-    assert sel.choose("all_gather", 10, [0, 1, 2, 3]) in ("ring", "doubling", "builtin")
+    m = [0, 1, 2, 3]
+    assert sel.choose("all_reduce", 10, m) == "dbtree"
+    assert sel.choose("all_reduce", 256 << 20, m) == "dbtree"  # fixed at every size, whatever the model says
+    # An op that is not fixed is the cost model's cheapest algorithm...
+    pred = sel.predictions("all_gather", 10, m)
+    choice = sel.choose("all_gather", 10, m)
+    assert choice == min(pred, key=pred.__getitem__), pred
+    # ...and is cached: asking again does not predict again.
+    sel.predictions = lambda *a, **k: pytest.fail("a cached choice was predicted again")
+    assert sel.choose("all_gather", 10, m) == choice
 
 
 def test_shipped_topologies_parse_and_round_trip(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import TINY_RUN, run_cli, step_losses
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def train(run_dir, nproc, *extra):

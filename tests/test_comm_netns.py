@@ -16,7 +16,7 @@ from stalwart.comm.netns import NetnsCluster, run_workers_netns, unavailable_rea
 from stalwart.comm.topology import detect_placement
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"netns unavailable: {REASON}")]
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=f"netns unavailable: {REASON}")]
 
 
 def hosts_and_collectives(rank: int, world: int) -> dict:

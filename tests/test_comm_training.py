@@ -15,6 +15,8 @@ from stalwart.comm import (
 )
 from stalwart.comm.launch import run_workers
 
+pytestmark = pytest.mark.multiproc
+
 STEPS = 6
 
 
@@ -61,7 +63,6 @@ def train_modes(rank: int, world: int, modes: list[str]) -> dict[str, tuple[list
     return {m: _train(rank, m) for m in modes}
 
 
-@pytest.mark.slow
 def test_custom_reduction_matches_builtin_losses() -> None:
     modes = ["builtin", "sel:ring", "sel:rhd", "sel:dbtree", "sel:auto", "ddp:builtin", "ddp:hook"]
     per_rank = run_workers(train_modes, 2, (modes,), timeout_s=240)

@@ -10,6 +10,8 @@ from stalwart.data.corpus import Corpus, DataError
 from stalwart.data.loader import DataLoader, TokenStream
 from stalwart.data.tokenizer import eos_id, train_bpe
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def corpus():

@@ -39,12 +39,14 @@ def _tokenizer(tmp_path):
     return path
 
 
+@pytest.mark.unit
 def test_rope_permutation_is_inverted_by_import():
     w = torch.randn(4 * 16, 8)
     assert torch.equal(from_hf_rope(to_hf_rope(w, 4), 4), w)
     assert not torch.equal(to_hf_rope(w, 4), w)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tie", [True, False])
 def test_export_matches_transformers_and_round_trips(tmp_path, tie):
     args = dataclasses.replace(ARGS, tie_embeddings=tie)
@@ -71,6 +73,7 @@ def test_export_matches_transformers_and_round_trips(tmp_path, tie):
         assert torch.equal(fresh(tokens), ours)
 
 
+@pytest.mark.unit
 def test_sharded_export_writes_an_index(tmp_path):
     model = build(ARGS)
     out = tmp_path / "hf"
@@ -84,6 +87,7 @@ def test_sharded_export_writes_an_index(tmp_path):
         assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
+@pytest.mark.unit
 def test_import_refuses_a_mismatched_shape(tmp_path):
     model = build(ARGS)
     out = tmp_path / "hf"
@@ -97,7 +101,7 @@ def test_import_refuses_a_mismatched_shape(tmp_path):
         read_hf(out)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_cli_export_then_init_from_hf(tmp_path):
     from stalwart.cli.generate import load_run_model
 

@@ -8,7 +8,7 @@ from conftest import TINY_RUN, read_metrics, run_cli, step_losses
 from stalwart.checkpoint.inspect import digest
 from stalwart.ft.detect import EXIT_CRASH_LOOP, EXIT_RESTART_BUDGET
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 # Tight but sane bounds for a loaded 2-core machine (steps take ~0.1-0.5 s here).
 FAST_FT = ["--fault.heartbeat_interval_s", "0.2", "--fault.heartbeat_timeout_s", "3", "--fault.progress_timeout_s",

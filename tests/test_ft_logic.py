@@ -1,4 +1,4 @@
-"""Fault tolerance, pure logic: plans, detectors, restart policy, supervisor and goodput (no processes)."""
+"""Fault tolerance, pure logic: plans, detectors, restart policy and supervisor (no processes)."""
 
 import json
 
@@ -17,7 +17,6 @@ from stalwart.ft.detect import (
     check_heartbeat,
 )
 from stalwart.config.job import validate_timeouts
-from stalwart.ft.goodput import account
 from stalwart.ft.plan import (
     ChaosSchedule,
     FaultPlanError,
@@ -27,6 +26,9 @@ from stalwart.ft.plan import (
     pending,
 )
 from stalwart.ft.supervisor import Supervisor, newest_state_step
+from stalwart.paths import RunPaths
+
+pytestmark = pytest.mark.unit
 
 PLAN = ("kill:rank=1,step=17;hang:rank=0,step=30;nan:step=40;slow:rank=1,factor=3,steps=50-80;"
         "exception:rank=0,step=60;corrupt_checkpoint:step=50")
@@ -61,10 +63,11 @@ def test_parse_plan_errors(bad, msg):
 
 def test_fired_faults_are_not_fired_again(tmp_path):
     faults = parse_plan("kill:rank=1,step=3;exception:step=5,once=0")
-    mark_fired(tmp_path, faults[0], 3, 1.0)
-    mark_fired(tmp_path, faults[1], 5, 2.0)
-    assert fired_ids(tmp_path) == {"0-kill", "1-exception"}
-    assert [f.kind for f in pending(faults, fired_ids(tmp_path))] == ["exception"]  # once=0 repeats
+    paths = RunPaths(tmp_path)
+    mark_fired(paths, faults[0], 3, 1.0)
+    mark_fired(paths, faults[1], 5, 2.0)
+    assert fired_ids(paths) == {"0-kill", "1-exception"}
+    assert [f.kind for f in pending(faults, fired_ids(paths))] == ["exception"]  # once=0 repeats
 
 
 def test_chaos_schedule_is_seeded():
@@ -187,45 +190,19 @@ def test_newest_state_step(tmp_path):
     assert newest_state_step(tmp_path, snap) == 4
 
 
-def test_goodput_split():
-    step = lambda s, t: {"step": s, "loss": 1.0, "step_time_s": 1.0, "time": t}
-    events = [
-        {"event": "launch", "time": 0.0},
-        {"event": "checkpoint_saved", "time": 12.5, "stall_s": 0.5, "async_save": True},
-        {"event": "failure", "time": 15.0, "kind": "signal", "rank": 1, "step": 4, "injected": "kill",
-         "fault_time": 14.5, "detect_time": 15.0, "detection_latency_s": 0.5, "attempt": 0},
-        {"event": "restart", "time": 16.0, "attempt": 1},
-        {"event": "resumed", "time": 19.0, "step": 2},
-        {"event": "recovered", "time": 21.0, "attempt": 1, "steps_recomputed": 2, "recovery_s": 6.0,
-         "fault_to_step_s": 6.5},
-        {"event": "supervisor_exit", "time": 26.0},
-    ]
-    metrics = [step(1, 11), step(2, 12), step(3, 14), step(4, 14.2)] + [step(s, 17 + s) for s in (3, 4, 5, 6)]
-    g = account(events, metrics)
-    b = g["buckets"]
-    assert g["wall_s"] == 26.0
-    assert b["startup"] == pytest.approx(10.0)          # launch -> first step starts
-    assert b["productive"] == pytest.approx(6.0)        # steps 1, 2 and the final 3..6
-    assert b["lost"] == pytest.approx(2.3)              # steps 3, 4 of attempt 0 + 0.3 s until the fault
-    assert b["detection"] == pytest.approx(0.5)
-    assert b["restart"] == pytest.approx(19.0 - 15.0)   # detection -> first step of attempt 1 starts
-    assert b["checkpoint"] == pytest.approx(0.5)
-    assert sum(b.values()) == pytest.approx(26.0)
-    assert g["ettr"] == pytest.approx(6 / 26)
-    assert g["failures"][0]["steps_recomputed"] == 2 and g["failures"][0]["fault_to_step_s"] == 6.5
-
-
 def test_corrupt_checkpoint_fault_flips_one_byte(tmp_path):
-    from stalwart.ft.guard import _corrupt_checkpoint
+    from stalwart.ft.inject import corrupt_checkpoint
+    from stalwart.paths import RunPaths
 
-    root = tmp_path / "checkpoints"
-    assert not _corrupt_checkpoint(root, 4)  # not there yet: fires later
+    paths = RunPaths(tmp_path)
+    root = paths.checkpoints
+    assert not corrupt_checkpoint(paths, 4)  # not there yet: fires later
     (root / "step-4").mkdir(parents=True)
     shard = root / "step-4" / "__0_0.distcp"
     shard.write_bytes(bytes(100))
-    assert not _corrupt_checkpoint(root, 4)  # incomplete (no manifest): not a checkpoint yet
+    assert not corrupt_checkpoint(paths, 4)  # incomplete (no manifest): not a checkpoint yet
     (root / "step-4" / "manifest.json").write_text("{}")
-    assert _corrupt_checkpoint(root, 4)
+    assert corrupt_checkpoint(paths, 4)
     data = shard.read_bytes()
     assert data[50] == 0xFF and sum(data) == 0xFF
 

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from stalwart.observe.goodput import BUCKETS, account_run
 from stalwart.observe.server import serve_in_thread
 from stalwart.observe.synthetic import write_synthetic_run
 from stalwart.observe.trace import validate_trace
@@ -48,7 +49,7 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
-def _check_page(driver):
+def _check_page(driver, run):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -66,7 +67,12 @@ def _check_page(driver):
     assert "suspected straggler rank(s): 2" in driver.find_element(By.ID, "suspects").text
     flagged = driver.find_elements(By.CSS_SELECTOR, "#stragglers tr.flag")
     assert flagged and any(tr.text.split()[:2] == ["forward", "2"] for tr in flagged)
-    assert "goodput" in driver.find_element(By.ID, "goodput").text
+    g = account_run(run)  # the page shows the one goodput calculation: ETTR, buckets, failures
+    assert f"goodput: ETTR {100 * g['ettr']:.1f}%" in driver.find_element(By.ID, "goodput-ettr").text
+    shown = [tr.text.split() for tr in driver.find_elements(By.CSS_SELECTOR, "#goodput-buckets tr")][1:]
+    assert [(r[1], float(r[2])) for r in shown] == [(k, round(g["buckets"][k], 2)) for k in BUCKETS]
+    failures = driver.find_elements(By.CSS_SELECTOR, "#goodput-failures tr.fault")
+    assert [tr.text.split()[:4] for tr in failures] == [["signal", "1", "34", "kill"]]
     events = driver.find_element(By.ID, "events").text
     assert "failure" in events and "checkpoint_saved" in events
     assert driver.find_elements(By.CSS_SELECTOR, "#events tr.fault")
@@ -74,19 +80,19 @@ def _check_page(driver):
     assert errors == [], errors
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_dashboard_in_headless_chromium(browser, run):
     server, url = serve_in_thread(run)
     try:
         browser.get(url)
-        _check_page(browser)
+        _check_page(browser, run)
         assert "(live)" in browser.find_element("id", "updated").text
     finally:
         server.shutdown()
         server.server_close()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_static_report_in_headless_chromium(browser, run, tmp_path):
     from stalwart.cli.report import main
 
@@ -97,9 +103,10 @@ def test_static_report_in_headless_chromium(browser, run, tmp_path):
     assert validate_trace(trace) == []
     assert {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(40, 50))
     browser.get((tmp_path / "rep" / "report.html").as_uri())
-    _check_page(browser)
+    _check_page(browser, run)
 
 
+@pytest.mark.unit
 def test_api_rereads_the_run_directory(run):
     server, url = serve_in_thread(run)
     try:
@@ -118,8 +125,9 @@ def test_api_rereads_the_run_directory(run):
         server.server_close()
 
 
+@pytest.mark.unit
 def test_no_data_is_shown_for_an_empty_run(tmp_path):
-    from stalwart.observe.rundir import load_run
+    from stalwart.observe.reader import load_run
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "time": 1}\n')
     d = load_run(tmp_path)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiproc
+
 SLOW_RANK, SKIP_RANK, STEPS = 1, 1, 6
 
 
@@ -89,7 +91,6 @@ def hung_run(tmp_path_factory):
     return run_dir, outs
 
 
-@pytest.mark.slow
 def test_flight_recorder_dumps_and_diagnose_names_skipping_rank(hung_run, capsys):
     run_dir, outs = hung_run
     assert outs[0][0] == 3, outs[0][1][-3000:]  # rank 0's all_reduce failed once the peer left
@@ -119,7 +120,6 @@ def test_flight_recorder_dumps_and_diagnose_names_skipping_rank(hung_run, capsys
     print(text)
 
 
-@pytest.mark.slow
 def test_straggler_report_finds_the_slept_rank(hung_run):
     from stalwart.observe.aggregate import load_timings, straggler_scores
 
@@ -134,7 +134,6 @@ def test_straggler_report_finds_the_slept_rank(hung_run):
     assert comm[0] > comm[SLOW_RANK]  # rank 0 waits for the straggler in comm
 
 
-@pytest.mark.slow
 def test_doctor_flags_a_slow_rank():
     from stalwart.observe.doctor import format_report, health_check
 

@@ -18,6 +18,7 @@ RECORDS = [{"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0
            {"step": 2, "eval_loss": 4.7, "time": 1.8e9 + 2}]
 
 
+@pytest.mark.unit
 def test_jsonl_and_fanout_drop_a_broken_sink(tmp_path, capsys):
     class Broken:
         def write(self, record):
@@ -35,6 +36,7 @@ def test_jsonl_and_fanout_drop_a_broken_sink(tmp_path, capsys):
     assert "Broken failed and is disabled: disk on fire" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
 def test_tensorboard_sink_writes_readable_event_files(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -51,6 +53,7 @@ def test_tensorboard_sink_writes_readable_event_files(tmp_path):
     assert len(acc.Scalars("mfu")) == 1  # NaN skipped
 
 
+@pytest.mark.unit
 def test_prometheus_endpoint_scraped_over_loopback():
     sink = PrometheusSink(port=0, labels={"run": "demo"})
     try:
@@ -67,6 +70,7 @@ def test_prometheus_endpoint_scraped_over_loopback():
         sink.close()
 
 
+@pytest.mark.unit
 def test_build_sinks_rank_filtering_and_wandb_absent(tmp_path):
     assert build_sinks(ObserveConfig(), tmp_path, is_main=False).sinks == []
     fan = build_sinks(ObserveConfig(prometheus_port=0), tmp_path)
@@ -77,6 +81,7 @@ def test_build_sinks_rank_filtering_and_wandb_absent(tmp_path):
             WandbSink("p", "n")
 
 
+@pytest.mark.unit
 def test_recorder_wraps_torch_distributed_and_dumps_on_sigusr1(tmp_path):
     import torch
     import torch.distributed as dist
@@ -112,6 +117,7 @@ def test_recorder_wraps_torch_distributed_and_dumps_on_sigusr1(tmp_path):
     assert d["reason"] == "signal SIGUSR1"
 
 
+@pytest.mark.multiproc
 def test_sigterm_dumps_then_terminates(tmp_path):
     import subprocess
     import sys

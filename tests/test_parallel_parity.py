@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import run_cli, step_losses
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 GRAD_PARAMS = ["layers.0.attention.wq.weight", "layers.3.feed_forward.w2.weight"]
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_cli
 
 from stalwart.config import undocumented_fields
 from stalwart.planner.config import PlanConfig
+
+pytestmark = pytest.mark.e2e
 
 
 def test_plan_small_config_ranks_and_explains(tmp_path):

@@ -19,6 +19,8 @@ from stalwart.planner.memory import (
 from stalwart.planner.search import Space, rank_layouts
 from stalwart.planner.shapes import FLAVORS
 
+pytestmark = pytest.mark.unit
+
 W8 = Workload(FLAVORS["llama3-8B"], 8192, 16)
 W405 = Workload(FLAVORS["llama3-405B"], 8192, 2048)
 
@@ -117,4 +119,5 @@ def test_ranking_puts_fitting_layouts_first_by_throughput():
     tps = [c.time.tokens_per_s_per_gpu for c in fits]
     assert tps == sorted(tps, reverse=True)
     assert all(c.memory.total <= (80 - 4) * 1e9 for c in fits)
+    assert all(c.memory.total > (80 - 4) * 1e9 for c in ranked if not c.fits)  # "fits" is exactly the budget
     assert any(not c.fits for c in ranked)                     # 70B without sharding does not fit

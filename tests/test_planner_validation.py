@@ -6,6 +6,8 @@ import pytest
 
 from stalwart.planner.validation import POINTS, TOLERANCE, predict
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("point", POINTS, ids=[p.name for p in POINTS])
 def test_published_point(point):

@@ -6,10 +6,15 @@ import math
 import time
 from pathlib import Path
 
+import pytest
+
+from conftest import unapplied_file_values
 from stalwart.config import load
 from stalwart.sim.causes import CATALOG, LLAMA3_PLANNED, LLAMA3_TOTAL
 from stalwart.sim.config import SimConfig
 from stalwart.sim.montecarlo import build_job_model, run
+
+pytestmark = pytest.mark.unit
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "sim"
 
@@ -18,7 +23,7 @@ def test_every_preset_parses():
     files = sorted(PRESETS.glob("*.toml"))
     assert {f.stem for f in files} >= {"llama3_405b", "quick", "cluster"}
     for f in files:
-        load(SimConfig, f)
+        assert unapplied_file_values(load(SimConfig, f), f) == [], f.name  # the file's values are the loaded ones
 
 
 def test_llama3_preset_reproduces_the_published_interruptions():

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_cli
 
 from stalwart.config import undocumented_fields
 from stalwart.sim.config import SimConfig
+
+pytestmark = pytest.mark.e2e
 
 
 def test_simulate_quick_with_json_plot_and_sweep(tmp_path):

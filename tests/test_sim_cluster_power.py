@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from stalwart.sim.cluster import place, simulate_cluster
 from stalwart.sim.config import ClusterSection, PowerSection
 from stalwart.sim.power import power_report, step_change_mw
+
+pytestmark = pytest.mark.unit
 
 
 def test_topology_placement_best_fits_and_spans_few_racks():

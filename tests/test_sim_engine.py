@@ -14,6 +14,8 @@ from stalwart.sim.config import SimConfig
 from stalwart.sim.engine import BUCKETS, SPARE_WAIT, fault_segment, simulate_once
 from stalwart.sim.montecarlo import build_job_model, optimal_interval, run, young_daly
 
+pytestmark = pytest.mark.unit
+
 
 def model(**overrides):
     args = [x for k, v in overrides.items() for x in (f"--{k}", str(v))]

@@ -7,7 +7,7 @@ import pytest
 from conftest import TINY_RUN, read_metrics, run_cli, step_losses
 from stalwart.checkpoint.inspect import digest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def train(run_dir, *extra, nproc=1, check=True):

@@ -2,8 +2,8 @@
 
 Reference workload (compared against other frameworks on the same machine): Llama-style, 4 layers,
 dim 256, 4 heads, seq 256, micro-batch 8 per process, float32, AdamW, vocab 256 (byte-level). The
-step is Stalwart's own (same model, initialiser, FSDP2 wrapping, optimizer and clipping as
-`stalwart train`); tokens are random bytes so the figure measures the training step, not the corpus.
+step is Stalwart's own training core (``stalwart.train.core.TrainCore``, what `stalwart train` runs);
+tokens are random bytes so the figure measures the training step, not the corpus.
 
 Prints steady-state tokens/s, achieved GFLOP/s (model FLOPs, see flops_per_token), that as a fraction
 of the measured matmul peak for the same thread count, and peak memory per process.
@@ -32,58 +32,47 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from stalwart.config.job import OptimizerConfig, ParallelismConfig
+    from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
+                                     TrainingConfig)
+    from stalwart.data.loader import Batch
     from stalwart.metrics.mfu import measure_matmul_tflops
     from stalwart.models.flavors import FLAVORS, llama_ffn_hidden
-    from stalwart.models.llama import Transformer, flops_per_token
-    from stalwart.parallel.apply import parallelize
-    from stalwart.parallel.dims import ParallelDims, build_mesh
-    from stalwart.train.init import materialize_and_init
-    from stalwart.train.optim import build_optimizer, clip_grad_norm
+    from stalwart.train.core import CoreSpec, TrainCore
+    from stalwart.train.dist_env import DistEnv
 
     torch.set_num_threads(opts["threads"])
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     args = replace(FLAVORS["tiny"], **REFERENCE, ffn_hidden=llama_ffn_hidden(256, 64), tie_embeddings=False)
-    pcfg = ParallelismConfig(dp_shard=-1)
-    dims = ParallelDims.resolve(pcfg, world)
-    mesh = build_mesh(dims, "cpu") if world > 1 else None
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize(model, dims, mesh, pcfg, torch.float32)
-    materialize_and_init(model, torch.device("cpu"), seed=0)
-    opt = build_optimizer(OptimizerConfig(lr=1e-3), model)
-    params = [p for p in model.parameters()]
-    gen = torch.Generator().manual_seed(rank)
     mb, seq = opts["micro_batch"], args.max_seq_len
-    batches = [torch.randint(0, 256, (mb, seq + 1), generator=gen) for _ in range(4)]
-
-    def step(i: int) -> None:
-        b = batches[i % len(batches)]
-        logits = model(b[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
-        loss.backward()
-        clip_grad_norm(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    total = opts["warmup"] + opts["steps"]
+    # The training core `stalwart train` runs, fed random tokens: the same model, initialiser, FSDP2
+    # wrapping, optimizer, clipping and step.
+    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1), CommConfig(), OptimizerConfig(lr=1e-3),
+                    SchedulerConfig(kind="constant", warmup_steps=0),
+                    TrainingConfig(steps=total, global_batch=mb * world, micro_batch=mb, dtype="float32",
+                                   device="cpu"), seq, accum_steps=1)
+    core = TrainCore.build(spec, DistEnv(rank, world, rank, world, torch.device("cpu")))
+    gen = torch.Generator().manual_seed(rank)
+    tokens = [torch.randint(0, 256, (mb, seq + 1), generator=gen) for _ in range(4)]
+    batches = [[Batch(b[:, :-1], b[:, 1:])] for b in tokens]
 
     for i in range(opts["warmup"]):
-        step(i)
+        core.train_step(batches[i % len(batches)])
     if world > 1:
         dist.barrier()
     t0 = time.perf_counter()
     for i in range(opts["steps"]):
-        step(i)
+        core.train_step(batches[i % len(batches)])
     if world > 1:
         dist.barrier()
     elapsed = time.perf_counter() - t0
-    tokens = opts["steps"] * mb * seq * world
+    n_tokens = opts["steps"] * mb * seq * world
     peak = measure_matmul_tflops(torch.float32, n=1024, seconds=0.5) * 1e12 if rank == 0 else 0.0
-    result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": tokens / elapsed,
-              "gflops_per_s": tokens / elapsed * flops_per_token(args, seq) / 1e9,
+    result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
+              "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "step_s": elapsed / opts["steps"]}
     if rank == 0:

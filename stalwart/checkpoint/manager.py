@@ -41,14 +41,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from stalwart.atomic import fsync_dir, write_json_atomic, write_text_atomic
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
-                                        fsync_dir, plan_save, sha256_file, write_json_atomic, write_local)
+                                        plan_save, sha256_file, write_local)
 from stalwart.errors import UserError
+from stalwart.paths import CheckpointDir, checkpoint_step
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 _sha256 = sha256_file
-_write_json_atomic = write_json_atomic
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -128,6 +128,7 @@ class CheckpointManager:
     def __init__(self, root: Path, cfg, rank: int, world_size: int, log_event: Callable[..., None],
                  describe: dict[str, Any] | None = None) -> None:
         self.root, self.cfg = Path(root), cfg
+        self.dir = CheckpointDir(self.root)
         self.rank, self.world_size = rank, world_size
         self.log_event = log_event
         self.describe = describe or {}
@@ -148,7 +149,7 @@ class CheckpointManager:
         """
         self.wait()  # one save in flight at a time: the previous one commits first
         t0 = time.perf_counter()
-        tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
+        tmp, final = self.dir.tmp(step), self.dir.step(step)
         err = None
         if self.rank == 0:
             try:
@@ -251,8 +252,7 @@ class CheckpointManager:
         os.replace(tmp, final)
         fsync_dir(self.root)
         _writer.fault_point("after_rename")
-        (self.root / "latest.tmp").write_text(final.name + "\n")
-        os.replace(self.root / "latest.tmp", self.root / "latest")
+        write_text_atomic(self.dir.latest, final.name + "\n")
         fsync_dir(self.root)
 
     def _fail(self, step: int, tmp: Path, error: str) -> None:
@@ -267,7 +267,7 @@ class CheckpointManager:
             except OSError:
                 removed = False
                 with contextlib.suppress(OSError):  # quarantine: never looks like a checkpoint
-                    os.replace(tmp, tmp.with_name(f".failed-step-{step}-{int(time.time())}"))
+                    os.replace(tmp, self.dir.failed(step, int(time.time())))
             self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
                            on_failure=self.on_failure)
             print(f"warning: checkpoint step-{step} failed: {error}; the previous checkpoint is kept"
@@ -285,7 +285,7 @@ class CheckpointManager:
         complete = self.complete_checkpoints()
         recent = set(complete[-keep_last:]) | {keep}
         for path in complete:
-            step = int(STEP_DIR.match(path.name).group(1))
+            step = checkpoint_step(path)
             if path in recent or (keep_every and step % keep_every == 0):
                 continue
             if len(self.complete_checkpoints()) <= 1:  # never delete the only complete checkpoint
@@ -299,10 +299,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ find
     def complete_checkpoints(self) -> list[Path]:
         """``step-N`` directories, oldest first (``.tmp-*`` ones are partial and ignored)."""
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-        return [p for _, p in sorted(found)]
+        return self.dir.complete()
 
     def verify(self, path: Path) -> dict[str, Any]:
         """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file."""
@@ -386,3 +383,9 @@ class CheckpointManager:
             except (ValueError, KeyError, TypeError, RuntimeError) as e:
                 raise CheckpointError(f"checkpoint {path}: file {rng_file.name} is malformed ({e})") from None
         return LoadedState(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state)
+
+
+def newest_complete_checkpoint(root: Path) -> Path | None:
+    """The newest ``step-N`` under ``root`` that has its manifest (cheap: no checksums)."""
+    done = [p for p in CheckpointDir(root).complete() if (p / MANIFEST).is_file()]
+    return done[-1] if done else None

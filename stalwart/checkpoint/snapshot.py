@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -41,8 +40,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from stalwart.atomic import write_bytes_atomic
 from stalwart.checkpoint.writer import all_gather_object
 from stalwart.errors import UserError
+from stalwart.paths import snapshot_name, snapshot_step
 
 MAGIC = b"STALWART-SNAP-1\n"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -51,12 +52,6 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torc
 
 class SnapshotError(UserError, RuntimeError):
     """A snapshot blob that is corrupt, malformed or does not fit the model."""
-
-
-def default_snapshot_dir(run_dir: Path) -> Path:
-    """A per-job tmpfs directory: ``/dev/shm/stalwart-<sha256(absolute run dir)[:16]>``."""
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return Path("/dev/shm") / f"stalwart-{key}"
 
 
 # ---------------------------------------------------------------------- (de)serialization
@@ -189,19 +184,22 @@ class SnapshotStore:
         out = {}
         if d.is_dir():
             for p in d.glob("step-*.snap"):
-                try:
-                    out[int(p.stem.split("-")[1])] = p
-                except ValueError:
-                    continue
+                if (s := snapshot_step(p)) is not None:
+                    out[s] = p
         return out
+
+    @staticmethod
+    def common_steps(job_dir: Path) -> set[int]:
+        """Steps whose snapshot file every rank directory holds (own or peer copy); files only, no
+        checksums, no collectives: what a supervisor can see from outside the workers."""
+        per_rank = [set(SnapshotStore._files(d / "own")) | set(SnapshotStore._files(d / "peer"))
+                    for d in job_dir.glob("rank-*")] if job_dir.is_dir() else []
+        return set.intersection(*per_rank) if per_rank else set()
 
     @staticmethod
     def _write(d: Path, step: int, blob: bytes | bytearray) -> None:
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".step-{step}.snap.tmp"
-        with tmp.open("wb") as fh:
-            fh.write(blob)
-        os.replace(tmp, d / f"step-{step}.snap")
+        write_bytes_atomic(d / snapshot_name(step), blob, durable=False)  # tmpfs: nothing to sync to
         for s, p in SnapshotStore._files(d).items():  # bounded: only the newest one is kept
             if s != step:
                 p.unlink(missing_ok=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from stalwart.errors import UserError
 
@@ -20,10 +19,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the analysis as JSON")
     args = ap.parse_args(argv)
     from stalwart.observe.diagnose import analyze, format_diagnosis, load_dumps
+    from stalwart.paths import RunPaths
 
     dumps = load_dumps(args.run_dir)
     if not dumps:
-        raise UserError(f"no flight-recorder dumps in {Path(args.run_dir) / 'flight'} (send SIGUSR1 to the "
+        raise UserError(f"no flight-recorder dumps in {RunPaths(args.run_dir).flight_dir} (send SIGUSR1 to the "
                         "workers of a live job to get some)")
     a = analyze(dumps)
     print(json.dumps(a, indent=1, default=str) if args.json else format_diagnosis(a))

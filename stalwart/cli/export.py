@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from stalwart.errors import UserError
+from stalwart.paths import RunPaths
 
 
 class ExportCliError(UserError):
@@ -23,7 +24,7 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     from torch.distributed.checkpoint.api import CheckpointException
 
     from stalwart.checkpoint.manager import describe_load_failure
-    from stalwart.checkpoint.run_dir import open_run_checkpoint
+    from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
     from stalwart.checkpoint.safe_io import UnsafeCheckpointError
     from stalwart.data.tokenizer import EOS
     from stalwart.export.hf import export_hf
@@ -37,7 +38,7 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps reader failures
         raise ExportCliError(describe_load_failure(path, e)) from None
     state = {k.removeprefix("model."): v for k, v in flat.items()}
-    export_hf(state, args, run_dir / "tokenizer.json", EOS, tokenizer.token_to_id(EOS), out, max_shard_bytes)
+    export_hf(state, args, RunPaths(run_dir).tokenizer, EOS, tokenizer.token_to_id(EOS), out, max_shard_bytes)
     return path
 
 

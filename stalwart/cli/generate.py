@@ -11,7 +11,7 @@ def load_run_model(run_dir: Path, checkpoint: str | None = None):
     import torch
 
     from stalwart.checkpoint.manager import CheckpointManager
-    from stalwart.checkpoint.run_dir import open_run_checkpoint
+    from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
     from stalwart.config.job import CheckpointConfig
     from stalwart.models.llama import Transformer
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from stalwart.errors import UserError
+from stalwart.paths import RunPaths
 
 
 def main(argv: list[str]) -> int:
@@ -19,12 +19,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("run_dir", help="the run directory")
     ap.add_argument("--json", action="store_true", help="print the accounting as JSON")
     args = ap.parse_args(argv)
-    run = Path(args.run_dir)
-    if not (run / "events.jsonl").is_file():
-        raise UserError(f"{run} is not a run directory (no events.jsonl)")
-    from stalwart.ft.goodput import account_run, format_report
+    paths = RunPaths(args.run_dir)
+    if not paths.events.is_file():
+        raise UserError(f"{paths.root} is not a run directory (no events.jsonl)")
+    from stalwart.observe.goodput import account_run, format_report
 
-    g = account_run(run)
+    g = account_run(paths.root)
+    if g is None:
+        raise UserError(f"{paths.events} holds no events to account")
     print(json.dumps(g, indent=1) if args.json else format_report(g))
     return 0
 

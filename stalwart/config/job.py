@@ -35,6 +35,12 @@ class LaunchConfig:
                                "failure, from the newest in-memory snapshot or checkpoint. When used up the job "
                                "exits 75 (requeue is fine); see fault.crash_loop_restarts for exit 76.", 0, min=0)
 
+    def threads(self, local_world: int) -> int:
+        """Intra-op threads of one worker when ``local_world`` workers share this machine."""
+        import os
+
+        return self.threads_per_proc or max(1, (os.cpu_count() or 1) // max(1, local_world))
+
 
 @dataclass
 class ModelConfig:

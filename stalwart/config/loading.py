@@ -63,3 +63,13 @@ def load_job(config: str | None, overrides: list[str]) -> JobConfig:
 def job_help(command: str, intro: str) -> str:
     return f"{intro}\n\nConfiguration (TOML [section] key = value, or --section.key VALUE; CLI > file > defaults):\n" \
            + help_text(JobConfig)
+
+
+# `stalwart train`'s own flags (everything else on its command line is a dotted config override).
+TRAIN_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True}
+
+
+def parse_train_argv(argv: list[str]) -> tuple[dict[str, str | bool], JobConfig]:
+    """``stalwart train`` / ``-m stalwart.train`` arguments -> (launcher flags, validated config)."""
+    opts, overrides = split_args(argv, TRAIN_FLAGS)
+    return opts, load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]

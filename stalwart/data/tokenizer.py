@@ -6,11 +6,11 @@ has no merges), so export, generation and loading follow one path.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from stalwart.atomic import write_text_atomic
 from stalwart.data.corpus import Corpus, DataError
 
 EOS = "<|endoftext|>"
@@ -53,9 +53,7 @@ def build_tokenizer(cfg, corpus: Corpus, cache: Path) -> Tokenizer:
     else:
         tok = load_tokenizer(cfg.tokenizer)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, cache)
+    write_text_atomic(cache, tok.to_str(pretty=True))
     return tok
 
 

@@ -1,47 +1,42 @@
 """Fault injection plans: remember which faults fired, and draw chaos schedules.
 
-The plan's grammar is ``stalwart.config.fault_plan`` (``parse_plan``). Every fault fires once: the rank that fires it first writes a marker ``<run>/ft/fired/<id>.json``
-(kind, rank, step, unix time), and a restarted worker skips faults whose marker exists. ``once=0``
-makes a fault fire on every attempt (a deliberate crash loop). Pure logic; no torch.
+The plan's grammar is ``stalwart.config.fault_plan`` (``parse_plan``). Every fault fires once: the
+rank that fires it first writes a marker ``<run>/ft/fired/<id>.json`` (kind, rank, step, unix time),
+and a restarted worker skips faults whose marker exists. ``once=0`` makes a fault fire on every
+attempt (a deliberate crash loop). No torch.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from stalwart.atomic import write_json_atomic
 from stalwart.config.fault_plan import CHAOS_KINDS, KINDS, Fault, FaultPlanError, parse_plan
+from stalwart.paths import RunPaths
+
+__all__ = ["CHAOS_KINDS", "KINDS", "ChaosSchedule", "Fault", "FaultPlanError", "fired_ids", "mark_fired",
+           "parse_plan", "pending", "read_fired"]
+
 
 # ---------------------------------------------------------------------- fired markers
-def fired_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "ft" / "fired"
-
-
-def fired_ids(run_dir: Path) -> set[str]:
-    d = fired_dir(run_dir)
+def fired_ids(paths: RunPaths) -> set[str]:
+    d = paths.fired_dir
     return {p.stem for p in d.glob("*.json")} if d.is_dir() else set()
 
 
-def mark_fired(run_dir: Path, fault: Fault, step: int, when: float, **extra) -> dict:
+def mark_fired(paths: RunPaths, fault: Fault, step: int, when: float, **extra) -> dict:
     """Durably record that ``fault`` fired (before it fires: a kill leaves no chance afterwards)."""
-    d = fired_dir(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    paths.fired_dir.mkdir(parents=True, exist_ok=True)
     rec = {"id": fault.id, "kind": fault.kind, "rank": fault.rank, "step": step, "time": when,
            "spec": fault.describe(), **extra}
-    tmp = d / f".{fault.id}.{os.getpid()}.tmp"
-    with tmp.open("w") as fh:
-        fh.write(json.dumps(rec))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, d / f"{fault.id}.json")
+    write_json_atomic(paths.fired(fault.id), rec, indent=None)
     return rec
 
 
-def read_fired(run_dir: Path) -> list[dict]:
-    d = fired_dir(run_dir)
+def read_fired(paths: RunPaths) -> list[dict]:
+    d = paths.fired_dir
     out = []
     for p in sorted(d.glob("*.json")) if d.is_dir() else []:
         try:

@@ -9,8 +9,6 @@ Events it writes to ``events.jsonl``: ``launch``, ``failure``, ``restart``, ``re
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,54 +26,27 @@ from stalwart.ft.detect import (
     Stall,
     check_heartbeat,
 )
-from stalwart.ft.guard import heartbeat_dir
+from stalwart.checkpoint.manager import newest_complete_checkpoint
+from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.ft.plan import ChaosSchedule, read_fired
-
-_STEP = re.compile(r"^step-(\d+)(?:\.snap)?$")
-
+from stalwart.ft.records import read_heartbeats
+from stalwart.paths import RunPaths, checkpoint_step
 
 def newest_state_step(run_dir: Path, snapshot_dir: Path | None) -> int:
     """Newest step a restart could resume from: a complete checkpoint, or a snapshot every rank has."""
-    best = -1
-    ckpts = Path(run_dir) / "checkpoints"
-    if ckpts.is_dir():
-        for p in ckpts.iterdir():
-            m = _STEP.match(p.name)
-            if m and p.is_dir() and (p / "manifest.json").is_file():
-                best = max(best, int(m.group(1)))
-    if snapshot_dir is not None and Path(snapshot_dir).is_dir():
-        per_rank = []
-        for rank_dir in Path(snapshot_dir).glob("rank-*"):
-            steps = {int(m.group(1)) for d in ("own", "peer") for p in (rank_dir / d).glob("step-*.snap")
-                     if (m := _STEP.match(p.name))}
-            per_rank.append(steps)
-        if per_rank:
-            common = set.intersection(*per_rank)
-            if common:
-                best = max(best, max(common))
+    done = newest_complete_checkpoint(RunPaths(run_dir).checkpoints)
+    best = checkpoint_step(done) if done is not None else -1
+    if snapshot_dir is not None:
+        best = max([best, *SnapshotStore.common_steps(Path(snapshot_dir))])
     return best
 
 
-def read_beats(run_dir: Path, ranks: list[int]) -> dict[int, Beat]:
+def read_beats(paths: RunPaths, ranks: list[int]) -> dict[int, Beat]:
     out = {}
-    d = heartbeat_dir(run_dir)
-    for r in ranks:
+    for r, rec in read_heartbeats(paths, ranks).items():
         try:
-            out[r] = Beat.from_dict(json.loads((d / f"rank-{r}.json").read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
-
-
-def read_exits(run_dir: Path) -> dict[int, float]:
-    """rank -> unix time it recorded a failing exit (``<run>/ft/exit/rank-<r>.json``)."""
-    out = {}
-    d = Path(run_dir) / "ft" / "exit"
-    for p in d.glob("rank-*.json") if d.is_dir() else []:
-        try:
-            rec = json.loads(p.read_text())
-            out[int(rec["rank"])] = float(rec["time"])
-        except (OSError, ValueError, KeyError, TypeError):
+            out[r] = Beat.from_dict(rec)
+        except (KeyError, TypeError, ValueError):
             continue
     return out
 
@@ -125,6 +96,7 @@ class Supervisor:
     excluded_host: int | None = None
 
     def __post_init__(self) -> None:
+        self.paths = RunPaths(self.run_dir)
         self.policy = RestartPolicy(self.max_restarts, self.cfg.crash_loop_restarts,
                                     newest_state_step(self.run_dir, self.snapshot_dir))
         if self.cfg.chaos_mtbf_s > 0:
@@ -148,7 +120,7 @@ class Supervisor:
     # ------------------------------------------------------------------ monitoring
     def poll(self, now: float) -> Stall | None:
         """One monitor tick while the group is healthy: recovery bookkeeping, then the watchdog."""
-        beats = read_beats(self.run_dir, self.ranks)
+        beats = read_beats(self.paths, self.ranks)
         current = {r: b for r, b in beats.items() if b.attempt == self.attempt and b.beat_time >= self.attempt_start}
         if current:
             self._max_step = max([self._max_step] + [b.step for b in current.values()])
@@ -190,7 +162,7 @@ class Supervisor:
     # ------------------------------------------------------------------ failures
     def injected_since(self, since: float) -> list[dict]:
         """Injected faults (plan markers and chaos) that fired in this attempt, oldest first."""
-        return sorted([f for f in read_fired(self.run_dir) + self._chaos_fired
+        return sorted([f for f in read_fired(self.paths) + self._chaos_fired
                        if f.get("time", 0) >= since - 1e-3 and f.get("kind") in ("kill", "hang", "exception")],
                       key=lambda f: f["time"])
 

@@ -1,4 +1,4 @@
-"""Merging per-rank timings, the rank x step heat map, straggler scores and the goodput breakdown.
+"""Merging per-rank timings, the rank x step heat map and straggler scores (goodput: observe/goodput.py).
 
 All pure functions over records read from a run directory (docs/run-directory.md); no process talks
 to another to produce them, so computing them never blocks training.
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from stalwart.metrics.records import read_jsonl
+from stalwart.paths import RunPaths, rank_files
 
 # Phases in which a rank waits for others: a high score there marks a victim, not a straggler.
 WAIT_PHASES = ("comm", "comm_wait")
@@ -40,7 +41,7 @@ def load_timings(run_dir: str | Path, tail_bytes: int | None = None) -> list[dic
     compute live straggler scores every N steps of a long run without talking to the other ranks.
     """
     latest: dict[tuple[int, int], dict[str, Any]] = {}
-    for p in sorted((Path(run_dir) / "timings").glob("rank-*.jsonl")):
+    for p in rank_files(RunPaths(run_dir).timings_dir, ".jsonl").values():
         for r in (read_jsonl(p) if tail_bytes is None else _tail(p, tail_bytes)):
             if "step" in r and "rank" in r:
                 latest[(r["rank"], r["step"])] = r
@@ -111,46 +112,3 @@ def straggler_scores(records: list[dict[str, Any]], threshold: float = 1.2, min_
     suspects = sorted({r["rank"] for r in rows
                        if r["flagged"] and r["phase"] not in WAIT_PHASES and r["phase"] != "step_time_s"})
     return {"threshold": threshold, "rows": rows, "suspects": suspects}
-
-
-def goodput(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Where the wall-clock time of a run (all its restarts) went; None without events.
-
-    productive: step time of the steps that survived (the newest record of each step; a step logged
-    every k steps stands for k steps); checkpoint: ``checkpoint_saved.seconds``; downtime: from a
-    ``failure``/``restart`` event to the next ``start``/``resumed``; lost: step time of steps that
-    were recomputed after a restart; other: the rest (start-up, evaluation, logging).
-    """
-    if not events:
-        return None
-    times = [e["time"] for e in events if isinstance(e.get("time"), (int, float))]
-    times += [m["time"] for m in metrics if isinstance(m.get("time"), (int, float))]
-    wall = max(times) - min(times) if times else 0.0
-    ckpt = sum(float(e.get("seconds") or 0) for e in events if e.get("event") == "checkpoint_saved")
-    downtime, down_since = 0.0, None
-    for e in sorted(events, key=lambda e: e.get("time", 0)):
-        if e.get("event") in ("failure", "restart") and down_since is None:
-            down_since = e["time"]
-        elif e.get("event") in ("start", "resumed") and down_since is not None:
-            downtime += e["time"] - down_since
-            down_since = None
-    train = [m for m in metrics if "loss" in m and isinstance(m.get("step_time_s"), (int, float))]
-    newest: dict[int, int] = {}
-    for i, m in enumerate(train):
-        newest[m["step"]] = i
-    productive = lost = 0.0
-    prev_step = 0
-    for i, m in enumerate(train):
-        span = max(1, m["step"] - prev_step) if m["step"] > prev_step else 1
-        prev_step = m["step"]
-        if newest[m["step"]] == i:
-            productive += m["step_time_s"] * span
-        else:
-            lost += m["step_time_s"] * span
-    other = max(0.0, wall - productive - ckpt - downtime - lost)
-    parts = {"productive": productive, "checkpoint": ckpt, "downtime": downtime, "lost_work": lost,
-             "other": other}
-    counts = {k: sum(1 for e in events if e.get("event") == k)
-              for k in ("failure", "restart", "resumed", "checkpoint_saved", "checkpoint_failed")}
-    return {"wall_s": wall, "parts_s": parts, "goodput": productive / wall if wall > 0 else None,
-            "counts": counts}

@@ -15,15 +15,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stalwart.paths import RunPaths, rank_files
+
 
 def load_dumps(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
-    for p in sorted((Path(run_dir) / "flight").glob("rank-*.json")):
+    for rank, p in rank_files(RunPaths(run_dir).flight_dir, ".json").items():
         try:
             d = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        out[int(d.get("rank", p.stem.split("-")[1]))] = d
+        out[int(d.get("rank", rank))] = d
     return out
 
 

@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from stalwart.atomic import write_text_atomic
+from stalwart.paths import RunPaths
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
                "broadcast", "reduce", "gather", "scatter", "barrier", "monitored_barrier",
@@ -54,7 +57,7 @@ class FlightRecorder:
     def __init__(self, rank: int, world_size: int, run_dir: str | Path, capacity: int = 2000,
                  hang_timeout_s: float = 300.0, clock: Callable[[], float] = time.time) -> None:
         self.rank, self.world_size = rank, world_size
-        self.path = Path(run_dir) / "flight" / f"rank-{rank}.json"
+        self.path = RunPaths(run_dir).flight(rank)
         self.hang_timeout_s = hang_timeout_s
         self.clock = clock
         self.entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
@@ -285,7 +288,5 @@ class FlightRecorder:
         self.dumps += 1
         self.reasons.append(reason)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=0))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, json.dumps(data, indent=0))
         return self.path

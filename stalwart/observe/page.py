@@ -21,7 +21,7 @@ table{border-collapse:collapse;font-size:12.5px;width:100%}
 td,th{padding:3px 6px;border-bottom:1px solid #eceef2;text-align:left}
 th{background:#f1f3f6} tr.flag td{background:#ffe3e0;font-weight:600} tr.wait td{background:#fff6db}
 tr.fault td{color:#b3261e}
-.nodata{color:#8a93a3;font-style:italic} svg text{font-size:11px;fill:#4a5366} .legend span{margin-right:12px}
+.nodata{color:#8a93a3;font-style:italic} .note{color:#8a93a3;font-size:12px} svg text{font-size:11px;fill:#4a5366} .legend span{margin-right:12px}
 pre{font-size:12px;white-space:pre-wrap;margin:0}
 .bar{display:flex;height:22px;border-radius:4px;overflow:hidden;margin:6px 0}
 """
@@ -187,10 +187,11 @@ function renderStragglers(d) {
     : `no stragglers (threshold ${st.threshold})`;
 }
 
+// The goodput accounting (stalwart.observe.goodput): ETTR, the wall-time buckets, one row per failure.
 function renderGoodput(d) {
   const gp = d.goodput, box = byId("goodput");
   if (!gp) return nodata(box, "no data (no events.jsonl)");
-  const parts = Object.entries(gp.parts_s), share = (v) => gp.wall_s > 0 ? 100 * v / gp.wall_s : 0;
+  const parts = Object.entries(gp.buckets), share = (v) => gp.wall_s > 0 ? 100 * v / gp.wall_s : 0;
   const bar = h("div", {class: "bar"});
   parts.forEach(([k, v], i) => {
     const seg = h("div", {title: `${k}: ${v.toFixed(2)} s`});
@@ -198,13 +199,22 @@ function renderGoodput(d) {
     seg.style.background = COLORS[i];
     bar.appendChild(seg);
   });
-  const t = h("div");
-  table(t, ["part", "seconds", "share"],
+  const t = h("div", {id: "goodput-buckets"});
+  table(t, ["bucket", "seconds", "share"],
         parts.map(([k, v]) => ["\u25A0 " + k, v.toFixed(2), share(v).toFixed(1) + "%"]));
   t.querySelectorAll("tr").forEach((tr, i) => { if (i) tr.firstChild.style.color = COLORS[i - 1]; });
-  const pct = gp.goodput === null ? "-" : (100 * gp.goodput).toFixed(1) + "%";
+  const ettr = gp.ettr === null ? "-" : (100 * gp.ettr).toFixed(1) + "%";
   const counts = Object.entries(gp.counts).map(([k, v]) => k + ": " + v).join(", ");
-  box.replaceChildren(h("div", {}, `goodput ${pct} of ${gp.wall_s.toFixed(1)} s wall-clock; ${counts}`), bar, t);
+  const head = h("div", {id: "goodput-ettr"}, `goodput: ETTR ${ettr} (productive / wall) of ` +
+                 `${gp.wall_s.toFixed(1)} s wall-clock, ${gp.steps_recomputed} steps recomputed`);
+  const events = h("div", {class: "note"}, "events: " + counts);
+  const sec = (v) => v === null || v === undefined ? "-" : v.toFixed(2);
+  const f = h("div", {id: "goodput-failures"});
+  table(f, ["failure", "rank", "step", "injected", "detected s", "to next step s", "recomputed"],
+        gp.failures.map((x) => [x.kind, x.rank, x.step, x.injected || "-", sec(x.detection_latency_s),
+                                sec(x.fault_to_step_s), x.steps_recomputed === null ? "-" : x.steps_recomputed]),
+        () => "fault");
+  box.replaceChildren(head, events, bar, t, ...(gp.failures.length ? [f] : []));
 }
 
 function renderEvents(d) {

@@ -8,8 +8,9 @@ from typing import Any
 
 from stalwart.observe.aggregate import load_timings
 from stalwart.observe.page import render_page
-from stalwart.observe.rundir import load_run, to_json
+from stalwart.observe.reader import load_run, to_json
 from stalwart.observe.trace import build_trace
+from stalwart.paths import RunPaths
 
 
 def _plots(data: dict[str, Any], out: Path) -> list[Path]:
@@ -65,11 +66,11 @@ def _plots(data: dict[str, Any], out: Path) -> list[Path]:
     if gp:
         fig, ax = plt.subplots(figsize=(9, 1.8))
         left = 0.0
-        for k, v in gp["parts_s"].items():
+        for k, v in gp["buckets"].items():
             ax.barh([0], [v], left=left, label=f"{k} {v:.1f}s")
             left += v
         ax.set_yticks([]), ax.set_xlabel("seconds")
-        ax.set_title(f"goodput {100 * (gp['goodput'] or 0):.1f}% of {gp['wall_s']:.1f} s")
+        ax.set_title(f"goodput: ETTR {100 * (gp['ettr'] or 0):.1f}% of {gp['wall_s']:.1f} s wall-clock")
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         save(fig, "goodput.png")
     return written
@@ -79,7 +80,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, trace: bool
                  trace_steps: tuple[int | None, int | None] = (None, None), plots: bool = True) -> dict[str, Any]:
     """Write ``report.html`` (+ PNGs, ``trace.json``) into ``out`` (default ``<run_dir>/report``)."""
     run_dir = Path(run_dir)
-    out = Path(out) if out else run_dir / "report"
+    out = Path(out) if out else RunPaths(run_dir).report_dir
     out.mkdir(parents=True, exist_ok=True)
     data = load_run(run_dir)
     (out / "report.html").write_text(render_page(run_dir.name, to_json(data)), encoding="utf-8")

@@ -16,7 +16,7 @@ from urllib.parse import parse_qs, urlparse
 
 from stalwart.observe.aggregate import load_timings
 from stalwart.observe.page import render_page
-from stalwart.observe.rundir import load_run, to_json
+from stalwart.observe.reader import load_run, to_json
 from stalwart.observe.trace import build_trace
 
 

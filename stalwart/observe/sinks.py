@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from stalwart.errors import UserError
 from stalwart.metrics.records import JsonlWriter
+from stalwart.paths import RunPaths
 
 
 class Sink(Protocol):
@@ -170,12 +171,12 @@ def build_sinks(cfg: Any, run_dir: str | Path, run_name: str = "run", is_main: b
     """The fan-out for ``cfg`` (an :class:`~stalwart.config.job.ObserveConfig`); empty off rank 0."""
     if not is_main:
         return MetricsFanout([])
-    run_dir = Path(run_dir)
-    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    paths = RunPaths(run_dir)
+    sinks: list[Sink] = [JsonlSink(paths.metrics)]
     if cfg.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(paths.tensorboard))
     if cfg.prometheus_port:
         sinks.append(PrometheusSink(cfg.prometheus_port, cfg.prometheus_host, labels={"run": run_name}))
     if cfg.wandb:
-        sinks.append(WandbSink(cfg.wandb_project, run_name, config_dict, run_dir))
+        sinks.append(WandbSink(cfg.wandb_project, run_name, config_dict, paths.root))
     return MetricsFanout(sinks)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from stalwart.paths import RunPaths
+
 # The standard phase names; any other name is accepted and becomes its own lane.
 PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint")
 
@@ -36,7 +38,7 @@ class TimingsWriter:
     """Appends timing records to ``<run_dir>/timings/rank-<r>.jsonl`` (line-buffered by flush)."""
 
     def __init__(self, run_dir: str | Path, rank: int) -> None:
-        self.path = Path(run_dir) / "timings" / f"rank-{rank}.jsonl"
+        self.path = RunPaths(run_dir).timings(rank)
         self._fh = None
 
     def write_many(self, records: list[dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""Optimizers (AdamW, LAMB) and learning-rate schedules (warmup + cosine / WSD / constant)."""
+"""Optimizers (AdamW, LAMB), learning-rate schedules (warmup + cosine / WSD / constant), gradient
+clipping, and the gated optimizer that decides whether a step's update is applied."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import torch
 from torch import nn
+
+from stalwart.ft.gate import Decision, Gate, StepOutcome
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -132,3 +135,31 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)
+
+
+class GatedOptimizer:
+    """The optimizer behind a gate: ``step`` applies the update only if every gate agrees.
+
+    Gates are registered from outside the training step (fault tolerance registers one that skips
+    non-finite steps on every rank together, or asks for a rollback). A gate that decides collectively
+    must be registered on every rank, so all ranks take the same decision. With no gate every step
+    commits.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.gates: list[Gate] = []
+
+    def step(self, step: int, local_loss: torch.Tensor | None, grad_norm: float, compute_s: float) -> Decision:
+        outcome = StepOutcome(step, local_loss, grad_norm, compute_s)
+        decision = Decision()
+        for gate in self.gates:
+            d = gate(outcome)
+            decision = Decision(decision.commit and d.commit,
+                                d.mean_loss if d.mean_loss is not None else decision.mean_loss)
+        if decision.commit:
+            self.optimizer.step()
+        return decision
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

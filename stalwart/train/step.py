@@ -4,11 +4,16 @@ The trainer hands over this rank's micro-batches; this module knows how they flo
 the model (gradient accumulation), or through a pipeline schedule; with sequences cut into
 context-parallel shards; with the cross-entropy computed on vocabulary-sharded logits under tensor
 parallelism (loss parallel). It returns the rank's mean loss for logging.
+
+The loss is a function ``loss_fn(logits, targets) -> scalar`` (default: next-token cross-entropy);
+a caller with another objective (a policy-gradient loss) passes its own per call. ``targets`` is
+whatever the batch carries in that slot, split into micro-batches along the first dimension.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StepRunner:
@@ -42,8 +50,10 @@ class StepRunner:
             self.pp_group = meshes["pp"].get_group()
             self.schedule_name = schedule_name
             self.virtual = len(pm.stage_indices) if stages_per_rank(schedule_name, 1) > 1 else 1
+            # The schedule keeps the function it was built with; it calls the one of the current step.
             self.schedule = build_schedule(pm, self.pp_group, device, schedule_name, n_microbatches,
-                                           loss_fn=cross_entropy)
+                                           loss_fn=lambda out, tgt: self._loss_fn(out, tgt))
+        self._loss_fn: LossFn = cross_entropy
 
     def _loss_context(self):
         if self.pm.loss_parallel:
@@ -62,9 +72,10 @@ class StepRunner:
         return (shard_sequence(inputs, self.cp_rank, self.dims.cp), shard_sequence(targets, self.cp_rank, self.dims.cp),
                 cp_positions(seq, self.cp_rank, self.dims.cp, self.device))
 
-    def forward_backward(self, micro: list[Batch]) -> torch.Tensor | None:
+    def forward_backward(self, micro: list[Batch], loss_fn: LossFn = cross_entropy) -> torch.Tensor | None:
         """Run forward and backward over this rank's micro-batches; return the mean loss, or None
         on a pipeline rank that does not hold the last stage."""
+        self._loss_fn = loss_fn
         if self.schedule is not None:
             return self._pipeline_step(micro)
         model = self.pm.stages[0]
@@ -73,7 +84,7 @@ class StepRunner:
             inputs, targets, positions = self._prepare(batch)
             with self._loss_context():
                 with self.timer.phase("forward"):
-                    loss = cross_entropy(model(inputs, positions), targets)
+                    loss = loss_fn(model(inputs, positions), targets)
                 with self.timer.phase("backward"):
                     (loss / len(micro)).backward()
             total += _local(loss.detach())

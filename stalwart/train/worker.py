@@ -1,4 +1,8 @@
-"""One training worker: what each process runs (in-process for one worker, or under torchrun)."""
+"""One training worker: what each process runs (in-process for one worker, or under torchrun).
+
+The config is parsed once per process, by the entry point (``stalwart train`` or
+``torchrun -m stalwart.train``), and handed to :func:`worker_main`.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,12 @@ import sys
 
 import torch
 
-from stalwart.config.loading import load_job, split_args
+from stalwart.config.job import JobConfig
 from stalwart.errors import UserError
 from stalwart.ft.detect import EXIT_ROLLBACK
 from stalwart.ft.guard import RollbackRequested
-
-LAUNCHER_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True}
-
-
-def threads_for(cfg, local_world: int) -> int:
-    if cfg.launch.threads_per_proc:
-        return cfg.launch.threads_per_proc
-    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+from stalwart.ft.records import record_exit
+from stalwart.paths import RunPaths
 
 
 def format_summary(s: dict) -> str:
@@ -53,13 +51,11 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def worker_main(argv: list[str]) -> int:
-    opts, overrides = split_args(argv, LAUNCHER_FLAGS)
-    cfg = load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]
+def worker_main(cfg: JobConfig) -> int:
     from stalwart.train.dist_env import init_distributed, shutdown
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    torch.set_num_threads(threads_for(cfg, local_world))
+    torch.set_num_threads(cfg.launch.threads(local_world))
     env = init_distributed(cfg.training.device, timeout_s=cfg.fault.collective_timeout_s)
     try:
         from stalwart.train.trainer import Trainer
@@ -81,10 +77,7 @@ def worker_main(argv: list[str]) -> int:
             raise
         # Tearing the process group down can block on a dead or hung peer; the supervisor restarts the
         # group only once this process is gone, so exit now (traceback and flight-recorder dump first).
-        from stalwart.ft.guard import record_exit
-        from stalwart.train.trainer import run_dir_for
-
-        record_exit(run_dir_for(cfg), env.rank, e)
+        record_exit(RunPaths.of(cfg.run), env.rank, e)
         sys.excepthook(type(e), e, e.__traceback__)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.errors import UserError
+from stalwart.paths import RunPaths
 
 
 class RunDirError(UserError):
@@ -31,11 +32,12 @@ def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunChec
     from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args
 
-    if not (run_dir / "config.toml").is_file():
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
         raise RunDirError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
-    cfg = load(JobConfig, run_dir / "config.toml")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
-    manager = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
+    cfg = load(JobConfig, paths.config)
+    tokenizer = load_tokenizer(paths.tokenizer)
+    manager = CheckpointManager(paths.checkpoints, CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
                                 lambda *a, **k: None)
     path = manager.resolve_resume()
     if path is None:

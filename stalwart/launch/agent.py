@@ -4,8 +4,9 @@
 torchrun) and adds, per monitor tick: the heartbeat/progress watchdog (kills a hung group), chaos
 injection, and on every failure the restart decision (crash loop / budget, ``stalwart.ft.supervisor``).
 
-``launch(torchrun_argv, cfg)`` is what ``stalwart train`` calls; ``python -m stalwart.ft.agent
-<torchrun args> -m stalwart.train ...`` is the multi-node entry point (torchrun's arguments, our agent).
+``run_supervised`` is what ``stalwart train`` calls (``stalwart.launch.local``); ``python -m
+stalwart.launch.agent <torchrun args> -m stalwart.train ...`` is the multi-node entry point (torchrun's
+arguments, our agent).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from stalwart.ft.supervisor import (
     Supervisor,
     classify,
 )
+from stalwart.atomic import write_text_atomic
+from stalwart.ft.records import read_exits, record_exclusion
 from stalwart.metrics.records import EventLog
+from stalwart.paths import RunPaths
 
 
 class SupervisedAgent(LocalElasticAgent):
@@ -89,7 +93,7 @@ class SupervisedAgent(LocalElasticAgent):
             if stall is not None:
                 kind, rank, code = stall.kind, stall.rank, None
             else:
-                rank, failure = _root_cause(result, self.sup.run_dir, self.sup.attempt_start,
+                rank, failure = _root_cause(result, self.sup.paths, self.sup.attempt_start,
                                             self.sup.injected_since(self.sup.attempt_start))
                 code = failure.exitcode if failure is not None else None
                 kind = classify(code)
@@ -133,14 +137,12 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _root_cause(result: RunResult, run_dir: Path, since: float, injected: list[dict]):
+def _root_cause(result: RunResult, paths: RunPaths, since: float, injected: list[dict]):
     """The failed rank that caused the others to fail: an injected fault's rank, else one killed by a
     signal (not the SIGTERM torch sends the survivors), else the earliest to record its exit
     (``<run>/ft/exit``), else the lowest rank."""
     if not result.failures:
         return -1, None
-    from stalwart.ft.supervisor import read_exits
-
     fired = [f for f in injected if f.get("rank") in result.failures]
     if fired:
         rank = max(fired, key=lambda f: f["time"])["rank"]
@@ -149,7 +151,7 @@ def _root_cause(result: RunResult, run_dir: Path, since: float, injected: list[d
                  if f.exitcode is not None and f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
     if signalled:
         return min(signalled), result.failures[min(signalled)]
-    exits = {r: t for r, t in read_exits(run_dir).items() if r in result.failures and t >= since}
+    exits = {r: t for r, t in read_exits(paths).items() if r in result.failures and t >= since}
     rank = min(exits, key=exits.get) if exits else min(result.failures)
     return rank, result.failures[rank]
 
@@ -167,7 +169,7 @@ def _patched_agent(factory):
         api.LocalElasticAgent = saved
 
 
-def run_supervised(torchrun_argv: list[str], fault_cfg, run_dir: Path, snapshot_dir: Path | None,
+def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,
                    max_restarts: int) -> int:
     """Run torch.distributed.run with our agent; return the documented exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -185,14 +187,14 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, run_dir: Path, snapshot_
     config, cmd, cmd_args = config_from_args(args)
     config.monitor_interval = fault_cfg.monitor_interval_s
     config.max_restarts = max_restarts
-    run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(run_dir / "events.jsonl", enabled=True)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    events = EventLog(paths.events, enabled=True)
     holder: dict = {}
 
     def factory(spec, *a, **kw):
         node = int(os.environ.get("GROUP_RANK", "0"))  # unknown before rendezvous: assume a regular grid
         ranks = [node * spec.local_world_size + i for i in range(spec.local_world_size)]
-        sup = Supervisor(fault_cfg, run_dir, snapshot_dir, max_restarts, ranks, events,
+        sup = Supervisor(fault_cfg, paths.root, snapshot_dir, max_restarts, ranks, events,
                          host_size=fault_cfg.host_size or spec.local_world_size)
         sup.launched(time.time(), nproc_per_node=spec.local_world_size)
         holder["sup"] = sup
@@ -216,9 +218,8 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, run_dir: Path, snapshot_
         elif verdict == EXCLUDE:
             code = EXIT_EXCLUDE
             host, size = sup.excluded_host, sup.host_size
-            record_exclusion(run_dir, {"host": host, "ranks": list(range(host * size, (host + 1) * size)),
-                                       "size": size, "reason": f"{fault_cfg.exclude_after} failures",
-                                       "restarts_used": sup.policy.restarts, "time": time.time()})
+            record_exclusion(paths, host, size, f"{fault_cfg.exclude_after} failures",
+                             restarts_used=sup.policy.restarts)
             print(f"stalwart supervisor: host {host} (ranks {host * size}-{(host + 1) * size - 1}) failed "
                   f"{fault_cfg.exclude_after} times: excluding it", file=sys.stderr, flush=True)
         elif failure.exitcode == EXIT_USER_ERROR:
@@ -237,49 +238,33 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, run_dir: Path, snapshot_
             holder["sup"].finished(time.time(), code)
         events.close()
     if code != EXIT_EXCLUDE and holder.get("sup") is not None and (holder["sup"].failures or fault_cfg.chaos_mtbf_s):
-        from stalwart.ft.goodput import account_run, format_report
+        from stalwart.observe.goodput import account_run, format_report
 
-        g = account_run(run_dir)
-        (run_dir / "goodput.json").write_text(json.dumps(g, indent=1))
+        g = account_run(paths.root)
+        write_text_atomic(paths.goodput, json.dumps(g, indent=1))
         print(format_report(g), flush=True)
     return code
 
 
-def read_exclusions(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "ft" / "excluded.json"
-    try:
-        return json.loads(path.read_text())["excluded"] if path.is_file() else []
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def record_exclusion(run_dir: Path, rec: dict) -> None:
-    path = Path(run_dir) / "ft" / "excluded.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".excluded.json.tmp")
-    tmp.write_text(json.dumps({"excluded": [*read_exclusions(run_dir), rec]}, indent=1))
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Multi-node: ``python -m stalwart.ft.agent <torchrun args> -m stalwart.train --config ...``."""
-    from stalwart.config.loading import load_job, split_args
-    from stalwart.train.trainer import run_dir_for
-    from stalwart.train.worker import LAUNCHER_FLAGS
+    """Multi-node: ``python -m stalwart.launch.agent <torchrun args> -m stalwart.train --config ...``."""
+    from stalwart.config.loading import parse_train_argv
+    from stalwart.errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-m" not in argv and "--module" not in argv:
-        print("usage: python -m stalwart.ft.agent [torchrun options] -m stalwart.train [train options]",
+        print("usage: python -m stalwart.launch.agent [torchrun options] -m stalwart.train [train options]",
               file=sys.stderr)
         return 2
     i = argv.index("-m") if "-m" in argv else argv.index("--module")
-    opts, overrides = split_args(argv[i + 2:], LAUNCHER_FLAGS)
-    cfg = load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]
-    from stalwart.checkpoint.snapshot import default_snapshot_dir
-
-    run_dir = run_dir_for(cfg)
-    snap = Path(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_dir else default_snapshot_dir(run_dir)
-    return run_supervised(argv, cfg.fault, run_dir, snap, cfg.launch.max_restarts)
+    try:
+        _, cfg = parse_train_argv(argv[i + 2:])
+    except UserError as e:
+        print(f"stalwart train: error: {e}", file=sys.stderr)
+        return 2
+    paths = RunPaths.of(cfg.run)
+    snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
+    return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.max_restarts)
 
 
 if __name__ == "__main__":

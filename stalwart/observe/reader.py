@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.metrics.records import read_jsonl
-from stalwart.observe.aggregate import goodput, heatmap, load_timings, phase_names, straggler_scores
+from stalwart.observe.aggregate import heatmap, load_timings, phase_names, straggler_scores
 from stalwart.observe.diagnose import analyze, format_diagnosis, load_dumps
+from stalwart.observe.goodput import account
+from stalwart.paths import RunPaths
 
 TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_bytes")
 
@@ -32,8 +34,9 @@ def _clean(obj: Any) -> Any:
 def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 500,
              straggler_threshold: float = 1.2) -> dict[str, Any]:
     run_dir = Path(run_dir)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
+    paths = RunPaths(run_dir)
+    metrics = read_jsonl(paths.metrics)
+    events = read_jsonl(paths.events)
     timings = load_timings(run_dir)
     # NOTE: after a restart, steps are recomputed; the curves show each step's newest record.
     newest = {m["step"]: m for m in metrics if "loss" in m and "step" in m}
@@ -43,9 +46,9 @@ def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 50
              for m in metrics if "eval_loss" in m and "step" in m]
     fields = ["step_time_s"] + phase_names(timings)
     summary = None
-    if (run_dir / "summary.json").is_file():
+    if paths.summary.is_file():
         try:
-            summary = json.loads((run_dir / "summary.json").read_text())
+            summary = json.loads(paths.summary.read_text())
         except json.JSONDecodeError:
             summary = None
     dumps = load_dumps(run_dir)
@@ -56,7 +59,7 @@ def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 50
         "events": events[-max_events:], "n_events": len(events),
         "heatmaps": {f: heatmap(timings, f, heatmap_steps) for f in fields} if timings else {},
         "stragglers": straggler_scores(timings, straggler_threshold) if timings else None,
-        "goodput": goodput(events, metrics),
+        "goodput": account(events, metrics),
         "summary": summary,
         "flight": flight,
         "flight_text": format_diagnosis(flight) if flight else None,

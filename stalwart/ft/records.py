@@ -1,0 +1,135 @@
+"""The files fault tolerance keeps under ``<run>/ft/``, each with one writer format and one reader.
+
+- ``heartbeat/rank-<r>.json``  each rank's liveness and progress (``Heartbeat``, read by the supervisor)
+- ``exit/rank-<r>.json``       when and why a rank is failing (the supervisor names the earliest)
+- ``skip_steps.json``          steps whose update is not applied after a rollback
+- ``excluded.json``            hosts taken out of the job (by the supervisor, or a straggler report)
+
+Paths come from :class:`stalwart.paths.RunPaths`; writes are atomic (:mod:`stalwart.atomic`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stalwart.atomic import write_json_atomic
+from stalwart.paths import RunPaths, rank_files
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------- heartbeats
+class Heartbeat:
+    """A daemon thread writing ``heartbeat/rank-<r>.json`` every ``interval`` seconds."""
+
+    def __init__(self, paths: RunPaths, rank: int, attempt: int, interval: float) -> None:
+        self.path = paths.heartbeat(rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.interval = interval
+        self.state = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "step": 0, "resumed_step": 0,
+                      "phase": "init", "progress_time": time.time()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stalwart-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def resumed(self, step: int) -> None:
+        self.state["resumed_step"] = step
+        self.progress(step, phase="init")
+
+    def progress(self, step: int, phase: str = "train") -> None:
+        self.state = {**self.state, "step": step, "phase": phase, "progress_time": time.time()}
+        self.beat()  # at once: the supervisor times recovery from the step's completion
+
+    def beat(self) -> None:
+        try:  # rewritten twice a second: atomic, but not fsynced
+            write_json_atomic(self.path, {**self.state, "beat_time": time.time()}, durable=False, indent=None)
+        except OSError:
+            pass  # a full disk must not kill training; the watchdog will notice missing beats
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.beat()
+
+    def stop(self, phase: str = "done") -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval + 1)
+        self.progress(self.state["step"], phase=phase)
+
+
+def read_heartbeats(paths: RunPaths, ranks: list[int]) -> dict[int, dict]:
+    out = {}
+    for r in ranks:
+        rec = _read_json(paths.heartbeat(r))
+        if isinstance(rec, dict):
+            out[r] = rec
+    return out
+
+
+# ---------------------------------------------------------------------- exits
+def record_exit(paths: RunPaths, rank: int, error: BaseException) -> None:
+    """Note when and why this rank is failing: the supervisor names the earliest as the root cause."""
+    try:
+        paths.exit_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(paths.exit_record(rank), {"rank": rank, "time": time.time(), "pid": os.getpid(),
+                                                    "error": f"{type(error).__name__}: {error}"[:500]})
+    except OSError:
+        pass
+
+
+def read_exits(paths: RunPaths) -> dict[int, float]:
+    """rank -> unix time it recorded a failing exit."""
+    out = {}
+    for p in rank_files(paths.exit_dir, ".json").values():
+        rec = _read_json(p)
+        try:
+            out[int(rec["rank"])] = float(rec["time"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------- skip list
+def read_skip_steps(paths: RunPaths) -> set[int]:
+    rec = _read_json(paths.skip_steps)
+    try:
+        return {int(s) for s in rec["steps"]} if rec else set()
+    except (KeyError, TypeError, ValueError):
+        return set()
+
+
+def write_skip_steps(paths: RunPaths, steps: set[int]) -> None:
+    paths.ft_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(paths.skip_steps, {"steps": sorted(steps)})
+
+
+# ---------------------------------------------------------------------- exclusions
+def read_exclusions(paths: RunPaths) -> list[dict]:
+    rec = _read_json(paths.excluded)
+    try:
+        return list(rec["excluded"]) if rec else []
+    except (KeyError, TypeError):
+        return []
+
+
+def record_exclusion(paths: RunPaths, host: int, host_size: int, reason: str, *, step: int | None = None,
+                     restarts_used: int = 0, source: str = "supervisor") -> dict:
+    """Append one excluded host. Every record has the same fields, whoever writes it."""
+    rec = {"host": host, "ranks": list(range(host * host_size, (host + 1) * host_size)), "size": host_size,
+           "reason": reason, "step": step, "restarts_used": restarts_used, "source": source, "time": time.time()}
+    paths.ft_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(paths.excluded, {"excluded": [*read_exclusions(paths), rec]})
+    return rec

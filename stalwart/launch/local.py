@@ -1,0 +1,67 @@
+"""``stalwart train`` with more than one process, or under supervision: check the job before any
+process starts, then run the workers under the supervisor; relaunch without an excluded host."""
+
+from __future__ import annotations
+
+import os
+
+from stalwart.config.job import JobConfig
+from stalwart.ft.detect import EXIT_EXCLUDE
+from stalwart.ft.records import read_exclusions
+from stalwart.launch.agent import run_supervised
+from stalwart.metrics.records import EventLog
+from stalwart.parallel.dims import LayoutError, ParallelDims, virtual_stages
+from stalwart.paths import RunPaths
+
+
+def preflight(cfg: JobConfig, nproc: int) -> None:
+    """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
+    from stalwart.data.corpus import Corpus
+    from stalwart.models.flavors import resolve_args
+
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    dims = ParallelDims.resolve(cfg.parallelism, world)
+    args = resolve_args(cfg.model, 256, cfg.data.seq_len)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
+                     virtual_stages(cfg.parallelism, dims))
+    Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
+    per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
+    if per_rank is None or per_rank % cfg.training.micro_batch:
+        raise LayoutError(
+            f"training.global_batch ({cfg.training.global_batch}) must split into {dims.dp} data-parallel ranks x "
+            f"whole micro-batches of {cfg.training.micro_batch}; e.g. set --training.global_batch "
+            f"{dims.dp * cfg.training.micro_batch}")
+
+
+def supervised(cfg: JobConfig) -> bool:
+    return cfg.launch.max_restarts > 0 or bool(cfg.fault.inject) or cfg.fault.chaos_mtbf_s > 0
+
+
+def launch(argv: list[str], nproc: int, cfg: JobConfig) -> int:
+    """Start ``nproc`` workers (``-m stalwart.train argv``) under the supervisor; return the exit code."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(nproc)))
+    paths = RunPaths.of(cfg.run)
+    snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
+    budget, spares = cfg.launch.max_restarts, cfg.fault.spare_hosts
+    while True:
+        code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
+                              cfg.fault, paths, snap, budget)
+        if code != EXIT_EXCLUDE:
+            return code
+        # A host was excluded (fault.exclude_after): continue on the rest, same global batch.
+        ex = read_exclusions(paths)[-1]
+        budget = max(0, budget - ex["restarts_used"] - 1)
+        log = EventLog(paths.events)
+        try:
+            if spares > 0:  # a spare host takes the excluded one's place: same world size, same trajectory
+                spares -= 1
+                log("spare_adopted", host=ex["host"], ranks=ex["ranks"], nproc_per_node=nproc, spares_left=spares,
+                    remaining_restarts=budget)
+                continue
+            nproc -= ex["size"]
+            if nproc < 1:
+                raise LayoutError("fault.exclude_after: every host has been excluded; nothing left to train on")
+            preflight(cfg, nproc)  # the global batch must still split into the smaller data-parallel degree
+            log("excluded", host=ex["host"], ranks=ex["ranks"], nproc_per_node=nproc, remaining_restarts=budget)
+        finally:
+            log.close()

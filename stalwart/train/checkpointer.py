@@ -1,0 +1,113 @@
+"""The checkpointer decides when training state is saved, where, and what a run resumes from.
+
+It composes one state from the stateful pieces (model, optimizer, the training counters, the
+learning-rate schedule, the data position, RNG) and owns every choice the loop used to make:
+the disk interval and async commit (``checkpoint.interval``, ``async_save``), the in-memory tier
+(``memory_interval``), what to resume from (the newest of an in-memory snapshot and a verified disk
+checkpoint, else a Hugging Face directory, else the seeded initialisation), and the final save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
+from stalwart.checkpoint.snapshot import SnapshotStore
+from stalwart.paths import RunPaths, checkpoint_step
+
+
+class Checkpointer:
+    """``cfg`` is the ``checkpoint`` section; ``core`` a :class:`~stalwart.train.core.TrainCore`;
+    ``stateful`` further pieces with ``state_dict``/``load_state_dict`` (e.g. ``{"data": loader}``)."""
+
+    def __init__(self, cfg, paths: RunPaths, env, core, stateful: dict[str, Any], log_event,
+                 describe: dict[str, Any], phase=None) -> None:
+        self.cfg, self.paths, self.env, self.core = cfg, paths, env, core
+        self.stateful = {"schedule": core.schedule, **stateful}
+        self.log_event = log_event
+        self._phase = phase
+        self.manager = CheckpointManager(paths.checkpoints, cfg, env.rank, env.world_size, log_event,
+                                         describe=describe)
+        self.snapshots = None
+        if cfg.memory_interval:
+            self.snapshots = SnapshotStore(paths.snapshots(cfg.memory_dir), env.rank, env.world_size,
+                                           env.local_world_size, layout=core.dims.describe())
+        self.resumed_from: Path | None = None
+
+    @staticmethod
+    def refuse_overwrite(cfg, paths: RunPaths) -> None:
+        """``checkpoint.resume = none`` on a run that has checkpoints: stop before anything is written."""
+        if cfg.resume == "none" and CheckpointManager(paths.checkpoints, cfg, 0, 1, None).complete_checkpoints():
+            raise CheckpointError(
+                f"run directory {paths.root} already holds checkpoints and checkpoint.resume = none; use "
+                "--checkpoint.resume auto to continue it, or choose another --run.dir")
+
+    # ------------------------------------------------------------------ state
+    def trainer_state(self) -> dict[str, Any]:
+        """The JSON part of a checkpoint (the step is added by the writer)."""
+        return {"tokens_seen": self.core.state.tokens_seen,
+                **{name: obj.state_dict() for name, obj in self.stateful.items()},
+                "model_args": dataclasses.asdict(self.core.spec.model_args)}
+
+    def _load_trainer_state(self, step: int, st: dict[str, Any]) -> None:
+        self.core.state.step, self.core.state.tokens_seen = step, int(st["tokens_seen"])
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(st[name])
+
+    def restore(self) -> None:
+        """Resume from the best state available, or initialise from Hugging Face weights."""
+        model, optimizer = self.core.model, self.core.optimizer
+        path = self.manager.resolve_resume()
+        disk_step = checkpoint_step(path) if path is not None else -1
+        snap = self.snapshots.newest_complete_step() if (
+            self.snapshots is not None and self.cfg.resume == "auto") else None
+        if snap is not None and snap > disk_step:
+            st = self.snapshots.load(snap, model, optimizer)
+            source, step, path = "memory", int(st["step"]), self.snapshots.job_dir
+        elif path is not None:
+            loaded = self.manager.load(path, model, optimizer)
+            st, source, step = loaded.trainer_state, "disk", loaded.step
+        else:
+            if self.cfg.init_from_hf:
+                from stalwart.export.hf import load_hf_into
+
+                load_hf_into(model, self.core.spec.model_args, self.cfg.init_from_hf)
+                self.log_event("initialized", source="hf", path=self.cfg.init_from_hf)
+            return
+        self._load_trainer_state(step, st)
+        self.resumed_from = path
+        self.log_event("resumed", step=step, path=str(path), source=source)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, block: bool = False) -> Path | None:
+        """Start a checkpoint (async: returns after staging); ``block`` waits until it is committed."""
+        return self.manager.save(self.core.state.step, self.core.model, self.core.optimizer,
+                                 self.trainer_state(), block=block)
+
+    def maybe_save(self, step: int, end: int) -> None:
+        """After step ``step``: commit a finished async save; snapshot / checkpoint at their intervals
+        (the final step is saved by ``finish``)."""
+        self.manager.poll()  # commits an async save once every rank's write is durable
+        if step == end:
+            return
+        if self.snapshots is not None and step % self.cfg.memory_interval == 0:
+            self.snapshots.save(step, self.core.model, self.core.optimizer, self.trainer_state())
+        if self.cfg.interval and step % self.cfg.interval == 0:
+            if self._phase is None:
+                self.save()
+            else:
+                with self._phase("checkpoint"):
+                    self.save()
+
+    def finish(self, trained: bool, stopped_early: bool) -> Path | None:
+        """End of a session: the final save (when anything was trained), then every save committed.
+        Returns the checkpoint that holds the final state, if any."""
+        ckpt = self.resumed_from if not trained else None
+        if trained and (self.cfg.at_end or stopped_early):
+            ckpt = self.save(block=True)
+        self.manager.wait()  # an in-flight async save commits before exit
+        if self.snapshots is not None and not stopped_early:
+            self.snapshots.clear()  # finished: the final disk checkpoint supersedes them
+        return ckpt

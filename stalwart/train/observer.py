@@ -1,0 +1,179 @@
+"""What the training loop reports, and to whom: one object the loop enters once and tells about steps.
+
+The observer owns the run's records (``events.jsonl``, the metrics fan-out: ``metrics.jsonl`` plus the
+configured TensorBoard / Prometheus / W&B sinks), the per-rank phase timer (``timings/``), the
+collective flight recorder (``flight/``) and the progress display. Entering it installs the flight
+recorder's patches and handlers; leaving it, on any exit, undoes them and closes every file.
+
+    with observer:
+        with observer.step(n):            # step timing, phases
+            record = core.train_step(loader.next())
+        observer.log(record)              # adds throughput, MFU, memory; writes the sinks
+        ...                               # evaluation, checkpoint: still phases of step n's timings
+
+A step's timings record closes when the next step begins (or at exit), so the work done between
+steps (evaluation, checkpoint stall) is attributed to the step it follows.
+
+Rank filtering happens here, at the edges: the records and the progress display are rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from stalwart.errors import UserError
+from stalwart.metrics.progress import Progress
+from stalwart.metrics.records import EventLog
+from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
+from stalwart.paths import RunPaths
+from stalwart.train.dist_env import DistEnv
+
+WARMUP_STEPS = 3  # steady-state throughput excludes this session's first steps
+
+
+class TimedLoader:
+    """A data loader whose ``next()`` is timed as the step's ``data`` phase; everything else passes through."""
+
+    def __init__(self, loader, observer: "Observer") -> None:
+        self._loader, self._observer = loader, observer
+
+    def next(self):
+        t0 = time.perf_counter()
+        with self._observer.timer.phase("data"):
+            batch = self._loader.next()
+        self._observer.data_wait_s = time.perf_counter() - t0
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class Observer:
+    def __init__(self, observe_cfg, metrics_cfg, paths: RunPaths, run_name: str, env: DistEnv,
+                 flops_per_token: float, peak_flops: float, tokens_per_step: int,
+                 config_dict: dict | None = None) -> None:
+        self.cfg, self.metrics_cfg, self.env = observe_cfg, metrics_cfg, env
+        self.flops_per_token, self.peak_flops, self.tokens_per_step = flops_per_token, peak_flops, tokens_per_step
+        self.events = EventLog(paths.events, enabled=env.is_main)
+        self.metrics = build_sinks(observe_cfg, paths.root, run_name, is_main=env.is_main, config_dict=config_dict)
+        self.recorder = (FlightRecorder(env.rank, env.world_size, paths.root, observe_cfg.flight_entries,
+                                        observe_cfg.hang_timeout_s)
+                         if env.is_distributed and observe_cfg.flight_recorder else None)
+        self.timer = PhaseTimer(env.rank, env.device, TimingsWriter(paths.root, env.rank),
+                                observe_cfg.timings_flush_every, enabled=observe_cfg.timings,
+                                on_phase=self.recorder.set_phase if self.recorder else None,
+                                comm_clock=self.recorder.blocked_seconds if self.recorder else None)
+        self.progress: Progress | None = None
+        self._end = 0
+        self.last: dict[str, Any] = {}  # the newest step record of this session
+        self._open_step: int | None = None
+        self.data_wait_s = 0.0
+        self._step_time = 0.0
+        self._t_start = self._t_end = time.perf_counter()
+        self._steps = 0               # steps logged this session
+        self._steady: tuple[float, int] | None = None  # (time, tokens) after the warm-up steps
+        self._tokens = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Observer":
+        if self.recorder is not None:
+            self.recorder.install()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.recorder is not None and exc_type is not None and not issubclass(exc_type, UserError):
+            self.recorder.dump(f"exception {exc_type.__name__}: {exc}"[:300])  # what each rank was doing
+        try:
+            self.close_step()
+            self.timer.close()
+            if self.progress is not None:
+                self.progress.close()
+            self.metrics.close()
+            self.events.close()
+        finally:
+            if self.recorder is not None:
+                self.recorder.uninstall()
+
+    def begin(self, total_steps: int, start_step: int, end_step: int, banner: str, **start_fields: Any) -> None:
+        """The session starts at ``start_step``: the ``start`` event, the progress display, the banner."""
+        self._end = end_step
+        self.progress = Progress(total_steps, start_step, self.metrics_cfg.progress, self.env.is_main)
+        self.events("start", step=start_step, world_size=self.env.world_size, **start_fields)
+        self.progress.log(banner)
+        self._t_start = self._t_end = time.perf_counter()
+
+    def say(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.log(message)
+
+    # ------------------------------------------------------------------ per step
+    def close_step(self) -> None:
+        if self._open_step is not None:
+            self.timer.end_step()
+            if self.recorder is not None:
+                self.recorder.mark_progress(self._open_step)
+            self._open_step = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        self.close_step()
+        self._open_step = step
+        self.timer.begin_step(step)
+        t0 = time.perf_counter()
+        self.data_wait_s = 0.0
+        yield
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._step_time = time.perf_counter() - t0
+
+    def phase(self, name: str):
+        return self.timer.phase(name)
+
+    def log(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Complete the step's record (timing, throughput, MFU, memory), write it, close the step."""
+        step = record["step"]
+        tps = self.tokens_per_step / self._step_time if self._step_time > 0 else 0.0
+        record.update(step_time_s=self._step_time, data_wait_s=self.data_wait_s, tokens_per_s=tps,
+                      mfu=self.mfu(tps), mem_bytes=self.memory())
+        self._steps += 1
+        self._tokens += self.tokens_per_step
+        self._t_end = time.perf_counter()
+        if self._steps == WARMUP_STEPS:
+            self._steady = (self._t_end, self._tokens)
+        if step % self.metrics_cfg.log_interval == 0 or step == self._end:
+            self.metrics.write({**record, "time": time.time()})
+        if self.progress is not None:
+            self.progress.update(step, f"loss {record['loss']:.3f}  {tps:.0f} tok/s  mfu {100 * record['mfu']:.1f}%")
+        self.last = record
+        return record
+
+    def eval(self, step: int, loss: float) -> None:
+        self.metrics.write({"step": step, "eval_loss": loss, "time": time.time()})
+        self.events("eval", step=step, eval_loss=loss)
+        self.say(f"step {step}: eval loss {loss:.4f}")
+
+    # ------------------------------------------------------------------ figures
+    def mfu(self, tokens_per_s: float) -> float:
+        return tokens_per_s * self.flops_per_token / (self.peak_flops * self.env.world_size)
+
+    def throughput(self) -> float | None:
+        """Tokens/s of this session's training loop, excluding the warm-up steps when there were more."""
+        if self._steady is not None and self._tokens > self._steady[1]:
+            return (self._tokens - self._steady[1]) / (self._t_end - self._steady[0])
+        if self._steps:
+            return self._tokens / max(self._t_end - self._t_start, 1e-9)
+        return None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t_start
+
+    def memory(self) -> int:
+        if self.env.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.env.device))
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
