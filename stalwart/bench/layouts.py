@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stalwart.paths import RunPaths
+
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
     "dp_shard=2": (2, []),
@@ -40,7 +42,7 @@ def run_layout(nproc: int, extra: list[str], steps: int, workdir: Path) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return json.loads((workdir / "summary.json").read_text())
+    return json.loads(RunPaths(workdir).summary.read_text())
 
 
 def main(argv: list[str]) -> int:

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from stalwart.checkpoint.manager import MANIFEST
 from stalwart.config.fault_plan import Fault, parse_plan
 from stalwart.ft.plan import fired_ids, mark_fired, pending
 from stalwart.metrics.records import EventLog
@@ -37,7 +38,7 @@ def _raise_injected(signum, frame) -> None:
 def corrupt_checkpoint(paths: RunPaths, step: int) -> bool:
     """Flip one byte in the middle of a shard of complete checkpoint ``step-N``; False if absent."""
     d = paths.checkpoint(step)
-    if not (d / "manifest.json").is_file():
+    if not (d / MANIFEST).is_file():
         return False
     shard = next(iter(sorted(d.glob("*.distcp"))), None)
     if shard is None:
