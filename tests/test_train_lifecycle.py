@@ -24,7 +24,7 @@ from stalwart.ft.inject import InjectedFault
 from stalwart.train.dist_env import DistEnv
 from stalwart.train.trainer import Trainer
 
-pytestmark = pytest.mark.multiproc
+pytestmark = pytest.mark.unit
 
 HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 THREADS = ("stalwart-heartbeat", "stalwart-flight-watchdog")
