@@ -39,9 +39,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from stalwart.atomic import fsync_dir, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
-from stalwart.atomic import fsync_dir, write_json_atomic, write_text_atomic
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
                                         plan_save, sha256_file, write_local)
 from stalwart.errors import UserError

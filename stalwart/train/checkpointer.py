@@ -15,7 +15,7 @@ from typing import Any
 
 from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
 from stalwart.checkpoint.snapshot import SnapshotStore
-from stalwart.paths import RunPaths, checkpoint_step
+from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
 
 
 class Checkpointer:
@@ -39,7 +39,7 @@ class Checkpointer:
     @staticmethod
     def refuse_overwrite(cfg, paths: RunPaths) -> None:
         """``checkpoint.resume = none`` on a run that has checkpoints: stop before anything is written."""
-        if cfg.resume == "none" and CheckpointManager(paths.checkpoints, cfg, 0, 1, None).complete_checkpoints():
+        if cfg.resume == "none" and CheckpointDir(paths.checkpoints).complete():
             raise CheckpointError(
                 f"run directory {paths.root} already holds checkpoints and checkpoint.resume = none; use "
                 "--checkpoint.resume auto to continue it, or choose another --run.dir")

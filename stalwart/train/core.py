@@ -154,10 +154,6 @@ class TrainCore:
         return float(total[0] / total[1])
 
     # ------------------------------------------------------------------ state
-    def stateful(self) -> dict:
-        """The pieces a checkpoint composes, besides model and optimizer."""
-        return {"state": self.state, "schedule": self.schedule}
-
     def state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's local shards of parameters, gradients and optimizer state."""
         def local_bytes(t: torch.Tensor) -> int:
