@@ -215,3 +215,24 @@ def test_supervisor_excludes_a_host_after_repeated_failures(tmp_path):
     assert sup.on_failure(1.0, "crash", 3) == RESTART   # host 1, first failure
     assert sup.on_failure(2.0, "crash", 0) == RESTART   # host 0
     assert sup.on_failure(3.0, "signal", 2) == "exclude" and sup.excluded_host == 1
+
+
+def test_both_exclusion_writers_share_one_record_format(tmp_path):
+    """The supervisor (a host that failed too often) and the guard (a straggler under
+    fault.straggler_policy = exclude) append to ft/excluded.json in one format the launcher reads."""
+    from stalwart.config.job import FaultConfig
+    from stalwart.ft.guard import Guard
+    from stalwart.ft.records import read_exclusions, record_exclusion
+
+    paths = RunPaths(tmp_path)
+    record_exclusion(paths, 1, 2, "2 failures", restarts_used=3)
+    events = []
+    guard = Guard(FaultConfig(straggler_policy="exclude", straggler_window=4, host_size=2), paths, 0, 4,
+                  lambda name, **kw: events.append({"event": name, **kw}))
+    for step in range(1, 5):
+        guard._check_stragglers(step, [1.0, 1.0, 1.1, 4.0])  # rank 3 (host 1) is four times slower
+    ex = read_exclusions(paths)
+    assert [(e["host"], e["ranks"], e["size"], e["source"]) for e in ex] == [
+        (1, [2, 3], 2, "supervisor"), (1, [2, 3], 2, "straggler")]
+    assert all(set(e) == set(ex[0]) for e in ex) and ex[1]["step"] == 4 and ex[0]["restarts_used"] == 3
+    assert [e["rank"] for e in events if e["event"] == "straggler"] == [3]
