@@ -96,7 +96,8 @@ class Guard:
         else:
             parts = [mine]
         flags = [int(p[0].item()) for p in parts]
-        mean_loss = float(sum(p[2] for p in parts if p[3]) / sum(p[3] for p in parts))
+        counted = sum(float(p[3]) for p in parts)
+        mean_loss = sum(float(p[2]) for p in parts if p[3]) / counted if counted else float("nan")
         self._check_stragglers(out.step, [float(p[1]) for p in parts])
         skip = False
         if out.step in self.skip_steps:
