@@ -9,6 +9,7 @@ checkpoint, else a Hugging Face directory, else the seeded initialisation), and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ class Checkpointer:
         self.cfg, self.paths, self.env, self.core = cfg, paths, env, core
         self.stateful = {"schedule": core.schedule, **stateful}
         self.log_event = log_event
-        self._phase = phase
+        self._phase = phase or (lambda name: contextlib.nullcontext())
         self.manager = CheckpointManager(paths.checkpoints, cfg, env.rank, env.world_size, log_event,
                                          describe=describe)
         self.snapshots = None
@@ -95,11 +96,8 @@ class Checkpointer:
         if self.snapshots is not None and step % self.cfg.memory_interval == 0:
             self.snapshots.save(step, self.core.model, self.core.optimizer, self.trainer_state())
         if self.cfg.interval and step % self.cfg.interval == 0:
-            if self._phase is None:
+            with self._phase("checkpoint"):
                 self.save()
-            else:
-                with self._phase("checkpoint"):
-                    self.save()
 
     def finish(self, trained: bool, stopped_early: bool) -> Path | None:
         """End of a session: the final save (when anything was trained), then every save committed.

@@ -66,11 +66,18 @@ class CoreSpec:
     seed: int = 0
     deterministic: bool = True
 
+    @property
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.model_args, self.seq_len)
 
-def param_dtype(training_dtype: str, device: torch.device) -> torch.dtype:
-    if training_dtype == "bfloat16" or (training_dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    @property
+    def tokens_per_step(self) -> int:
+        return self.training.global_batch * self.seq_len
+
+    def param_dtype(self, device: torch.device) -> torch.dtype:
+        if self.training.dtype == "bfloat16" or (self.training.dtype == "auto" and device.type == "cuda"):
+            return torch.bfloat16
+        return torch.float32
 
 
 class TrainCore:
@@ -79,7 +86,7 @@ class TrainCore:
     def __init__(self, spec: CoreSpec, env: DistEnv, dims: ParallelDims, timer=None) -> None:
         self.spec, self.env, self.dims = spec, env, dims
         self.device = env.device
-        self.param_dtype = param_dtype(spec.training.dtype, self.device)
+        self.param_dtype = spec.param_dtype(self.device)
         if spec.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -104,8 +111,7 @@ class TrainCore:
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.state = TrainState()
         self.backward_hooks: list[BackwardHook] = []
-        self.flops_per_token = flops_per_token(a, spec.seq_len)
-        self.tokens_per_step = spec.training.global_batch * spec.seq_len
+        self.flops_per_token, self.tokens_per_step = spec.flops_per_token, spec.tokens_per_step
 
     @classmethod
     def build(cls, spec: CoreSpec, env: DistEnv, timer=None) -> "TrainCore":

@@ -28,11 +28,11 @@ from stalwart.ft.guard import Guard
 from stalwart.ft.inject import FaultInjector
 from stalwart.metrics.mfu import peak_tflops
 from stalwart.models.flavors import resolve_args
-from stalwart.models.llama import count_params, flops_per_token
+from stalwart.models.llama import count_params
 from stalwart.parallel.dims import ParallelDims
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
-from stalwart.train.core import CoreSpec, TrainCore, param_dtype
+from stalwart.train.core import CoreSpec, TrainCore
 from stalwart.train.dist_env import DistEnv
 from stalwart.train.evaluator import Evaluator
 from stalwart.train.observer import Observer, TimedLoader
@@ -73,13 +73,11 @@ class Trainer:
                                          cfg.training.micro_batch, dp_rank, dims.dp)
 
         # The observer comes first: the core's phases are timed by its timer.
-        peak, self.peak_source = peak_tflops(env.device, param_dtype(cfg.training.dtype, env.device),
-                                             cfg.metrics.peak_tflops)
         spec = CoreSpec(model_args, cfg.parallelism, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
                         cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic)
-        self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env,
-                                 flops_per_token(model_args, cfg.data.seq_len), peak * 1e12,
-                                 cfg.training.global_batch * cfg.data.seq_len, config_dict=to_dict(cfg))
+        peak, self.peak_source = peak_tflops(env.device, spec.param_dtype(env.device), cfg.metrics.peak_tflops)
+        self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
+                                 peak * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg))
         self.core = TrainCore(spec, env, dims, self.observer.timer)
         self.loader = TimedLoader(data, self.observer)
         self.evaluator = Evaluator(cfg.eval, self.core, val_batches, self.observer)
