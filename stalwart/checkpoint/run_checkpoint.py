@@ -44,3 +44,19 @@ def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunChec
         raise RunDirError(f"{run_dir} has no complete checkpoint")
     args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)
     return RunCheckpoint(cfg, tokenizer, path, args)
+
+
+def load_run_model(run_dir: Path, checkpoint: str | None = None):
+    """(model, tokenizer, config, checkpoint path) for a run directory, on CPU, weights only."""
+    import torch
+
+    from stalwart.checkpoint.manager import CheckpointManager
+    from stalwart.config.job import CheckpointConfig
+    from stalwart.models.llama import Transformer
+
+    run = open_run_checkpoint(run_dir, checkpoint)
+    model = Transformer(run.args)
+    with torch.no_grad():
+        CheckpointManager(run.path.parent, CheckpointConfig(), 0, 1, lambda *a, **k: None).load(run.path, model, None)
+    model.reset_buffers()
+    return model, run.tokenizer, run.cfg, run.path

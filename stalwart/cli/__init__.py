@@ -15,6 +15,7 @@ from stalwart.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("stalwart.cli.train", "train a model (launches workers itself, or runs under torchrun)"),
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
+    "serve": ("stalwart.serve.cli", "serve a model over an OpenAI-compatible API (batched, KV-cached, --tp/--replicas)"),
     "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),
     "bench": ("stalwart.cli.bench", "benchmarks: throughput, collectives"),
     "simulate": ("stalwart.sim.cli", "simulate failures and recovery of a large job (ETTR)"),

@@ -6,21 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-def load_run_model(run_dir: Path, checkpoint: str | None = None):
-    """(model, tokenizer, config, checkpoint path) for a run directory, on CPU, weights only."""
-    import torch
-
-    from stalwart.checkpoint.manager import CheckpointManager
-    from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
-    from stalwart.config.job import CheckpointConfig
-    from stalwart.models.llama import Transformer
-
-    run = open_run_checkpoint(run_dir, checkpoint)
-    model = Transformer(run.args)
-    with torch.no_grad():
-        CheckpointManager(run.path.parent, CheckpointConfig(), 0, 1, lambda *a, **k: None).load(run.path, model, None)
-    model.reset_buffers()
-    return model, run.tokenizer, run.cfg, run.path
+from stalwart.checkpoint.run_checkpoint import load_run_model
 
 
 def main(argv: list[str]) -> int:

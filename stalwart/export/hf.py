@@ -89,6 +89,28 @@ def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") ->
     }
 
 
+def args_from_hf(config: dict[str, Any], where: str) -> TransformerArgs:
+    """The Stalwart shape of a Hugging Face Llama config.json (the inverse of ``hf_config``)."""
+    if config.get("model_type") != "llama":
+        raise ExportError(f"{where}: model_type is {config.get('model_type')!r}; only Llama models load")
+    if config.get("rope_scaling"):
+        raise ExportError(f"{where}: rope_scaling {config['rope_scaling']} is not supported")
+    try:
+        args = TransformerArgs(
+            dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+            n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            rope_theta=float(config.get("rope_theta", 10000.0)), norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise ExportError(f"{where}: config.json has no {e.args[0]}") from None
+    args.validate()
+    if config.get("head_dim", args.head_dim) != args.head_dim:
+        raise ExportError(f"{where}: head_dim {config['head_dim']} differs from hidden_size / heads ({args.head_dim})")
+    return args
+
+
 # ---------------------------------------------------------------------- export
 def to_hf_state(state: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
     """Stalwart full state dict (unprefixed names) -> HF tensors."""

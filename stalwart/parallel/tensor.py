@@ -20,8 +20,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, sequence_parallel: bool = True) -> None:
+    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``.
+
+    ``sequence_parallel=False`` is the inference plan: the residual stream stays replicated (its token
+    count changes every step and need not divide the degree), norms run unsharded, and each block's
+    row-parallel output is all-reduced instead of reduce-scattered.
+    """
+    if not sequence_parallel:
+        return _apply_replicated_stream(model, tp_mesh)
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -31,13 +38,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
         top["output"] = ColwiseParallel(input_layouts=Shard(1),
                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                         use_local_output=not loss_parallel)
-    tied = (model.tok_embeddings is not None and model.output is not None
-            and model.output.weight is model.tok_embeddings.weight)
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    if tied:
-        # Both sides shard the vocabulary dimension (Shard(0)): re-tie to one DTensor parameter.
-        model.output.weight = model.tok_embeddings.weight
+    _parallelize_ends(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
@@ -55,3 +56,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
         if block.ffn_norm is not None:
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+
+
+def _parallelize_ends(model: nn.Module, tp_mesh, top: dict[str, object]) -> None:
+    """Apply the embedding/norm/head plan; keep a tied head tied."""
+    tied = (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Both sides shard the vocabulary dimension (Shard(0)): re-tie to one DTensor parameter.
+        model.output.weight = model.tok_embeddings.weight
+
+
+def _apply_replicated_stream(model: nn.Module, tp_mesh) -> None:
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.output is not None:
+        top["output"] = ColwiseParallel(output_layouts=Replicate())
+    _parallelize_ends(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()})

@@ -1,0 +1,51 @@
+"""The `stalwart serve` configuration tree: the inference engine, the HTTP server, the layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stalwart.config.core import ConfigError, option, section
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = option("Tokens per KV-cache block (the unit of allocation and of prefix reuse).", 16,
+                             min=1, max=1024)
+    kv_cache_mb: float = option("Memory for the KV cache in each process, MiB (keys and values of every "
+                                "layer it holds).", 256.0, min=1.0)
+    max_batch_tokens: int = option("Token budget of one forward pass: one per decoding sequence plus prompt "
+                                   "chunks; a longer prompt is prefilled in chunks over several steps.", 512, min=1)
+    max_seqs: int = option("Sequences in flight at most; more requests wait in the queue.", 64, min=1)
+    max_queue: int = option("Requests waiting at most; beyond it the server answers 503.", 1024, min=1)
+    prefix_caching: bool = option("Reuse the cached keys and values of a prompt prefix another request "
+                                  "already computed.", True)
+    dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
+
+
+@dataclass
+class ServerConfig:
+    host: str = option("Address to listen on; 127.0.0.1 (loopback only) unless you mean to expose it.",
+                       "127.0.0.1")
+    port: int = option("TCP port (0 = any free port, printed at start).", 8000, min=0, max=65535)
+    model_name: str = option("Model name the API reports and accepts (default: the run directory's name).", "")
+
+
+@dataclass
+class LayoutConfig:
+    tp: int = option("Tensor-parallel degree: attention heads and MLP units split over this many processes.",
+                     1, min=1)
+    pp: int = option("Pipeline-parallel degree: layers split into this many stages (processes).", 1, min=1)
+    replicas: int = option("Independent copies of the model behind a least-loaded router.", 1, min=1)
+
+
+@dataclass
+class ServeConfig:
+    engine: EngineConfig = section(EngineConfig, "The batched, KV-cached inference engine.")
+    server: ServerConfig = section(ServerConfig, "The OpenAI-compatible HTTP server.")
+    layout: LayoutConfig = section(LayoutConfig, "How the model is partitioned and replicated.")
+
+    def __post_init__(self) -> None:
+        if self.engine.max_batch_tokens < self.engine.max_seqs:
+            raise ConfigError(f"engine.max_batch_tokens ({self.engine.max_batch_tokens}) must be at least "
+                              f"engine.max_seqs ({self.engine.max_seqs}): every sequence decodes a token a step")

@@ -1,0 +1,225 @@
+"""The inference engine: continuous batching over a paged KV cache, on Stalwart's own model.
+
+``Engine.step()`` is one forward pass: the scheduler picks tokens (decodes and prompt chunks), the
+model computes them in one flat stream, the sequences that completed get their next token sampled,
+and finished requests leave. Requests are added and aborted between steps.
+
+Under tensor parallelism every rank holds its heads' share of the cache; rank 0 owns the scheduler
+and sends each step's layout to the other ranks (``infer/tp.py``), which run the same forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from stalwart.config.serve import EngineConfig
+from stalwart.errors import UserError
+from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, install_paged_attention
+from stalwart.infer.blocks import BlockPool
+from stalwart.infer.sampling import Choice, SamplingParams
+from stalwart.infer.scheduler import Piece, Scheduler, Sequence
+from stalwart.infer.text import TextTail
+
+
+class RequestError(UserError, ValueError):
+    """A request the engine cannot take (too long, bad parameters); the message says why."""
+
+
+@dataclass
+class Output:
+    """What one step produced for one request."""
+
+    rid: str
+    choices: list[Choice]  # tokens generated this step (0 or 1)
+    text: str  # text newly safe to show (stop strings held back until they cannot match)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    weight_version: int = 0
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    params: SamplingParams
+    gen: torch.Generator
+    tail: TextTail
+    versions: list[int] = field(default_factory=list)  # weight versions that produced its tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self.seq.tokens[self.seq.prompt_len:]
+
+
+def context_slots(blocks: list[int], block_size: int, length: int) -> torch.Tensor:
+    """Cache slots of tokens 0..length-1 of a sequence with block table ``blocks``."""
+    table = torch.tensor(blocks, dtype=torch.long)
+    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+
+
+@dataclass
+class Batch:
+    """One forward pass, as plain lists (what rank 0 sends to the other tensor-parallel ranks)."""
+
+    tokens: list[int]
+    positions: list[int]
+    spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
+    rows: list[int]  # stream offsets whose logits are needed
+
+    def layout(self, block_size: int) -> StepLayout:
+        spans, slots = [], []
+        for q_start, q_len, ctx, blocks in self.spans:
+            context = context_slots(blocks, block_size, ctx)
+            slots.append(context[ctx - q_len:])
+            spans.append(Span(q_start, q_len, context, torch.arange(ctx - q_len, ctx)))
+        return StepLayout(torch.cat(slots), spans)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, tokenizer, eos_id: int | None, cfg: EngineConfig, tp_size: int = 1,
+                 link=None, weight_version: int = 0) -> None:
+        self.model = model.eval()
+        self.args = model.args
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.cfg = cfg
+        self.link = link  # infer.tp.StepLink when tensor parallel, else None
+        self.weight_version = weight_version
+        dtype = next(model.parameters()).dtype
+        kv_heads = self.args.n_kv_heads // tp_size
+        per_token = 2 * self.args.n_layers * kv_heads * self.args.head_dim * dtype.itemsize
+        num_blocks = max(1, int(cfg.kv_cache_mb * 2**20) // (per_token * cfg.block_size))
+        self.caches = [KVCache(num_blocks * cfg.block_size, kv_heads, self.args.head_dim, dtype, "cpu")
+                       for _ in range(self.args.n_layers)]
+        self.step_ctx = StepContext()
+        install_paged_attention(model, self.caches, self.step_ctx)
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.pool, cfg.max_batch_tokens, cfg.max_seqs, cfg.prefix_caching)
+        self.requests: dict[str, RequestState] = {}
+        self.tokens_generated = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the engine cannot take this request (reads nothing that changes)."""
+        params.validate()
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        limit = self.args.max_seq_len
+        if len(prompt) + params.max_tokens > limit:
+            raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                               f"the model's context of {limit} tokens")
+        if any(t < 0 or t >= self.args.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {self.args.vocab_size})")
+        if len(prompt) + params.max_tokens > self.scheduler.capacity_tokens():
+            raise RequestError(f"the request needs {len(prompt) + params.max_tokens} tokens of KV cache; the whole "
+                               f"cache holds {self.scheduler.capacity_tokens()} (raise engine.kv_cache_mb)")
+
+    def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.check(prompt, params)
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in flight")
+        seq = Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens)
+        self.scheduler.add(seq)
+        self.requests[rid] = RequestState(seq, params, params.generator(), TextTail(self.tokenizer, params.stop))
+
+    def abort(self, rid: str) -> Output | None:
+        state = self.requests.pop(rid, None)
+        if state is None:
+            return None
+        self.scheduler.abort(rid)
+        return Output(rid, [], "", True, "abort", self.weight_version)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Output]:
+        pieces = self.scheduler.schedule()
+        if not pieces:
+            return []
+        batch, sampled = self._batch(pieces)
+        if self.link is not None:
+            self.link.send_step(batch)
+        logits = self.forward(batch)
+        for piece in pieces:
+            self.scheduler.commit(piece)
+        outputs = []
+        for piece, row in zip(sampled, logits.float()):
+            outputs.append(self._advance(self.requests[piece.seq.rid], row))
+        return outputs
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits (len(batch.rows), vocab) of the requested stream offsets."""
+        m = self.model
+        tokens = torch.tensor([batch.tokens], dtype=torch.long)  # (1, tokens)
+        positions = torch.tensor(batch.positions, dtype=torch.long)
+        with self.step_ctx.use(batch.layout(self.cfg.block_size)):
+            h = m.tok_embeddings(tokens)
+            for layer in m.layers.values():
+                h = layer(h, m.rope, positions)
+        h = m.norm(h[:, batch.rows])
+        return m.output(h)[0]
+
+    def _batch(self, pieces: list[Piece]) -> tuple[Batch, list[Piece]]:
+        batch = Batch([], [], [], [])
+        sampled = []
+        for p in pieces:
+            q_start = len(batch.tokens)
+            batch.tokens += p.seq.tokens[p.start:p.start + p.n]
+            batch.positions += range(p.start, p.start + p.n)
+            batch.spans.append((q_start, p.n, p.start + p.n, list(p.seq.blocks)))
+            if p.sample:
+                batch.rows.append(q_start + p.n - 1)
+                sampled.append(p)
+        return batch, sampled
+
+    def _advance(self, state: RequestState, logits: torch.Tensor) -> Output:
+        from stalwart.infer.sampling import sample_row
+
+        choice = sample_row(logits, state.params, state.gen)
+        seq = state.seq
+        seq.tokens.append(choice.token)
+        self.tokens_generated += 1
+        if not state.versions or state.versions[-1] != self.weight_version:
+            state.versions.append(self.weight_version)
+        if choice.token == self.eos_id and not state.params.ignore_eos:
+            reason = "stop"
+        elif len(state.generated) >= state.params.max_tokens or len(seq.tokens) >= self.args.max_seq_len:
+            reason = "length"
+        else:
+            reason = None
+        text, hit = state.tail.push(state.generated, final=reason is not None)
+        if hit:
+            reason = "stop"
+        out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version)
+        if reason is not None:
+            self.scheduler.finish(seq)
+            del self.requests[seq.rid]
+        return out
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy a full (unsharded) state dict into this rank's weights, sharding where tensor parallel.
+
+        Sequences in flight keep their cache and go on with the new weights (each response lists the
+        versions that produced it); cached prefixes computed with the old weights are forgotten.
+        """
+        from stalwart.infer.load import copy_full_state
+
+        copy_full_state(self.model, state)
+        self.weight_version = version
+        self.pool.by_digest.clear()
+        self.pool.digest_of.clear()
+
+    def stats(self) -> dict[str, float]:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.pool.used, "kv_blocks_total": self.pool.num_blocks,
+                "preemptions": self.scheduler.preempted_total, "prefix_cached_tokens": self.scheduler.cached_tokens_total,
+                "tokens_generated": self.tokens_generated, "weight_version": self.weight_version}

@@ -1,0 +1,119 @@
+"""Load a model for inference: from a run's checkpoint (any training layout) or a Hugging Face directory.
+
+Every rank reads the full weights (the checkpoint reader reshards whatever layout trained them), then
+keeps its tensor-parallel shard: the model is split with the same plan module the trainer uses
+(``parallel/tensor.py``), in its replicated-stream form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stalwart.errors import UserError
+from stalwart.models.flavors import TransformerArgs
+from stalwart.models.llama import Transformer
+
+
+@dataclass
+class Source:
+    """Where weights come from: a run directory (optionally one checkpoint) or an HF directory."""
+
+    run: Path | None = None
+    checkpoint: str | None = None
+    hf: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return (self.run or self.hf).resolve().name
+
+
+@dataclass
+class Loaded:
+    args: TransformerArgs
+    tokenizer: object  # tokenizers.Tokenizer
+    eos_id: int | None
+    state: dict[str, torch.Tensor]  # full, unsharded
+    origin: Path  # the checkpoint or HF directory read
+
+
+def read_source(src: Source) -> Loaded:
+    if src.hf is not None:
+        return _read_hf(src.hf)
+    from stalwart.checkpoint.run_checkpoint import load_run_model
+    from stalwart.data.tokenizer import eos_id
+
+    model, tok, _, path = load_run_model(src.run, src.checkpoint)
+    return Loaded(model.args, tok, eos_id(tok), dict(model.state_dict()), path)
+
+
+def _read_hf(directory: Path) -> Loaded:
+    from tokenizers import Tokenizer
+
+    from stalwart.export.hf import args_from_hf, from_hf_state, read_hf
+
+    where = f"--hf {directory}"
+    if not (directory / "tokenizer.json").is_file():
+        raise UserError(f"{where}: no tokenizer.json (export the model with `stalwart export --format hf`)")
+    config, tensors = read_hf(directory)
+    args = args_from_hf(config, where)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return Loaded(args, tok, eos, from_hf_state(config, tensors, args, where), directory)
+
+
+def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None) -> nn.Module:
+    """The model with the loaded weights, in ``dtype``, split over ``tp_mesh`` if given."""
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    a = loaded.args
+    if a.n_kv_heads % tp or a.n_heads % tp:
+        raise UserError(f"--tp {tp} must divide the model's attention heads ({a.n_heads}) and key/value heads "
+                        f"({a.n_kv_heads})")
+    model = Transformer(a)
+    if tp_mesh is not None:
+        from stalwart.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_mesh, loss_parallel=False, sequence_parallel=False)
+    copy_full_state(model, loaded.state)
+    model.to(dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def copy_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a model's parameters, keeping each tensor-parallel rank's shard only."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise UserError(f"the weights have no tensor {missing[0]!r} ({len(missing)} missing)")
+    for name, param in own.items():  # check everything before changing anything
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise UserError(f"weight {name!r} has shape {tuple(state[name].shape)}, the model expects "
+                            f"{tuple(param.shape)}")
+    for name, param in own.items():
+        full = state[name]
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full.to(param.dtype))
+
+
+def source_from(where: str | Path) -> Source:
+    """A weight source named by one path: an HF directory, a run directory, or one of its checkpoints."""
+    p = Path(where)
+    if (p / "config.json").is_file():
+        return Source(hf=p)
+    if (p / "config.toml").is_file():
+        return Source(run=p)
+    if p.parent.name == "checkpoints" and (p.parent.parent / "config.toml").is_file():
+        return Source(run=p.parent.parent, checkpoint=str(p))
+    raise UserError(f"{where} is neither a run directory, one of its checkpoints, nor a Hugging Face directory")

@@ -1,0 +1,87 @@
+"""Choosing the next token: greedy, temperature, top-k, top-p; log-probabilities on request.
+
+Each request has its own random generator (seeded from its ``seed``, or from a fresh random seed), and
+each row is sampled on its own, so a request samples the same tokens whether it shares the batch with
+31 others or runs alone. Log-probabilities are those of the model's distribution (the raw logits),
+not of the temperature-scaled one, as OpenAI's API reports them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A request parameter out of range; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingError(f"temperature must be in [0, 2] (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (got {self.top_k})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SamplingError(f"logprobs must be in [0, 20] (got {self.logprobs})")
+        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError("stop must be up to 4 non-empty strings")
+
+    def generator(self) -> torch.Generator:
+        seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+
+@dataclass
+class Choice:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Scaled logits with everything outside top-k / the top-p nucleus set to -inf. logits: (vocab,)."""
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Choice:
+    """One token from one row of logits (vocab,), fp32 on CPU."""
+    if params.temperature == 0.0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=gen))
+    if params.logprobs is None:
+        return Choice(token)
+    logp = torch.log_softmax(logits, dim=-1)
+    top = None
+    if params.logprobs > 0:
+        values, ids = torch.topk(logp, params.logprobs)
+        top = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return Choice(token, float(logp[token]), top)

@@ -1,0 +1,1 @@
+"""`stalwart serve`: the inference engine behind an OpenAI-compatible HTTP API, partitioned and replicated."""

@@ -1,0 +1,72 @@
+"""`stalwart serve`: one replica in this process, a torchrun group per tensor-parallel replica, or
+several replicas behind a least-loaded router; `--plan` prints a placement and exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from stalwart.serve.options import parse, usage
+
+
+def replica_command(argv: list[str], tp: int, port_file: Path | None) -> list[str]:
+    """The command line of one replica: itself if tp = 1, else a torchrun group on loopback."""
+    from stalwart.comm.launch import free_port
+
+    args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file else [])
+    if tp == 1:
+        return [sys.executable, "-m", "stalwart.serve.replica", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "stalwart.serve.replica", *args]
+
+
+def main(argv: list[str]) -> int:
+    if "--plan" in argv:
+        from stalwart.planner.serving_cli import main as plan_main
+
+        return plan_main([a for a in argv if a != "--plan"])
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
+    cfg, source, port_file = parse(argv)
+    layout = cfg.layout
+    if layout.replicas == 1 and layout.tp == 1:
+        from stalwart.serve.replica import run_replica
+
+        return run_replica(cfg, source, port_file)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if layout.replicas == 1:
+        return subprocess.call(replica_command(argv, layout.tp, None), env=env)
+    from stalwart.serve.router import run_router
+
+    with tempfile.TemporaryDirectory(prefix="stalwart-serve-") as tmp:
+        inner = _without(argv, ("--port", "--host", "--replicas")) + ["--port", "0", "--host", "127.0.0.1"]
+        files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
+        procs = [subprocess.Popen(replica_command(inner, layout.tp, f), env=env) for f in files]
+        try:
+            return run_router(cfg, source.name, procs, files, port_file)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.split("=")[0] in names or any(a.split("=")[0] == "--" + k for k in ("server.port", "server.host",
+                                                                                  "layout.replicas")):
+            skip = "=" not in a
+        else:
+            out.append(a)
+    return out

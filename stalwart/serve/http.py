@@ -1,0 +1,35 @@
+"""Run an ASGI app with uvicorn on a socket we bind ourselves (so port 0 works and is reported)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from stalwart.atomic import write_text_atomic
+from stalwart.errors import UserError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"server.port: cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+    return sock
+
+
+def serve(app, host: str, port: int, what: str, port_file: Path | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and shuts down gracefully)."""
+    sock = bind(host, port)
+    actual = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"stalwart serve: {what} on http://{shown}:{actual}/v1", flush=True)
+    if port_file is not None:
+        write_text_atomic(port_file, str(actual))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,62 @@
+"""The `stalwart serve` command line: the weight source, the CLI-contract flags, and dotted overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stalwart.config import ConfigError, help_text, load
+from stalwart.config.serve import ServeConfig
+from stalwart.infer.load import Source
+
+USAGE = """usage: stalwart serve (--run RUN_DIR [--checkpoint DIR] | --hf DIR) [--host 127.0.0.1] [--port P]
+                      [--tp N] [--pp N] [--replicas N] [--config FILE] [--section.key VALUE ...]
+       stalwart serve --plan [--model.flavor F] [--hosts.preset P] [--target.kind latency|throughput] ...
+
+Serves a run's newest checkpoint (any training layout) or an exported Hugging Face directory over an
+OpenAI-compatible API: POST /v1/completions and /v1/chat/completions (stream: true for server-sent
+events), GET /v1/models, /health and Prometheus /metrics, and POST /v1/weights {"source": PATH} to
+swap weights without a restart. Listens on 127.0.0.1 unless --host says otherwise.
+`stalwart serve --plan --help` lists the placement planner's options."""
+
+# CLI-contract flags -> config keys
+ALIASES = {"--host": "server.host", "--port": "server.port", "--tp": "layout.tp", "--pp": "layout.pp",
+           "--replicas": "layout.replicas"}
+PATH_FLAGS = ("--run", "--hf", "--checkpoint", "--config", "--port-file")
+
+
+def usage() -> str:
+    return USAGE + "\n\nConfiguration (TOML [section] key = value, or --section.key VALUE):\n" + help_text(ServeConfig)
+
+
+def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None]:
+    flags: dict[str, str] = {}
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if name in PATH_FLAGS or name in ALIASES:
+            if not eq and i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            value = inline if eq else argv[i + 1]
+            i += 1 if eq else 2
+            if name in ALIASES:
+                overrides += [f"--{ALIASES[name]}", value]
+            else:
+                flags[name] = value
+        else:
+            overrides.append(argv[i])
+            i += 1
+    cfg = load(ServeConfig, flags.get("--config"), overrides)
+    if ("--run" in flags) == ("--hf" in flags):
+        raise ConfigError("give exactly one of --run RUN_DIR or --hf DIR")
+    if "--hf" in flags and "--checkpoint" in flags:
+        raise ConfigError("--checkpoint applies to --run only")
+    for flag in ("--run", "--hf"):
+        if flag in flags and not Path(flags[flag]).is_dir():
+            raise ConfigError(f"{flag}: {flags[flag]} is not a directory")
+    if cfg.layout.pp > 1:
+        raise ConfigError("layout.pp: pipeline-parallel serving is not implemented; use --tp and --replicas")
+    source = (Source(run=Path(flags["--run"]), checkpoint=flags.get("--checkpoint")) if "--run" in flags
+              else Source(hf=Path(flags["--hf"])))
+    port_file = Path(flags["--port-file"]) if "--port-file" in flags else None
+    return cfg, source, port_file

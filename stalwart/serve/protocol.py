@@ -1,0 +1,156 @@
+"""OpenAI's request and response shapes for completions and chat completions (the fields we honour).
+
+Requests are pydantic models (a malformed body is a 400 naming the field); ranges are checked once,
+by ``SamplingParams.validate``. Chat messages are rendered with a plain-text template,
+``"<role>: <content>\\n"`` per message and ``"assistant:"`` last: Stalwart's models are base models with
+no chat template of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from stalwart.infer.sampling import SamplingError, SamplingParams
+
+
+class _Sampled(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    n: int = 1
+    ignore_eos: bool = False
+
+    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise SamplingError(f"n must be 1 (got {self.n}); send separate requests for several samples")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop=stop, logprobs=logprobs, seed=self.seed,
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling(self) -> SamplingParams:
+        if self.echo:
+            raise SamplingError("echo is not supported")
+        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+    def token_prompts(self, tokenizer) -> list[list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [tokenizer.encode(p, add_special_tokens=False).ids]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if not p:
+            return [[]]
+        return [tokenizer.encode(x, add_special_tokens=False).ids if isinstance(x, str) else list(x) for x in p]
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Sampled):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or 256
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class WeightsRequest(BaseModel):
+    source: str  # a run directory, one of its checkpoints, or a Hugging Face directory
+    version: int | None = None  # default: the current version + 1
+
+
+def chat_prompt(messages: list[Message]) -> str:
+    if not messages:
+        raise SamplingError("messages must not be empty")
+    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+
+
+def _fingerprint(versions: list[int]) -> dict:
+    return {"system_fingerprint": f"stalwart-weights-v{versions[-1] if versions else 0}",
+            "weight_versions": versions}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _legacy_logprobs(choices, tokenizer) -> dict:
+    tokens = [_token_text(tokenizer, c.token) for c in choices]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [c.logprob for c in choices],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in c.top} if c.top else None for c in choices],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(choices, tokenizer) -> dict:
+    def entry(token: int, lp: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top or []]}
+                        for c in choices]}
+
+
+def completion_response(jobs, results, prompts, created: int, model: str, tokenizer, logprobs: int | None) -> dict:
+    choices, completion_tokens, versions = [], 0, set()
+    for i, (job, (outs, last)) in enumerate(zip(jobs, results)):
+        picked = [c for o in outs for c in o.choices]
+        completion_tokens += len(picked)
+        versions.update(job.versions)
+        choices.append({"index": i, "text": "".join(o.text for o in outs), "finish_reason": last.finish_reason,
+                        "logprobs": _legacy_logprobs(picked, tokenizer) if logprobs is not None else None})
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"id": f"cmpl-{jobs[0].rid}", "object": "text_completion", "created": created, "model": model,
+            "choices": choices, **_fingerprint(sorted(versions)),
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, out, tokenizer) -> dict:
+    lp = _legacy_logprobs(out.choices, tokenizer) if out.choices and out.choices[0].logprob is not None else None
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
+            **_fingerprint([out.weight_version]),
+            "choices": [{"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}]}
+
+
+def chat_response(job, outs, last, prompt_tokens: int, created: int, model: str, tokenizer, logprobs: bool) -> dict:
+    picked = [c for o in outs for c in o.choices]
+    return {"id": f"chatcmpl-{job.rid}", "object": "chat.completion", "created": created, "model": model,
+            **_fingerprint(job.versions),
+            "choices": [{"index": 0, "finish_reason": last.finish_reason,
+                         "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                         "logprobs": _chat_logprobs(picked, tokenizer) if logprobs else None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(picked),
+                      "total_tokens": prompt_tokens + len(picked)}}
+
+
+def chat_chunk(rid: str, created: int, model: str, out, tokenizer, logprobs: bool) -> dict:
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+            **_fingerprint([out.weight_version]),
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": out.text},
+                         "logprobs": _chat_logprobs(out.choices, tokenizer) if logprobs and out.choices else None,
+                         "finish_reason": out.finish_reason}]}

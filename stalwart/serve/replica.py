@@ -1,0 +1,83 @@
+"""One model replica: load, split over the tensor-parallel group, run the engine, serve HTTP on rank 0.
+
+With ``--tp 1`` it runs in the `stalwart serve` process itself; with ``--tp N`` torchrun starts N
+copies of ``python -m stalwart.serve.replica`` and rank 0 serves while the others follow its steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from stalwart.config.serve import ServeConfig
+from stalwart.infer.load import Source
+
+
+def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None) -> int:
+    import torch
+
+    from stalwart.infer.engine import Engine
+    from stalwart.infer.load import build_model, read_source, source_from
+    from stalwart.serve.app import create_app
+    from stalwart.serve.http import serve
+    from stalwart.serve.loop import EngineLoop
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    mesh = link = None
+    if world > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from stalwart.infer.tp import StepLink
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (world,))
+        link = StepLink()
+    try:
+        torch.set_grad_enabled(False)
+        loaded = read_source(source)
+        dtype = getattr(torch, cfg.engine.dtype)
+        model = build_model(loaded, dtype, mesh)
+        engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg.engine, tp_size=world, link=link)
+
+        def load(where: str) -> dict:
+            return read_source(source_from(where)).state
+
+        if rank != 0:
+            from stalwart.infer.tp import follow
+
+            follow(engine, link, load)
+            return 0
+        name = cfg.server.model_name or source.name
+        loop = EngineLoop(engine, link, load).start()
+        try:
+            what = (f"{name} ({loaded.origin}; tp={world}, {engine.pool.num_blocks} KV blocks of "
+                    f"{cfg.engine.block_size} tokens)")
+            serve(create_app(loop, name), cfg.server.host, cfg.server.port, what, port_file)
+        finally:
+            loop.stop()
+        return 0
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    from stalwart.serve.options import parse
+
+    cfg, source, port_file = parse(argv)
+    return run_replica(cfg, source, port_file)
+
+
+if __name__ == "__main__":
+    from stalwart.errors import UserError
+
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        print(f"stalwart serve: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,162 @@
+"""The serving placement planner: what it offers, what it picks for each target, why, and its CLI."""
+
+import dataclasses
+import json
+
+import pytest
+
+from stalwart.config import ConfigError
+from stalwart.models.flavors import FLAVORS as MODEL_FLAVORS
+from stalwart.planner.serving import (ServingRequest, host_presets, plan, ring_all_reduce_s, shape_from_args,
+                                      stage_boundaries, tp_invalid_reason)
+from stalwart.planner.serving_cli import main
+from stalwart.planner.shapes import FLAVORS
+
+PRESETS = host_presets()
+REQ = ServingRequest(context_tokens=4096, prompt_tokens=512, output_tokens=256)
+
+
+def chosen(p):
+    return p.ranked[0].tp, p.ranked[0].pp, p.ranked[0].replicas
+
+
+@pytest.mark.unit
+def test_model_too_big_for_one_device_is_split_and_the_why_says_so():
+    shape = FLAVORS["llama3-70B"]
+    result = plan(shape, PRESETS["h100"], REQ)
+    best = result.ranked[0]
+    assert best.tp * best.pp > 1 and best.tp * best.pp * best.replicas == 8
+    assert all((p.tp, p.pp) != (1, 1) for p in result.ranked)
+    assert result.why[0].startswith("tp*pp>=2 needed: at tp=1 pp=1 weights")
+    assert f"{shape.params * 2 / 1e9:.2f} GB do not fit in one 80.0 GB device" in result.why[0]
+
+
+@pytest.mark.unit
+def test_pp_across_hosts_when_one_host_cannot_hold_the_model():
+    hosts = dataclasses.replace(PRESETS["h100"], hosts=2)
+    result = plan(FLAVORS["llama3-405B"], hosts, dataclasses.replace(REQ, context_tokens=8192))
+    assert chosen(result) == (8, 2, 1)
+    assert any(line.startswith("pp=2 needed: the model and one context exceed one host") for line in result.why)
+    assert stage_boundaries(hosts, 8, 2, 1) == (0, 1)          # the one boundary crosses the hosts
+    assert result.ranked[0].pp_comm_s > 0
+
+
+@pytest.mark.unit
+def test_latency_prefers_tp_over_replicas_on_nvlink():
+    result = plan(FLAVORS["llama3-8B"], PRESETS["h100"], dataclasses.replace(REQ, target="latency"))
+    best = result.ranked[0]
+    single = next(p for p in result.ranked if (p.tp, p.pp) == (1, 1))
+    assert best.tp > 1 and best.pp == 1 and best.replicas < single.replicas
+    assert best.tpot_batch1_s < single.tpot_batch1_s
+    assert best.tpot_batch1_s == min(p.tpot_batch1_s for p in result.ranked)
+
+
+@pytest.mark.unit
+def test_latency_keeps_tp1_on_a_slow_loopback_link_and_blames_the_all_reduce():
+    shape = shape_from_args(MODEL_FLAVORS["tiny"])
+    result = plan(shape, PRESETS["cpu"], dataclasses.replace(REQ, target="latency"))
+    assert chosen(result) == (1, 1, 2)
+    cpu = PRESETS["cpu"]
+    one = ring_all_reduce_s(shape.dim * 2, 2, cpu.intra_host_gb_per_s, cpu.intra_host_latency_us)
+    line = next(line for line in result.why if "beat tp=2" in line)
+    assert f"TP all-reduce adds {2 * shape.n_layers * one * 1e3:.3f} ms per token at tp=2" in line
+
+
+@pytest.mark.unit
+def test_throughput_prefers_replicas_when_the_model_fits_one_device():
+    result = plan(FLAVORS["llama3-8B"], PRESETS["h100"], REQ)
+    assert chosen(result) == (1, 1, 8)
+    assert result.ranked[0].tokens_per_s == max(p.tokens_per_s for p in result.ranked)
+    assert any(line.startswith("replicas=8 beat tp=2") for line in result.why)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flavor,preset", [("llama3-8B", "h100"), ("llama3-70B", "h100"), ("llama3-1B", "a100")])
+def test_pp_is_never_chosen_for_latency_when_tp_fits(flavor, preset):
+    result = plan(FLAVORS[flavor], PRESETS[preset], dataclasses.replace(REQ, target="latency"))
+    assert result.ranked[0].pp == 1
+    by_layout = {(p.tp, p.pp): p for p in result.ranked}
+    for (tp, pp), p in by_layout.items():
+        if pp > 1 and (tp, 1) in by_layout:
+            assert p.tpot_batch1_s > by_layout[(tp, 1)].tpot_batch1_s
+
+
+@pytest.mark.unit
+def test_tp_degrees_that_do_not_split_the_kv_heads_are_not_offered():
+    shape = shape_from_args(MODEL_FLAVORS["debug"])         # 4 heads, 2 kv heads
+    result = plan(shape, PRESETS["h100"], REQ, tp_options=(1, 2, 4, 8))
+    assert {p.tp for p in result.ranked + result.rejected} == {1, 2}
+    assert tp_invalid_reason(shape, PRESETS["h100"], 4) == "tp=4 does not divide 4 heads / 2 kv heads"
+    assert tp_invalid_reason(FLAVORS["llama3-8B"], PRESETS["cpu"], 4).endswith("the 2 processes of a host")
+
+
+@pytest.mark.unit
+def test_nothing_fits_names_the_fields_to_change():
+    with pytest.raises(ConfigError, match=r"weights .* do not fit .*raise hosts\.hosts or hosts\.memory_gb"):
+        plan(FLAVORS["llama3-70B"], PRESETS["cpu"], REQ)
+    with pytest.raises(ConfigError, match=r"target\.max_tpot_ms 0\.1: the fastest placement needs"):
+        plan(FLAVORS["llama3-8B"], PRESETS["h100"], dataclasses.replace(REQ, target="latency", max_tpot_ms=0.1))
+
+
+@pytest.mark.unit
+def test_kv_cache_too_small_for_one_context_rejects_the_placement():
+    hosts = dataclasses.replace(PRESETS["h100"], memory_gb=20.5)       # 16 GB of weights + 4 GB headroom
+    result = plan(FLAVORS["llama3-8B"], hosts, REQ, tp_options=(1,), pp_options=(1, 2))
+    single = next(p for p in result.rejected if (p.tp, p.pp) == (1, 1))
+    assert "less than one 4,096-token context" in single.reason
+    assert chosen(result) == (1, 2, 4)
+
+
+@pytest.mark.unit
+def test_a_tpot_bound_shrinks_the_throughput_batch():
+    free = plan(FLAVORS["llama3-8B"], PRESETS["h100"], REQ).ranked[0]
+    bound_ms = free.tpot_s * 1e3 * 0.8
+    bounded = plan(FLAVORS["llama3-8B"], PRESETS["h100"], dataclasses.replace(REQ, max_tpot_ms=bound_ms))
+    for p in bounded.ranked:
+        assert p.tpot_s * 1e3 <= bound_ms
+    same = next(p for p in bounded.ranked if (p.tp, p.pp) == (free.tp, free.pp))
+    assert same.batch_limit == "max_tpot" and same.batch < free.batch
+
+
+@pytest.mark.unit
+def test_model_flavors_convert_to_the_planner_shape():
+    assert shape_from_args(MODEL_FLAVORS["llama3-8B"]) == FLAVORS["llama3-8B"]
+    assert ring_all_reduce_s(1e9, 4, 1.0, 0.0) == pytest.approx(1.5)
+
+
+@pytest.mark.unit
+def test_cli_prints_a_table_and_the_choice(capsys):
+    assert main(["--model.flavor", "llama3-70B", "--hosts.preset", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("stalwart serve --plan: llama3-70B (70.6B params, bf16), 1 host(s) x 8")
+    assert "tokens/s" in out and "TPOT ms" in out
+    assert "\nchosen: tp=4 pp=1 replicas=2\n" in out
+    assert "tp*pp>=2 needed" in out
+
+
+@pytest.mark.unit
+def test_cli_default_is_a_small_model_on_the_cpu_preset(capsys):
+    assert main(["--target.kind=latency"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny" in out and "2-core CPU VM" in out and "chosen: tp=1 pp=1 replicas=2" in out
+
+
+@pytest.mark.unit
+def test_cli_json_and_help(tmp_path, capsys):
+    path = tmp_path / "plan" / "serve.json"
+    assert main(["--model.flavor", "llama3-8B", "--hosts.preset", "h100", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert (doc["chosen"]["tp"], doc["chosen"]["pp"], doc["chosen"]["replicas"]) == (1, 1, 8)
+    assert doc["config"]["hosts"]["preset"] == "h100" and doc["why"]
+    assert main(["--help"]) == 0
+    assert "usage: stalwart serve --plan" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_cli_rejects_bad_input_with_one_line():
+    with pytest.raises(ConfigError, match="hosts.memory_gb"):
+        main(["--model.flavor", "llama3-70B"])
+    with pytest.raises(ConfigError, match="model.flavor"):
+        main(["--model.flavor", "llama9"])
+    with pytest.raises(ConfigError, match="target.context"):
+        main(["--target.context", "100"])
