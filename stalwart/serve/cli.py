@@ -18,9 +18,9 @@ def replica_command(argv: list[str], tp: int, port_file: Path | None) -> list[st
 
     args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file else [])
     if tp == 1:
-        return [sys.executable, "-m", "stalwart.serve.replica", *args]
+        return [sys.executable, "-m", "stalwart.serve.replica", "--", *args]  # "--": torchrun would read --run as its own --run-path
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "stalwart.serve.replica", *args]
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "stalwart.serve.replica", "--", *args]  # "--": torchrun would read --run as its own --run-path
 
 
 def main(argv: list[str]) -> int:

@@ -69,7 +69,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
 def main(argv: list[str]) -> int:
     from stalwart.serve.options import parse
 
-    cfg, source, port_file = parse(argv)
+    cfg, source, port_file = parse(argv[1:] if argv[:1] == ["--"] else argv)
     return run_replica(cfg, source, port_file)
 
 

@@ -1,0 +1,210 @@
+"""The inference engine in process: greedy tokens equal `generate`'s whatever the batch, the chunking or
+the cache pressure; log-probabilities equal the training forward; continuous batching, prefix reuse,
+stop strings, and weight updates that drop nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from stalwart.config.serve import EngineConfig
+from stalwart.generate import sample
+from stalwart.infer.blocks import BlockPool
+from stalwart.infer.engine import Engine, RequestError
+from stalwart.infer.sampling import SamplingParams
+from stalwart.infer.scheduler import Scheduler, Sequence
+from stalwart.infer.text import TextTail
+from stalwart.models.flavors import TransformerArgs
+from stalwart.models.llama import Transformer
+from stalwart.train.init import materialize_and_init
+
+# A large init spreads the logits, so greedy choices are far from ties and sequences do not collapse.
+ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=128, max_seq_len=128,
+                       init_std=0.4)
+
+
+class ByteTokenizer:
+    """Token i is the character chr(32 + i); enough for stop strings and text deltas."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + i) for i in ids)
+
+
+def build(seed: int = 0, args: TransformerArgs = ARGS) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    materialize_and_init(model, torch.device("cpu"), seed)
+    return model.eval()
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 3, 17, 40, 5, 60, 2, 33, 9, 70, 16, 25]
+    return [torch.randint(0, ARGS.vocab_size, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def run(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, p in enumerate(batch):
+        engine.add(str(i), p, dataclasses.replace(params))
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+    return [out[str(i)] for i in range(len(batch))]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CONFIGS = {
+    "default": EngineConfig(),
+    # Small budget (prompts prefilled in chunks), small blocks, and a cache too small for 32 at once
+    # (sequences are preempted and recomputed).
+    "chunked+preempted": EngineConfig(block_size=4, max_batch_tokens=24, max_seqs=8, kv_cache_mb=0.1),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_tokens_equal_generate_for_any_batch(config):
+    model = build()
+    reference = [sample(build(), p, GREEDY.max_tokens, ARGS.max_seq_len, temperature=0) for p in prompts(32)]
+    assert len({tuple(r) for r in reference}) > 20  # a meaningful comparison: outputs differ
+    for batch_size in (1, 4, 32):
+        got = []
+        engine = Engine(model, ByteTokenizer(), None, CONFIGS[config])
+        for s in range(0, 32, batch_size):
+            got += run(engine, prompts(32)[s:s + batch_size], GREEDY)
+        assert got == reference, f"batch {batch_size}"
+    if config != "default":
+        assert engine.scheduler.preempted_total > 0
+
+
+@pytest.mark.unit
+def test_logprobs_equal_the_training_forward():
+    args = dataclasses.replace(ARGS, init_std=0.02)  # logits of a usual scale: the bound is absolute
+    model = build(args=args)
+    prompt = prompts(4)[3]
+    engine = Engine(model, ByteTokenizer(), None, EngineConfig(block_size=8, max_batch_tokens=16))
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=7, logprobs=3, ignore_eos=True)
+    engine.add("r", prompt, params)
+    choices = []
+    while engine.has_work():
+        choices += [c for o in engine.step() for c in o.choices]
+    tokens = prompt + [c.token for c in choices]
+    with torch.no_grad():
+        logp = torch.log_softmax(build(args=args)(torch.tensor([tokens])).float(), -1)[0]
+    for k, c in enumerate(choices):
+        row = logp[len(prompt) - 1 + k]
+        assert abs(c.logprob - float(row[c.token])) < 1e-6
+        assert [t for t, _ in c.top] == torch.topk(row, 3).indices.tolist()
+
+
+@pytest.mark.unit
+def test_a_request_joins_a_running_batch_and_is_unaffected():
+    model = build()
+    alone = run(Engine(model, ByteTokenizer(), None, EngineConfig()), prompts(2), GREEDY)
+    engine = Engine(model, ByteTokenizer(), None, EngineConfig())
+    engine.add("0", prompts(2)[0], dataclasses.replace(GREEDY))
+    out: dict[str, list[int]] = {}
+    for _ in range(4):
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+    engine.add("1", prompts(2)[1], dataclasses.replace(GREEDY))
+    before = len(out["0"])
+    step = engine.step()  # one forward: request 0's next decode and request 1's whole prefill
+    assert {o.rid for o in step} == {"0", "1"} and len(out["0"]) == before
+    for o in step:
+        out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+    assert [out["0"], out["1"]] == alone
+
+
+@pytest.mark.unit
+def test_shared_prefix_is_computed_once():
+    model = build()
+    base = prompts(4)[3][:40]
+    batch = [base + [1, 2, 3], base + [4, 5], base + [6]]
+    plain = run(Engine(model, ByteTokenizer(), None, EngineConfig(prefix_caching=False)), batch, GREEDY)
+    engine = Engine(model, ByteTokenizer(), None, EngineConfig(block_size=8))
+    got = [run(engine, [p], GREEDY)[0] for p in batch]
+    assert got == plain
+    assert engine.scheduler.cached_tokens_total == 2 * 40  # five full blocks of 8, reused twice
+
+
+@pytest.mark.unit
+def test_stop_strings_are_never_shown_in_part():
+    tail = TextTail(ByteTokenizer(), ["XYZ"])
+    ids = [ord(c) - 32 for c in "abcXYq1XYZrest"]
+    shown, hit = "", False
+    for n in range(1, len(ids) + 1):
+        delta, hit = tail.push(ids[:n])
+        shown += delta
+        assert "abcXYq1".startswith(shown)  # "XY" is shown only once the "q" rules out "XYZ"
+        if n == 5:
+            assert shown == "abc"
+        if hit:
+            break
+    assert hit and shown == "abcXYq1"
+
+
+@pytest.mark.unit
+def test_weight_update_between_steps_drops_nothing():
+    model = build(seed=0)
+    engine = Engine(model, ByteTokenizer(), None, EngineConfig())
+    for i, p in enumerate(prompts(3)):
+        engine.add(str(i), p, dataclasses.replace(GREEDY))
+    finished, versions = {}, {}
+    for k in range(200):
+        if k == 5:
+            engine.load_full_state(build(seed=1).state_dict(), version=1)
+        for o in engine.step():
+            versions.setdefault(o.rid, set()).add(o.weight_version)
+            if o.finished:
+                finished[o.rid] = o.finish_reason
+        if not engine.has_work():
+            break
+    assert finished == {"0": "length", "1": "length", "2": "length"}
+    assert all(v == {0, 1} for v in versions.values())
+    # New requests see the new weights only (cached prefixes of the old weights were dropped).
+    fresh = run(engine, prompts(1), GREEDY)
+    assert fresh == [sample(build(seed=1), prompts(1)[0], GREEDY.max_tokens, ARGS.max_seq_len, temperature=0)]
+
+
+@pytest.mark.unit
+def test_requests_the_engine_cannot_take_are_refused_with_the_reason():
+    engine = Engine(build(), ByteTokenizer(), None, EngineConfig())
+    with pytest.raises(RequestError, match="exceeds the model's context of 128"):
+        engine.add("a", [1] * 120, SamplingParams(max_tokens=20))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add("b", [], SamplingParams())
+    with pytest.raises(RequestError, match=r"token ids must be in \[0, 96\)"):
+        engine.add("c", [500], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add("d", [1], SamplingParams(top_p=0.0))
+    assert not engine.has_work()
+
+
+@pytest.mark.unit
+def test_scheduler_preempts_the_newest_and_resumes_it_from_its_cached_blocks():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    sched = Scheduler(pool, max_batch_tokens=64, max_seqs=4)
+    a, b = Sequence("a", list(range(10)), 10, 16), Sequence("b", list(range(50, 58)), 8, 16)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert [(p.seq.rid, p.start, p.n) for p in first] == [("a", 0, 10), ("b", 0, 8)]  # 3 + 2 blocks
+    for p in first:
+        sched.commit(p)
+    a.tokens += [11, 12, 13]  # a needs a 4th block, b a 3rd: only one is free
+    b.tokens += [59]
+    second = sched.schedule()
+    assert [p.seq.rid for p in second] == ["a"] and sched.waiting[0] is b and b.preemptions == 1
+    for p in second:
+        sched.commit(p)
+    sched.finish(a)
+    third = sched.schedule()
+    # b comes back: its two full blocks were still cached, so only the rest is recomputed.
+    assert [(p.seq.rid, p.start, p.n) for p in third] == [("b", 8, 1)]
