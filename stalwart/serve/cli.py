@@ -4,6 +4,7 @@ several replicas behind a least-loaded router; `--plan` prints a placement and e
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,8 @@ def replica_command(argv: list[str], tp: int, port_file: Path | None) -> list[st
     """The command line of one replica: itself if tp = 1, else a torchrun group on loopback."""
     from stalwart.comm.launch import free_port
 
-    args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file else [])
+    args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file and "--port-file" not in argv
+                                         else [])
     if tp == 1:
         return [sys.executable, "-m", "stalwart.serve.replica", "--", *args]  # "--": torchrun would read --run as its own --run-path
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
@@ -39,11 +41,12 @@ def main(argv: list[str]) -> int:
         return run_replica(cfg, source, port_file)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if layout.replicas == 1:
-        return subprocess.call(replica_command(argv, layout.tp, None), env=env)
+        return _run_until_stopped(replica_command(argv, layout.tp, port_file), env)
     from stalwart.serve.router import run_router
 
     with tempfile.TemporaryDirectory(prefix="stalwart-serve-") as tmp:
-        inner = _without(argv, ("--port", "--host", "--replicas")) + ["--port", "0", "--host", "127.0.0.1"]
+        inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
+                                "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
         files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
         procs = [subprocess.Popen(replica_command(inner, layout.tp, f), env=env) for f in files]
         try:
@@ -59,13 +62,31 @@ def main(argv: list[str]) -> int:
                     p.kill()
 
 
+def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
+    """Run a torchrun group; SIGINT/SIGTERM here becomes SIGTERM there, and a stop asked for is exit 0."""
+    child = subprocess.Popen(cmd, env=env)
+    asked: list[int] = []
+
+    def forward(sig, _frame) -> None:
+        asked.append(sig)
+        child.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0 if asked else code
+
+
 def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the flags ``names`` (``--flag VALUE`` or ``--flag=VALUE``)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a.split("=")[0] in names or any(a.split("=")[0] == "--" + k for k in ("server.port", "server.host",
-                                                                                  "layout.replicas")):
+        elif a.split("=")[0] in names:
             skip = "=" not in a
         else:
             out.append(a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 from pathlib import Path
 
@@ -32,4 +33,12 @@ def serve(app, host: str, port: int, what: str, port_file: Path | None = None) -
     if port_file is not None:
         write_text_atomic(port_file, str(actual))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that was
+    # installed before it: make that a no-op, so a requested shutdown ends with exit status 0.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("stalwart serve: stopped", flush=True)

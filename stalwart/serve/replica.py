@@ -46,8 +46,13 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
             return read_source(source_from(where)).state
 
         if rank != 0:
+            import signal
+
             from stalwart.infer.tp import follow
 
+            # torchrun stops every rank with SIGTERM; a follower waits for rank 0's stop instead of
+            # dying in the middle of a collective.
+            signal.signal(signal.SIGTERM, lambda *_: None)
             follow(engine, link, load)
             return 0
         name = cfg.server.model_name or source.name

@@ -1,0 +1,166 @@
+"""`stalwart serve` through the real CLI, spoken to with OpenAI's own client: greedy output equals
+`stalwart generate`, tensor parallel and replicas equal one process, streaming chat, weight updates that
+drop nothing, bad input answered with a 4xx while the server keeps serving, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import REPO, TINY_RUN, cli_env, run_cli
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["def ", "import json\n", "class Foo(object):\n    def __init__(self", "    return", "x = [1, 2]\nfor",
+           "\"\"\"", "if __name__ == '__main__':\n", "try:\n    import"]
+
+
+def train(run: Path, seed: int) -> None:
+    # lr 0 keeps the (wide) initial weights: greedy choices far from ties, outputs that differ.
+    run_cli("train", "--run.dir", str(run), *TINY_RUN, "--training.steps", "2", "--optimizer.lr", "0",
+            "--model.init_std", "0.4", "--model.max_seq_len", "160", "--run.seed", str(seed),
+            "--sample.max_new_tokens", "0", "--launch.nproc_per_node", "1")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    train(root / "a", 0)
+    train(root / "b", 1)
+    return root / "a", root / "b"
+
+
+class Server:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.port_file = tmp / f"port-{time.monotonic_ns()}"
+        self.log = open(tmp / "server.log", "a+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "stalwart", "serve", *args, "--port", "0",
+                                      "--port-file", str(self.port_file)], env=cli_env(), cwd=REPO,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while not self.port_file.is_file():
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}: {self.output()}"
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        self.url = f"http://127.0.0.1:{int(self.port_file.read_text())}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def greedy(self, prompts: list[str], max_tokens: int = 8) -> list[str]:
+        r = self.client.completions.create(model=None, prompt=prompts, max_tokens=max_tokens, temperature=0)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=60)
+
+
+def generate(run: Path, prompt: str, n: int) -> str:
+    out = run_cli("generate", "--run", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
+                  "--temperature", "0").stdout
+    return out[len(prompt):].rstrip("\n")
+
+
+@pytest.mark.e2e
+def test_serve_one_process(runs, tmp_path):
+    a, b = runs
+    server = Server(tmp_path, "--run", str(a))
+    try:
+        c = server.client
+        # Greedy completions of a batch equal `stalwart generate`, and each alone.
+        batch = server.greedy(PROMPTS)
+        assert batch == [server.greedy([p])[0] for p in PROMPTS]
+        assert len(set(batch)) > 4
+        assert batch[0] == generate(a, PROMPTS[0], 8)
+        # Log-probabilities on request; OpenAI's chat stream through OpenAI's client.
+        r = c.completions.create(model="a", prompt="def ", max_tokens=4, temperature=0, logprobs=2)
+        assert len(r.choices[0].logprobs.token_logprobs) == 4 and r.usage.completion_tokens == 4
+        chunks = list(c.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=6, stream=True, seed=3))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(1 for ch in chunks if ch.choices[0].delta.content is not None) == 6
+        # Bad input: a clear 4xx each, and the server goes on.
+        with pytest.raises(openai.BadRequestError, match="exceeds the model's context of 160"):
+            c.completions.create(model="a", prompt="x " * 200, max_tokens=10)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            c.completions.create(model="gpt-4", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            c.completions.create(model="a", prompt="x", temperature=9)
+        r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        # A client that leaves mid-stream: its request is cancelled.
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"prompt": "def ", "max_tokens": 120, "stream": True, "ignore_eos": True}) as s:
+            next(s.iter_lines())
+        # A weight update while a stream is in flight: the stream finishes, the versions say what made it.
+        seen: list[dict] = []
+
+        def stream_long():
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                              json={"prompt": "def ", "max_tokens": 100, "stream": True, "temperature": 0,
+                                    "ignore_eos": True}) as s:
+                seen.extend(json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {"))
+
+        t = threading.Thread(target=stream_long)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(server.url + "/v1/weights", json={"source": str(b), "version": 7}, timeout=60)
+        assert r.status_code == 200, r.text
+        t.join(60)
+        assert len(seen) == 100  # one event per token: none lost across the update
+        assert seen[-1]["choices"][0]["finish_reason"] == "length"
+        assert seen[0]["weight_versions"] == [0] and seen[-1]["weight_versions"] == [7]
+        assert httpx.get(server.url + "/health").json()["weight_version"] == 7
+        assert server.greedy([PROMPTS[0]]) == [generate(b, PROMPTS[0], 8)]
+        bad = httpx.post(server.url + "/v1/weights", json={"source": str(tmp_path)}, timeout=60)
+        assert bad.status_code == 400 and "neither a run directory" in bad.text
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'stalwart_serve_requests_total{model="a",outcome="cancelled"} 1.0' in metrics
+        assert "stalwart_serve_time_to_first_token_seconds_count" in metrics
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_and_replicas_equal_one_process(runs, tmp_path):
+    a, _ = runs
+    prompts = [p * k for k in (1, 3) for p in PROMPTS] * 2  # 32 requests, mixed lengths
+    one = Server(tmp_path, "--run", str(a))
+    try:
+        expected = one.greedy(prompts)
+    finally:
+        assert one.stop() == 0
+    tp = Server(tmp_path, "--run", str(a), "--tp", "2")
+    try:
+        assert tp.greedy(prompts) == expected
+        assert tp.greedy(prompts[:1]) == expected[:1] and tp.greedy(prompts[:4]) == expected[:4]
+    finally:
+        assert tp.stop() == 0, tp.output()
+    routed = Server(tmp_path, "--run", str(a), "--replicas", "2")
+    try:
+        results: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, routed.greedy([prompts[i]])[0]))
+                   for i in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert [results[i] for i in range(8)] == expected[:8]
+        health = httpx.get(routed.url + "/health").json()
+        assert health["status"] == "ok" and all(r["served"] > 0 for r in health["replicas"])
+    finally:
+        assert routed.stop() == 0, routed.output()
