@@ -1,5 +1,6 @@
 """`stalwart serve` through the real CLI, spoken to with OpenAI's own client: greedy output equals
-`stalwart generate`, tensor parallel and replicas equal one process, streaming chat, weight updates that
+`stalwart generate`; tensor parallel, pipeline parallel (from the exported Hugging Face directory) and
+replicas equal one process; streaming chat, weight updates that
 drop nothing, bad input answered with a 4xx while the server keeps serving, clean shutdown."""
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def test_serve_one_process(runs, tmp_path):
 
 
 @pytest.mark.e2e
-def test_tensor_parallel_and_replicas_equal_one_process(runs, tmp_path):
+def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path):
     a, _ = runs
     prompts = [p * k for k in (1, 3) for p in PROMPTS] * 2  # 32 requests, mixed lengths
     one = Server(tmp_path, "--run", str(a))
@@ -150,6 +151,13 @@ def test_tensor_parallel_and_replicas_equal_one_process(runs, tmp_path):
         assert tp.greedy(prompts[:1]) == expected[:1] and tp.greedy(prompts[:4]) == expected[:4]
     finally:
         assert tp.stop() == 0, tp.output()
+    # The exported Hugging Face directory, pipeline-split over two processes.
+    run_cli("export", "--run", str(a), "--format", "hf", "--out", str(tmp_path / "hf"))
+    pp = Server(tmp_path, "--hf", str(tmp_path / "hf"), "--pp", "2")
+    try:
+        assert pp.greedy(prompts) == expected
+    finally:
+        assert pp.stop() == 0, pp.output()
     routed = Server(tmp_path, "--run", str(a), "--replicas", "2")
     try:
         results: dict[int, str] = {}

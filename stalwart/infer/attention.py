@@ -57,8 +57,9 @@ class KVCache:
     """One layer's keys and values: (slots, kv_heads, head_dim) each, slots = blocks x block_size."""
 
     def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        self.k = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        # Uninitialised: a slot is always written (by the token's own forward) before any query reads it.
+        self.k = torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
 
     @property
     def nbytes(self) -> int:

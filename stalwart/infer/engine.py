@@ -4,8 +4,8 @@
 model computes them in one flat stream, the sequences that completed get their next token sampled,
 and finished requests leave. Requests are added and aborted between steps.
 
-Under tensor parallelism every rank holds its heads' share of the cache; rank 0 owns the scheduler
-and sends each step's layout to the other ranks (``infer/tp.py``), which run the same forward.
+Over several processes every rank holds the cache of its layers and heads; rank 0 owns the scheduler
+and sends each step's batch to the other ranks (``infer/group.py``), which run their part of it.
 """
 
 from __future__ import annotations
@@ -79,20 +79,24 @@ class Batch:
 
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, eos_id: int | None, cfg: EngineConfig, tp_size: int = 1,
-                 link=None, weight_version: int = 0) -> None:
+                 link=None, pipe=None, weight_version: int = 0) -> None:
         self.model = model.eval()
         self.args = model.args
         self.tokenizer = tokenizer
         self.eos_id = eos_id
         self.cfg = cfg
-        self.link = link  # infer.tp.StepLink when tensor parallel, else None
+        self.link = link  # infer.group.StepLink when several processes, else None
+        self.pipe = pipe  # infer.group.PipeLink when pipeline parallel, else None
         self.weight_version = weight_version
         dtype = next(model.parameters()).dtype
+        self.dtype = dtype
         kv_heads = self.args.n_kv_heads // tp_size
-        per_token = 2 * self.args.n_layers * kv_heads * self.args.head_dim * dtype.itemsize
+        # Every stage sizes its cache for the largest stage, so all ranks agree on the block count.
+        stage_layers = -(-self.args.n_layers // (pipe.stages if pipe else 1))
+        per_token = 2 * stage_layers * kv_heads * self.args.head_dim * dtype.itemsize
         num_blocks = max(1, int(cfg.kv_cache_mb * 2**20) // (per_token * cfg.block_size))
         self.caches = [KVCache(num_blocks * cfg.block_size, kv_heads, self.args.head_dim, dtype, "cpu")
-                       for _ in range(self.args.n_layers)]
+                       for _ in model.layers]
         self.step_ctx = StepContext()
         install_paged_attention(model, self.caches, self.step_ctx)
         self.pool = BlockPool(num_blocks, cfg.block_size)
@@ -153,17 +157,26 @@ class Engine:
             outputs.append(self._advance(self.requests[piece.seq.rid], row))
         return outputs
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits (len(batch.rows), vocab) of the requested stream offsets."""
+    def forward(self, batch: Batch) -> torch.Tensor | None:
+        """Logits (len(batch.rows), vocab) of the requested stream offsets (None on a rank without them)."""
         m = self.model
         tokens = torch.tensor([batch.tokens], dtype=torch.long)  # (1, tokens)
         positions = torch.tensor(batch.positions, dtype=torch.long)
-        with self.step_ctx.use(batch.layout(self.cfg.block_size)):
+        if m.tok_embeddings is not None:
             h = m.tok_embeddings(tokens)
+        else:  # a later pipeline stage: the previous stage's activations
+            h = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
+        with self.step_ctx.use(batch.layout(self.cfg.block_size)):
             for layer in m.layers.values():
                 h = layer(h, m.rope, positions)
-        h = m.norm(h[:, batch.rows])
-        return m.output(h)[0]
+        logits = None
+        if m.output is not None:
+            logits = m.output(m.norm(h[:, batch.rows]))[0]
+        else:
+            self.pipe.send_hidden(h)
+        if self.pipe is not None:
+            logits = self.pipe.exchange_logits(logits, len(batch.rows), self.args.vocab_size, self.dtype)
+        return logits
 
     def _batch(self, pieces: list[Piece]) -> tuple[Batch, list[Piece]]:
         batch = Batch([], [], [], [])

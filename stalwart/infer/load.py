@@ -67,14 +67,21 @@ def _read_hf(directory: Path) -> Loaded:
     return Loaded(args, tok, eos, from_hf_state(config, tensors, args, where), directory)
 
 
-def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None) -> nn.Module:
-    """The model with the loaded weights, in ``dtype``, split over ``tp_mesh`` if given."""
+def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None, stage: int = 0, stages: int = 1) -> nn.Module:
+    """The model with the loaded weights, in ``dtype``: pipeline stage ``stage`` of ``stages`` (the
+    trainer's split), its heads and MLP units split over ``tp_mesh`` if given."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     a = loaded.args
     if a.n_kv_heads % tp or a.n_heads % tp:
         raise UserError(f"--tp {tp} must divide the model's attention heads ({a.n_heads}) and key/value heads "
                         f"({a.n_kv_heads})")
+    if stages > a.n_layers:
+        raise UserError(f"--pp {stages} exceeds the model's {a.n_layers} layers")
     model = Transformer(a)
+    if stages > 1:
+        from stalwart.parallel.pipeline import split_model
+
+        model = split_model(model, stage, stages, "1f1b", 1).container
     if tp_mesh is not None:
         from stalwart.parallel.tensor import apply_tensor_parallel
 

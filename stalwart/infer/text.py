@@ -16,7 +16,9 @@ class TextTail:
         self.sent = 0  # characters already handed out
 
     def push(self, generated: list[int], final: bool = False) -> tuple[str, bool]:
-        """(text newly safe to show, whether a stop string ended the output)."""
+        """(text newly safe to show, whether a stop string ended the output). No tokenizer: ids only."""
+        if self.tokenizer is None:
+            return "", False
         text = self.tokenizer.decode(generated)
         if self.stop:
             hits = [i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stop) if i >= 0]

@@ -13,16 +13,18 @@ from pathlib import Path
 from stalwart.serve.options import parse, usage
 
 
-def replica_command(argv: list[str], tp: int, port_file: Path | None) -> list[str]:
-    """The command line of one replica: itself if tp = 1, else a torchrun group on loopback."""
+def replica_command(argv: list[str], procs: int, port_file: Path | None) -> list[str]:
+    """The command line of one replica: itself if it is one process, else a torchrun group on loopback."""
     from stalwart.comm.launch import free_port
 
     args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file and "--port-file" not in argv
                                          else [])
-    if tp == 1:
-        return [sys.executable, "-m", "stalwart.serve.replica", "--", *args]  # "--": torchrun would read --run as its own --run-path
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "stalwart.serve.replica", "--", *args]  # "--": torchrun would read --run as its own --run-path
+    if procs == 1:
+        return [sys.executable, "-m", "stalwart.serve.replica", *args]
+    # "--" ends torchrun's own options (it would take --run for its --run-path).
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "stalwart.serve.replica",
+            "--", *args]
 
 
 def main(argv: list[str]) -> int:
@@ -35,20 +37,21 @@ def main(argv: list[str]) -> int:
         return 0
     cfg, source, port_file = parse(argv)
     layout = cfg.layout
-    if layout.replicas == 1 and layout.tp == 1:
+    procs = layout.tp * layout.pp
+    if layout.replicas == 1 and procs == 1:
         from stalwart.serve.replica import run_replica
 
         return run_replica(cfg, source, port_file)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if layout.replicas == 1:
-        return _run_until_stopped(replica_command(argv, layout.tp, port_file), env)
+        return _run_until_stopped(replica_command(argv, procs, port_file), env)
     from stalwart.serve.router import run_router
 
     with tempfile.TemporaryDirectory(prefix="stalwart-serve-") as tmp:
         inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
                                 "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
         files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
-        procs = [subprocess.Popen(replica_command(inner, layout.tp, f), env=env) for f in files]
+        procs = [subprocess.Popen(replica_command(inner, procs, f), env=env) for f in files]
         try:
             return run_router(cfg, source.name, procs, files, port_file)
         finally:

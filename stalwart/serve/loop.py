@@ -34,7 +34,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, link=None, load: Callable[[str], dict] | None = None,
                  on_step: Callable[[list[Output], float], None] | None = None) -> None:
         self.engine = engine
-        self.link = link  # infer.tp.StepLink on rank 0 of a tensor-parallel group
+        self.link = link  # infer.group.StepLink on rank 0 of a multi-process replica
         self.load = load  # where -> full state dict, for weight updates
         self.on_step = on_step
         self.commands: queue.Queue = queue.Queue()

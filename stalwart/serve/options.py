@@ -54,8 +54,6 @@ def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None]:
     for flag in ("--run", "--hf"):
         if flag in flags and not Path(flags[flag]).is_dir():
             raise ConfigError(f"{flag}: {flags[flag]} is not a directory")
-    if cfg.layout.pp > 1:
-        raise ConfigError("layout.pp: pipeline-parallel serving is not implemented; use --tp and --replicas")
     source = (Source(run=Path(flags["--run"]), checkpoint=flags.get("--checkpoint")) if "--run" in flags
               else Source(hf=Path(flags["--hf"])))
     port_file = Path(flags["--port-file"]) if "--port-file" in flags else None

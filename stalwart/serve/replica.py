@@ -1,7 +1,8 @@
 """One model replica: load, split over the tensor-parallel group, run the engine, serve HTTP on rank 0.
 
-With ``--tp 1`` it runs in the `stalwart serve` process itself; with ``--tp N`` torchrun starts N
-copies of ``python -m stalwart.serve.replica`` and rank 0 serves while the others follow its steps.
+With one process it runs in the `stalwart serve` process itself; with ``--tp N --pp M`` torchrun
+starts N x M copies of ``python -m stalwart.serve.replica`` and rank 0 serves while the others follow
+its steps (``infer/group.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 from stalwart.config.serve import ServeConfig
+from stalwart.errors import UserError
 from stalwart.infer.load import Source
 
 
@@ -25,22 +27,27 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    mesh = link = None
+    tp, pp = cfg.layout.tp, cfg.layout.pp
+    if world != tp * pp:
+        raise UserError(f"this replica has {world} processes but layout.tp x layout.pp = {tp * pp}")
+    tp_mesh = link = pipe = None
     if world > 1:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from stalwart.infer.tp import StepLink
+        from stalwart.infer.group import PipeLink, StepLink
 
         dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+        tp_mesh = mesh["tp"] if tp > 1 else None
         link = StepLink()
+        pipe = PipeLink(rank, tp, pp) if pp > 1 else None
     try:
         torch.set_grad_enabled(False)
         loaded = read_source(source)
         dtype = getattr(torch, cfg.engine.dtype)
-        model = build_model(loaded, dtype, mesh)
-        engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg.engine, tp_size=world, link=link)
+        model = build_model(loaded, dtype, tp_mesh, rank // tp, pp)
+        engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg.engine, tp_size=tp, link=link, pipe=pipe)
 
         def load(where: str) -> dict:
             return read_source(source_from(where)).state
@@ -48,7 +55,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
         if rank != 0:
             import signal
 
-            from stalwart.infer.tp import follow
+            from stalwart.infer.group import follow
 
             # torchrun stops every rank with SIGTERM; a follower waits for rank 0's stop instead of
             # dying in the middle of a collective.
@@ -58,7 +65,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
         name = cfg.server.model_name or source.name
         loop = EngineLoop(engine, link, load).start()
         try:
-            what = (f"{name} ({loaded.origin}; tp={world}, {engine.pool.num_blocks} KV blocks of "
+            what = (f"{name} ({loaded.origin}; tp={tp} pp={pp}, {engine.pool.num_blocks} KV blocks of "
                     f"{cfg.engine.block_size} tokens)")
             serve(create_app(loop, name), cfg.server.host, cfg.server.port, what, port_file)
         finally:
@@ -79,8 +86,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from stalwart.errors import UserError
-
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:

@@ -117,5 +117,5 @@ def run_router(cfg: ServeConfig, name: str, procs: list[subprocess.Popen], files
     ports = wait_for_ports(procs, files)
     backends = [f"http://127.0.0.1:{p}" for p in ports]
     serve(create_router(backends), cfg.server.host, cfg.server.port,
-          f"{name} router over {len(backends)} replicas (tp={cfg.layout.tp} each)", port_file)
+          f"{name} router over {len(backends)} replicas (tp={cfg.layout.tp} pp={cfg.layout.pp} each)", port_file)
     return 0

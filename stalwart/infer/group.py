@@ -1,9 +1,12 @@
-"""Tensor-parallel inference: rank 0 schedules, every rank runs the same forward on its shard.
+"""One replica over several processes: tensor parallel inside a stage, pipeline stages in a row.
 
-Rank 0 broadcasts each step's batch (token ids, block tables, the rows whose logits it needs) as one
-int64 tensor over the process group; the other ranks rebuild the batch and run the forward, whose
-all-reduces then match rank 0's. Weight updates and shutdown travel the same way, so every rank sees
-the same sequence of commands.
+Ranks are laid out as a (pp, tp) grid, rank = stage * tp + tp_rank. Rank 0 (stage 0, tp rank 0) owns
+the scheduler and broadcasts each step's batch (token ids, block tables, the rows whose logits it
+needs) as one int64 tensor to every rank; each rank rebuilds the batch and runs its part of the
+forward. Inside a stage the tensor-parallel all-reduces then match; between stages each tp rank sends
+its (replicated) activations to the same tp rank of the next stage, and the last stage's tp rank 0
+sends the logits back to rank 0. Weight updates and shutdown travel the same broadcast, so every rank
+sees the same sequence of commands.
 """
 
 from __future__ import annotations
@@ -56,6 +59,37 @@ class StepLink:
         if msg[0] == LOAD:
             return LOAD, (msg[1], bytes(msg[2:]).decode())
         return STOP, None
+
+
+class PipeLink:
+    """This rank's neighbours in the pipeline (global ranks)."""
+
+    def __init__(self, rank: int, tp: int, pp: int) -> None:
+        self.stage, self.tp_rank = divmod(rank, tp)
+        self.stages = pp
+        self.prev = rank - tp if self.stage > 0 else None
+        self.next = rank + tp if self.stage < pp - 1 else None
+        self.last_leader = (pp - 1) * tp  # sends the logits to rank 0
+        self.rank = rank
+
+    def recv_hidden(self, tokens: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        h = torch.empty(1, tokens, dim, dtype=dtype)
+        dist.recv(h, src=self.prev)
+        return h
+
+    def send_hidden(self, h: torch.Tensor) -> None:
+        dist.send(h.contiguous(), dst=self.next)
+
+    def exchange_logits(self, logits: torch.Tensor | None, rows: int, vocab: int, dtype: torch.dtype):
+        """The last stage's leader sends its logits to rank 0, which receives them; others pass."""
+        if self.last_leader == 0:
+            return logits
+        if self.rank == self.last_leader:
+            dist.send(logits.contiguous(), dst=0)
+        elif self.rank == 0:
+            logits = torch.empty(rows, vocab, dtype=dtype)
+            dist.recv(logits, src=self.last_leader)
+        return logits
 
 
 @torch.no_grad()
