@@ -60,7 +60,7 @@ CONFIGS = {
     "default": EngineConfig(),
     # Small budget (prompts prefilled in chunks), small blocks, and a cache too small for 32 at once
     # (sequences are preempted and recomputed).
-    "chunked+preempted": EngineConfig(block_size=4, max_batch_tokens=24, max_seqs=8, kv_cache_mb=0.1),
+    "chunked+preempted": EngineConfig(block_size=4, max_batch_tokens=24, max_seqs=8, kv_cache_mb=0.05),
 }
 
 
@@ -78,6 +78,26 @@ def test_greedy_tokens_equal_generate_for_any_batch(config):
         assert got == reference, f"batch {batch_size}"
     if config != "default":
         assert engine.scheduler.preempted_total > 0
+
+
+def logprobs(engine: Engine, batch: list[list[int]]) -> list[list[float]]:
+    for i, p in enumerate(batch):
+        engine.add(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True))
+    out: dict[str, list[float]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(c.logprob for c in o.choices)
+    return [out[str(i)] for i in range(len(batch))]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("budget", [512, 24])
+def test_batch_composition_does_not_change_a_single_bit(budget):
+    """Alone or among 31 others, prefilled whole or in chunks: the same log-probabilities, bit for bit."""
+    model = build()
+    cfg = EngineConfig(max_batch_tokens=budget, max_seqs=32, pad_rows=8)
+    alone = [logprobs(Engine(model, ByteTokenizer(), None, cfg), [p])[0] for p in prompts(32)]
+    assert logprobs(Engine(model, ByteTokenizer(), None, cfg), prompts(32)) == alone
 
 
 @pytest.mark.unit

@@ -20,6 +20,11 @@ class EngineConfig:
     max_queue: int = option("Requests waiting at most; beyond it the server answers 503.", 1024, min=1)
     prefix_caching: bool = option("Reuse the cached keys and values of a prompt prefix another request "
                                   "already computed.", True)
+    pad_rows: int = option("Pad every forward pass to a multiple of this many tokens and sampled rows, so "
+                           "matrix products take the same kernel path whatever the batch and a request's "
+                           "output is bitwise the same alone or batched (CPU BLAS computes a row differently "
+                           "when a matrix has 1-3 rows, or an odd number under 10 on two threads). 1 = off: "
+                           "faster at small batches, equal tokens but not equal bits. 8 = bitwise.", 1, min=1)
     dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
 
 

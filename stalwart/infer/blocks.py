@@ -34,6 +34,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.digest_of: dict[int, bytes] = {}
         self.by_digest: dict[bytes, int] = {}
+        self.reserved = 0  # blocks taken for good (never given to a sequence)
 
     @property
     def used(self) -> int:
@@ -56,6 +57,11 @@ class BlockPool:
             self.refs[block] = 1
             out.append(block)
         return out
+
+    def reserve(self) -> int:
+        """A block taken out of circulation for good (scratch space)."""
+        self.reserved += 1
+        return self.allocate(1)[0]
 
     def release(self, blocks: list[int]) -> None:
         # Freed in reverse so a sequence's first blocks (the most shareable prefix) are evicted last.

@@ -95,11 +95,13 @@ class Engine:
         stage_layers = -(-self.args.n_layers // (pipe.stages if pipe else 1))
         per_token = 2 * stage_layers * kv_heads * self.args.head_dim * dtype.itemsize
         num_blocks = max(1, int(cfg.kv_cache_mb * 2**20) // (per_token * cfg.block_size))
-        self.caches = [KVCache(num_blocks * cfg.block_size, kv_heads, self.args.head_dim, dtype, "cpu")
+        self.caches = [KVCache((num_blocks + 1) * cfg.block_size, kv_heads, self.args.head_dim, dtype, "cpu")
                        for _ in model.layers]
         self.step_ctx = StepContext()
         install_paged_attention(model, self.caches, self.step_ctx)
-        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.pool = BlockPool(num_blocks + 1, cfg.block_size)
+        # One block never given to a sequence: padding tokens write their keys and values there.
+        self.scratch = self.pool.reserve() if cfg.pad_rows > 1 else None
         self.scheduler = Scheduler(self.pool, cfg.max_batch_tokens, cfg.max_seqs, cfg.prefix_caching)
         self.requests: dict[str, RequestState] = {}
         self.tokens_generated = 0
@@ -189,7 +191,24 @@ class Engine:
             if p.sample:
                 batch.rows.append(q_start + p.n - 1)
                 sampled.append(p)
+        self._pad(batch)
         return batch, sampled
+
+    def _pad(self, batch: Batch) -> None:
+        """Round the token count and the sampled rows up to a multiple of ``pad_rows``.
+
+        Padding tokens form one extra span at positions 0.. in the scratch block (at most a block
+        long each, so chained blocks hold them); their logits, like the padded rows, are never read.
+        """
+        k = self.cfg.pad_rows
+        extra = -len(batch.tokens) % k
+        if extra:
+            bs = self.cfg.block_size
+            blocks = [self.scratch] * -(-extra // bs)
+            batch.spans.append((len(batch.tokens), extra, extra, blocks))
+            batch.tokens += [0] * extra
+            batch.positions += range(extra)
+        batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
 
     def _advance(self, state: RequestState, logits: torch.Tensor) -> Output:
         from stalwart.infer.sampling import sample_row
@@ -233,6 +252,7 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_blocks_used": self.pool.used, "kv_blocks_total": self.pool.num_blocks,
+                "kv_blocks_used": self.pool.used - self.pool.reserved,
+                "kv_blocks_total": self.pool.num_blocks - self.pool.reserved,
                 "preemptions": self.scheduler.preempted_total, "prefix_cached_tokens": self.scheduler.cached_tokens_total,
                 "tokens_generated": self.tokens_generated, "weight_version": self.weight_version}

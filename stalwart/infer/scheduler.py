@@ -2,7 +2,8 @@
 
 Every engine step the scheduler builds one batch under a token budget:
 1. sequences already running go first, in admission order: one token each when decoding, or the next
-   chunk of their prompt when a long prompt is being prefilled in pieces (chunked prefill);
+   chunk of their prompt when a long prompt is being prefilled in pieces (chunked prefill; chunks end
+   at multiples of the budget, so a prompt is cut the same way whatever shares its steps);
 2. then waiting requests are admitted first come, first served while the budget, the sequence limit
    and the KV cache allow, each first mapping whatever prefix of its prompt is already cached.
 
@@ -59,7 +60,7 @@ class Scheduler:
         self.cached_tokens_total = 0  # prompt tokens served from the prefix cache at admission
 
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
+        return (self.pool.num_blocks - self.pool.reserved) * self.pool.block_size
 
     def add(self, seq: Sequence) -> None:
         if seq.max_total > self.capacity_tokens():
@@ -92,7 +93,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.tokens) - seq.computed, budget)
+            n = self._chunk(seq)
+            if n > budget:  # the rest of a long prompt waits for a step with room for its whole chunk
+                i += 1
+                continue
             while not self._reserve(seq, seq.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -106,9 +110,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self.prefix_caching and not seq.blocks:
                 self._map_prefix(seq)
-            n = min(len(seq.tokens) - seq.computed, budget)
-            if not self._reserve(seq, seq.computed + n):
-                if not self.running:
+            n = self._chunk(seq)
+            if n > budget or not self._reserve(seq, seq.computed + n):
+                if not self.running and not pieces:
                     raise RuntimeError("KV cache too small for a single request")  # add() prevents this
                 self._unmap(seq)
                 break
@@ -118,6 +122,15 @@ class Scheduler:
             pieces.append(Piece(seq, seq.computed, n))
             budget -= n
         return pieces
+
+    def _chunk(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` to compute next: up to the next multiple of the token budget.
+
+        Chunk boundaries depend on the sequence alone, never on what else is in the batch, so a prompt
+        is cut the same way (and computed with the same shapes) whoever it shares the step with.
+        """
+        c = self.max_batch_tokens
+        return min(len(seq.tokens), (seq.computed // c + 1) * c) - seq.computed
 
     def commit(self, piece: Piece) -> None:
         """The forward pass wrote ``piece``'s K/V: advance and publish newly full blocks."""
