@@ -172,3 +172,22 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert health["status"] == "ok" and all(r["served"] > 0 for r in health["replicas"])
     finally:
         assert routed.stop() == 0, routed.output()
+
+
+@pytest.mark.e2e
+def test_bad_command_lines_exit_2_with_one_line(runs, tmp_path):
+    a, _ = runs
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = {("--run", str(tmp_path / "missing")): "--run: ",
+                 ("--run", str(a), "--tp", "3"): "--tp 3 must divide",
+                 ("--hf", str(tmp_path)): "--hf: ",
+                 ("--run", str(a), "--engine.block_sise", "4"): "did you mean 'engine.block_size'",
+                 ("--run", str(a), "--port", str(busy.getsockname()[1])): "server.port: cannot listen"}
+        for args, message in cases.items():
+            r = run_cli("serve", *args, check=False, timeout=120)
+            assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+            assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -178,19 +178,24 @@ def export_hf(state: dict[str, torch.Tensor], args: TransformerArgs, tokenizer_j
 
 
 # ---------------------------------------------------------------------- import
+def read_config(directory: str | Path, where: str = "checkpoint.init_from_hf") -> dict[str, Any]:
+    """config.json of an HF directory; errors start with ``where`` (the option the user set)."""
+    cfg_path = Path(directory) / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{where}: {directory} has no config.json (not a Hugging Face model directory)")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{where}: {cfg_path} is not valid JSON ({e})") from None
+
+
 def read_hf(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of an HF directory; safetensors only."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     d = Path(directory)
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise ExportError(f"checkpoint.init_from_hf: {d} has no config.json (not a Hugging Face model directory)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"checkpoint.init_from_hf: {cfg_path} is not valid JSON ({e})") from None
+    config = read_config(d)
     if (d / SAFE_INDEX).is_file():
         files = sorted(set(json.loads((d / SAFE_INDEX).read_text())["weight_map"].values()))
     elif (d / SAFE_SINGLE).is_file():

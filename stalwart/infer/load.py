@@ -67,16 +67,31 @@ def _read_hf(directory: Path) -> Loaded:
     return Loaded(args, tok, eos, from_hf_state(config, tensors, args, where), directory)
 
 
+def read_args(src: Source) -> TransformerArgs:
+    """The model shape alone (config files only; no weights read), to check a layout before launching."""
+    if src.hf is not None:
+        from stalwart.export.hf import args_from_hf, read_config
+
+        return args_from_hf(read_config(src.hf, "--hf"), f"--hf {src.hf}")
+    from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
+
+    return open_run_checkpoint(src.run, src.checkpoint).args
+
+
+def check_layout(a: TransformerArgs, tp: int, pp: int) -> None:
+    if a.n_kv_heads % tp or a.n_heads % tp:
+        raise UserError(f"--tp {tp} must divide the model's attention heads ({a.n_heads}) and key/value heads "
+                        f"({a.n_kv_heads})")
+    if pp > a.n_layers:
+        raise UserError(f"--pp {pp} exceeds the model's {a.n_layers} layers")
+
+
 def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None, stage: int = 0, stages: int = 1) -> nn.Module:
     """The model with the loaded weights, in ``dtype``: pipeline stage ``stage`` of ``stages`` (the
     trainer's split), its heads and MLP units split over ``tp_mesh`` if given."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     a = loaded.args
-    if a.n_kv_heads % tp or a.n_heads % tp:
-        raise UserError(f"--tp {tp} must divide the model's attention heads ({a.n_heads}) and key/value heads "
-                        f"({a.n_kv_heads})")
-    if stages > a.n_layers:
-        raise UserError(f"--pp {stages} exceeds the model's {a.n_layers} layers")
+    check_layout(a, tp, stages)
     model = Transformer(a)
     if stages > 1:
         from stalwart.parallel.pipeline import split_model

@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
         return 0
     cfg, source, port_file = parse(argv)
     layout = cfg.layout
+    from stalwart.infer.load import check_layout, read_args
+
+    check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
     procs = layout.tp * layout.pp
     if layout.replicas == 1 and procs == 1:
         from stalwart.serve.replica import run_replica
