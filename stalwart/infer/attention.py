@@ -33,9 +33,28 @@ class Span:
 
 
 @dataclass
+class DecodeGroup:
+    """Sequences decoding one token each, attended in one padded call (the fast path)."""
+
+    rows: torch.Tensor  # (batch,) their tokens' offsets in the flat stream
+    context: torch.Tensor  # (batch, max_ctx) cache slots, padded with slot 0
+    lengths: torch.Tensor  # (batch,) context lengths
+
+
+@dataclass
 class StepLayout:
     slots: torch.Tensor  # (tokens,) cache slot of each new token
-    spans: list[Span]
+    spans: list[Span]  # attended one by one, with the shapes each would have alone
+    decode: DecodeGroup | None = None
+
+
+def decode_group(spans: list[Span]) -> DecodeGroup:
+    longest = max(s.context.numel() for s in spans)
+    context = torch.zeros(len(spans), longest, dtype=torch.long)
+    for i, s in enumerate(spans):
+        context[i, :s.context.numel()] = s.context
+    return DecodeGroup(torch.tensor([s.q_start for s in spans]), context,
+                       torch.tensor([s.context.numel() for s in spans]))
 
 
 class StepContext:
@@ -57,9 +76,9 @@ class KVCache:
     """One layer's keys and values: (slots, kv_heads, head_dim) each, slots = blocks x block_size."""
 
     def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        # Uninitialised: a slot is always written (by the token's own forward) before any query reads it.
-        self.k = torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        # Zeroed: padded decode attention reads (and masks) slot 0, which must hold finite values.
+        self.k = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +101,8 @@ class PagedAttention(nn.Module):
         vc.index_copy_(0, layout.slots, v[0].transpose(0, 1).to(vc.dtype))
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
+        if layout.decode is not None:
+            self._decode(q, out, layout.decode, gqa)
         for span in layout.spans:
             qq = q[:, :, span.q_start:span.q_start + span.q_len]
             ctx = span.context.numel()
@@ -98,6 +119,19 @@ class PagedAttention(nn.Module):
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
             out[:, :, span.q_start:span.q_start + span.q_len] = o
         return out
+
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, group: DecodeGroup, gqa: bool) -> None:
+        kc, vc = self.cache.k, self.cache.v
+        qq = q[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (batch, heads, 1, head_dim)
+        kk = kc[group.context].transpose(1, 2)  # (batch, kv_heads, max_ctx, head_dim)
+        vv = vc[group.context].transpose(1, 2)
+        k_pos = torch.arange(group.context.shape[1])
+        allowed = k_pos[None, :] < group.lengths[:, None]  # (batch, max_ctx)
+        if self.sliding_window > 0:
+            allowed &= k_pos[None, :] >= group.lengths[:, None] - self.sliding_window
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed[:, None, None, :], enable_gqa=gqa)
+        out[0, :, group.rows] = o.squeeze(2).transpose(0, 1)
 
 
 def install_paged_attention(model: nn.Module, caches: list[KVCache], step: StepContext) -> None:

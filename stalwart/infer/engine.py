@@ -17,7 +17,7 @@ from torch import nn
 
 from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
-from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, install_paged_attention
+from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, decode_group, install_paged_attention
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.sampling import Choice, SamplingParams
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
@@ -68,13 +68,17 @@ class Batch:
     spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
     rows: list[int]  # stream offsets whose logits are needed
 
-    def layout(self, block_size: int) -> StepLayout:
+    def layout(self, block_size: int, group_decodes: bool) -> StepLayout:
+        """The attention layout; with ``group_decodes``, sequences decoding one token share one call."""
         spans, slots = [], []
         for q_start, q_len, ctx, blocks in self.spans:
             context = context_slots(blocks, block_size, ctx)
             slots.append(context[ctx - q_len:])
             spans.append(Span(q_start, q_len, context, torch.arange(ctx - q_len, ctx)))
-        return StepLayout(torch.cat(slots), spans)
+        decodes = [s for s in spans if s.q_len == 1] if group_decodes else []
+        if len(decodes) < 2:
+            return StepLayout(torch.cat(slots), spans)
+        return StepLayout(torch.cat(slots), [s for s in spans if s.q_len != 1], decode_group(decodes))
 
 
 class Engine:
@@ -168,7 +172,8 @@ class Engine:
             h = m.tok_embeddings(tokens)
         else:  # a later pipeline stage: the previous stage's activations
             h = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
-        with self.step_ctx.use(batch.layout(self.cfg.block_size)):
+        # Grouping decodes is faster but gives attention batch-dependent shapes: off in bitwise mode.
+        with self.step_ctx.use(batch.layout(self.cfg.block_size, group_decodes=self.cfg.pad_rows == 1)):
             for layer in m.layers.values():
                 h = layer(h, m.rope, positions)
         logits = None
