@@ -170,8 +170,25 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert [results[i] for i in range(8)] == expected[:8]
         health = httpx.get(routed.url + "/health").json()
         assert health["status"] == "ok" and all(r["served"] > 0 for r in health["replicas"])
+        # kill -9 of the launcher leaves no replica behind.
+        replicas = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _has_parent(p, routed.proc.pid)]
+        assert len(replicas) == 2
+        routed.proc.kill()
+        routed.proc.wait()
+        deadline = time.monotonic() + 20
+        while any((p / "cmdline").exists() for p in replicas) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any((p / "cmdline").exists() for p in replicas)
     finally:
-        assert routed.stop() == 0, routed.output()
+        if routed.proc.poll() is None:
+            assert routed.stop() == 0, routed.output()
+
+
+def _has_parent(proc: Path, pid: int) -> bool:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 @pytest.mark.e2e

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stalwart.serve.http import die_with_parent
 from stalwart.serve.options import parse, usage
 
 
@@ -54,14 +55,15 @@ def main(argv: list[str]) -> int:
         inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
                                 "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
         files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
-        procs = [subprocess.Popen(replica_command(inner, procs, f), env=env) for f in files]
+        children = [subprocess.Popen(replica_command(inner, procs, f), env=env, preexec_fn=die_with_parent)
+                    for f in files]
         try:
-            return run_router(cfg, source.name, procs, files, port_file)
+            return run_router(cfg, source.name, children, files, port_file)
         finally:
-            for p in procs:
+            for p in children:
                 if p.poll() is None:
                     p.terminate()
-            for p in procs:
+            for p in children:
                 try:
                     p.wait(timeout=20)
                 except subprocess.TimeoutExpired:
@@ -70,7 +72,7 @@ def main(argv: list[str]) -> int:
 
 def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
     """Run a torchrun group; SIGINT/SIGTERM here becomes SIGTERM there, and a stop asked for is exit 0."""
-    child = subprocess.Popen(cmd, env=env)
+    child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     asked: list[int] = []
 
     def forward(sig, _frame) -> None:

@@ -92,7 +92,10 @@ class EngineLoop:
             for rid in list(self.sinks):
                 self._deliver(Output(rid, [], "", True, "abort", self.engine.weight_version))
             if self.link is not None:
-                self.link.send_stop()
+                try:
+                    self.link.send_stop()
+                except RuntimeError:  # the other ranks are already gone (their launcher stopped them)
+                    pass
 
     def _drain(self) -> None:
         while True:

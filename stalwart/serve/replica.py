@@ -7,6 +7,7 @@ its steps (``infer/group.py``).
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
 from stalwart.infer.load import Source
+from stalwart.serve.http import die_with_parent
 
 
 def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None) -> int:
@@ -37,7 +39,8 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
 
         from stalwart.infer.group import PipeLink, StepLink
 
-        dist.init_process_group("gloo")
+        # An idle server waits in a broadcast for the next step for as long as it is idle.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=30))
         mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
         tp_mesh = mesh["tp"] if tp > 1 else None
         link = StepLink()
@@ -53,13 +56,8 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
             return read_source(source_from(where)).state
 
         if rank != 0:
-            import signal
-
             from stalwart.infer.group import follow
 
-            # torchrun stops every rank with SIGTERM; a follower waits for rank 0's stop instead of
-            # dying in the middle of a collective.
-            signal.signal(signal.SIGTERM, lambda *_: None)
             follow(engine, link, load)
             return 0
         name = cfg.server.model_name or source.name
@@ -79,8 +77,10 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
 
 
 def main(argv: list[str]) -> int:
+    """Entry of a replica process started by `stalwart serve` (alone or under torchrun)."""
     from stalwart.serve.options import parse
 
+    die_with_parent()
     cfg, source, port_file = parse(argv[1:] if argv[:1] == ["--"] else argv)
     return run_replica(cfg, source, port_file)
 
