@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from stalwart.config import ConfigError, help_text, load, to_dict
-from stalwart.planner.config import PlanConfig
+from stalwart.config.loading import split_args
+from stalwart.planner.config import PlanConfig, apply_shape_overrides
 from stalwart.planner.cost import Network, Options
 from stalwart.planner.hardware import GPUS
 from stalwart.planner.layout import Workload
@@ -31,14 +32,7 @@ options:
 
 
 def build_workload(cfg: PlanConfig) -> Workload:
-    m = cfg.model
-    base = FLAVORS[m.flavor]
-    changes = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
-               if getattr(m, k)}
-    shape = dataclasses.replace(base, **changes)
-    if shape.dim % shape.n_heads or shape.n_heads % shape.n_kv_heads:
-        raise ConfigError(f"model: dim {shape.dim}, heads {shape.n_heads}, kv heads {shape.n_kv_heads} "
-                          "are inconsistent")
+    shape = apply_shape_overrides(FLAVORS[cfg.model.flavor], cfg.model)
     w = cfg.workload
     batch = w.global_batch_tokens // w.seq_len if w.global_batch_tokens else w.global_batch
     return Workload(shape, w.seq_len, batch)
@@ -50,22 +44,8 @@ def main(argv: list[str]) -> int:
         print("\nConfiguration (TOML [section] key = value, or --section.key VALUE; CLI > file > defaults):")
         print(help_text(PlanConfig))
         return 0
-    flags: dict[str, str] = {}
-    rest: list[str] = []
-    validate = False
-    i = 0
-    while i < len(argv):
-        name, eq, inline = argv[i].partition("=")
-        if name in ("--config", "--json"):
-            if not eq and i + 1 >= len(argv):
-                raise ConfigError(f"{name} needs a value")
-            flags[name] = inline if eq else argv[i + 1]
-            i += 1 if eq else 2
-        elif name == "--validate":
-            validate, i = True, i + 1
-        else:
-            rest.append(argv[i])
-            i += 1
+    flags, rest = split_args(argv, {"--config": True, "--json": True, "--validate": False})
+    validate = "--validate" in flags
     cfg = load(PlanConfig, flags.get("--config"), rest)
     doc: dict = {"config": to_dict(cfg)}
     rc = 0

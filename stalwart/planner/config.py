@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from stalwart.config import ConfigError, option, section
 from stalwart.planner.hardware import GPUS
-from stalwart.planner.shapes import FLAVORS
+from stalwart.planner.shapes import FLAVORS, ModelShape
 
 
 @dataclass
@@ -19,6 +20,17 @@ class ModelSection:
     n_kv_heads: int = option("Override the key/value heads (0 = the flavor's).", 0, min=0)
     ffn_hidden: int = option("Override the SwiGLU hidden size (0 = the flavor's).", 0, min=0)
     vocab_size: int = option("Override the vocabulary size (0 = the flavor's).", 0, min=0)
+
+
+def apply_shape_overrides(base: ModelShape, m: ModelSection) -> ModelShape:
+    """``base`` with the non-zero overrides of a model section, checked for consistency."""
+    changes = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
+               if getattr(m, k)}
+    shape = dataclasses.replace(base, **changes)
+    if shape.dim % shape.n_heads or shape.n_heads % shape.n_kv_heads:
+        raise ConfigError(f"model: dim {shape.dim}, heads {shape.n_heads}, kv heads {shape.n_kv_heads} "
+                          "are inconsistent")
+    return shape
 
 
 @dataclass

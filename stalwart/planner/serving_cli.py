@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Literal
 
 from stalwart.config import ConfigError, help_text, load, option, section, to_dict
+from stalwart.config.loading import split_args
+from stalwart.planner.config import ModelSection as PlanModelSection
+from stalwart.planner.config import apply_shape_overrides
 from stalwart.models.flavors import FLAVORS as MODEL_FLAVORS
 from stalwart.planner.serving import (DTYPE_BYTES, HostSpec, ServingRequest, format_bytes, host_presets, plan,
                                       shape_from_args)
@@ -32,15 +35,9 @@ options:
 
 
 @dataclass
-class ModelSection:
+class ModelSection(PlanModelSection):
     flavor: str = option(f"Model shape: {', '.join(FLAVOR_NAMES)} (stalwart/planner/shapes.py, then "
                          "stalwart/models/flavors.py).", "tiny", choices=FLAVOR_NAMES)
-    dim: int = option("Override the hidden size (0 = the flavor's).", 0, min=0)
-    n_layers: int = option("Override the number of transformer blocks (0 = the flavor's).", 0, min=0)
-    n_heads: int = option("Override the attention heads (0 = the flavor's).", 0, min=0)
-    n_kv_heads: int = option("Override the key/value heads (0 = the flavor's).", 0, min=0)
-    ffn_hidden: int = option("Override the SwiGLU hidden size (0 = the flavor's).", 0, min=0)
-    vocab_size: int = option("Override the vocabulary size (0 = the flavor's).", 0, min=0)
     params_dtype: Literal["bf16", "fp32"] = option("Weight (and activation) dtype.", "bf16")
     kv_dtype: Literal["auto", "bf16", "fp32"] = option("KV cache dtype; auto = params_dtype.", "auto")
 
@@ -101,13 +98,7 @@ class ServePlanConfig:
 
 def build_shape(m: ModelSection) -> ModelShape:
     base = FLAVORS[m.flavor] if m.flavor in FLAVORS else shape_from_args(MODEL_FLAVORS[m.flavor])
-    changes = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
-               if getattr(m, k)}
-    shape = dataclasses.replace(base, **changes)
-    if shape.dim % shape.n_heads or shape.n_heads % shape.n_kv_heads:
-        raise ConfigError(f"model: dim {shape.dim}, heads {shape.n_heads}, kv heads {shape.n_kv_heads} "
-                          "are inconsistent")
-    return shape
+    return apply_shape_overrides(base, m)
 
 
 def build_hosts(h: HostsSection) -> HostSpec:
@@ -140,19 +131,7 @@ def main(argv: list[str]) -> int:
         print("\nConfiguration (TOML [section] key = value, or --section.key VALUE; CLI > file > defaults):")
         print(help_text(ServePlanConfig))
         return 0
-    flags: dict[str, str] = {}
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        name, eq, inline = argv[i].partition("=")
-        if name in ("--config", "--json"):
-            if not eq and i + 1 >= len(argv):
-                raise ConfigError(f"{name} needs a value")
-            flags[name] = inline if eq else argv[i + 1]
-            i += 1 if eq else 2
-        else:
-            rest.append(argv[i])
-            i += 1
+    flags, rest = split_args(argv, {"--config": True, "--json": True})
     cfg = load(ServePlanConfig, flags.get("--config"), rest)
     shape, hosts, req = build_shape(cfg.model), build_hosts(cfg.hosts), build_request(cfg)
     result = plan(shape, hosts, req, tuple(cfg.search.tp), tuple(cfg.search.pp))

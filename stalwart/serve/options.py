@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stalwart.config import ConfigError, help_text, load
+from stalwart.config.loading import split_args
 from stalwart.config.serve import ServeConfig
 from stalwart.infer.load import Source
 
@@ -29,23 +30,11 @@ def usage() -> str:
 
 
 def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None]:
-    flags: dict[str, str] = {}
-    overrides: list[str] = []
-    i = 0
-    while i < len(argv):
-        name, eq, inline = argv[i].partition("=")
-        if name in PATH_FLAGS or name in ALIASES:
-            if not eq and i + 1 >= len(argv):
-                raise ConfigError(f"{name} needs a value")
-            value = inline if eq else argv[i + 1]
-            i += 1 if eq else 2
-            if name in ALIASES:
-                overrides += [f"--{ALIASES[name]}", value]
-            else:
-                flags[name] = value
-        else:
-            overrides.append(argv[i])
-            i += 1
+    found, overrides = split_args(argv, {name: True for name in (*PATH_FLAGS, *ALIASES)})
+    flags = {k: v for k, v in found.items() if k in PATH_FLAGS}
+    for alias, key in ALIASES.items():
+        if alias in found:
+            overrides += [f"--{key}", found[alias]]
     cfg = load(ServeConfig, flags.get("--config"), overrides)
     if ("--run" in flags) == ("--hf" in flags):
         raise ConfigError("give exactly one of --run RUN_DIR or --hf DIR")
