@@ -106,8 +106,9 @@ class PagedAttention(nn.Module):
         for span in layout.spans:
             qq = q[:, :, span.q_start:span.q_start + span.q_len]
             ctx = span.context.numel()
-            kk = kc[span.context].transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, kv_heads, ctx, head_dim)
-            vv = vc[span.context].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            # index_select: several times faster than advanced indexing for row gathers on CPU.
+            kk = kc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
+            vv = vc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)
             window = 0 < self.sliding_window < ctx
             if span.q_len == 1 and not window:
                 o = F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=gqa)
@@ -124,8 +125,9 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, out: torch.Tensor, group: DecodeGroup, gqa: bool) -> None:
         kc, vc = self.cache.k, self.cache.v
         qq = q[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (batch, heads, 1, head_dim)
-        kk = kc[group.context].transpose(1, 2)  # (batch, kv_heads, max_ctx, head_dim)
-        vv = vc[group.context].transpose(1, 2)
+        shape = (*group.context.shape, *kc.shape[1:])  # (batch, max_ctx, kv_heads, head_dim)
+        kk = kc.index_select(0, group.context.flatten()).view(shape).transpose(1, 2)
+        vv = vc.index_select(0, group.context.flatten()).view(shape).transpose(1, 2)
         k_pos = torch.arange(group.context.shape[1])
         allowed = k_pos[None, :] < group.lengths[:, None]  # (batch, max_ctx)
         if self.sliding_window > 0:
