@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stalwart.serve.http import die_with_parent
+from stalwart.serve.http import bind, die_with_parent
 from stalwart.serve.options import parse, usage
 
 
@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
     from stalwart.infer.load import check_layout, read_args
 
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
+    if cfg.server.port:
+        bind(cfg.server.host, cfg.server.port).close()  # a taken port is one line now, not a failed group
     procs = layout.tp * layout.pp
     if layout.replicas == 1 and procs == 1:
         from stalwart.serve.replica import run_replica
