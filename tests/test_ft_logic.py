@@ -236,3 +236,20 @@ def test_both_exclusion_writers_share_one_record_format(tmp_path):
         (1, [2, 3], 2, "supervisor"), (1, [2, 3], 2, "straggler")]
     assert all(set(e) == set(ex[0]) for e in ex) and ex[1]["step"] == 4 and ex[0]["restarts_used"] == 3
     assert [e["rank"] for e in events if e["event"] == "straggler"] == [3]
+
+
+def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, capsys):
+    import os
+    import socket
+
+    from stalwart.ft.runlock import RunDirLocked, RunLock
+
+    paths = RunPaths(tmp_path / "run")
+    with RunLock(paths):
+        with pytest.raises(RunDirLocked, match=r"in use by another run \(host .*, PID \d+, started "):
+            RunLock(paths).acquire()
+    assert not paths.lock.exists()  # released and removed
+    paths.lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7, "start": 0}))
+    with RunLock(paths):  # nobody holds the flock: the PID is gone
+        assert json.loads(paths.lock.read_text())["pid"] == os.getpid()
+    assert "taking over the lock" in capsys.readouterr().err

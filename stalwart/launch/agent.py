@@ -41,6 +41,7 @@ from stalwart.atomic import write_text_atomic
 from stalwart.ft.records import read_exits, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
+from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 
 class SupervisedAgent(LocalElasticAgent):
@@ -175,6 +176,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser
 
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers check it is their parent, and die with it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a restarted gloo group must not reuse the old store
     args = get_args_parser().parse_args(torchrun_argv)
     if args.standalone:
@@ -264,7 +266,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     paths = RunPaths.of(cfg.run)
     snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
-    return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.max_restarts)
+    # One host: this agent holds the run directory for its workers. Several: global rank 0 holds it
+    # (the agents cannot know which of them is first before the rendezvous).
+    single = "--standalone" in argv[:i] or any(a in ("--nnodes=1", "--nnodes=1:1") for a in argv[:i]) or (
+        "--nnodes" in argv[:i] and argv[argv.index("--nnodes") + 1] in ("1", "1:1"))
+    try:
+        with RunLock(paths) if single else contextlib.nullcontext():
+            if single:
+                os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
+            return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.max_restarts)
+    except UserError as e:
+        print(f"stalwart train: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from stalwart.launch.agent import run_supervised
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import LayoutError, ParallelDims, virtual_stages
 from stalwart.paths import RunPaths
+from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
 
 
 def preflight(cfg: JobConfig, nproc: int) -> None:
@@ -42,6 +43,12 @@ def launch(argv: list[str], nproc: int, cfg: JobConfig) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(nproc)))
     paths = RunPaths.of(cfg.run)
     snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
+    with RunLock(paths):  # one run per directory, for the whole job (restarts and relaunches included)
+        os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
+        return _launch_loop(argv, nproc, cfg, paths, snap)
+
+
+def _launch_loop(argv: list[str], nproc: int, cfg: JobConfig, paths: RunPaths, snap) -> int:
     budget, spares = cfg.launch.max_restarts, cfg.fault.spare_hosts
     while True:
         code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],

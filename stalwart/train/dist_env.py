@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from stalwart.ft.runlock import LAUNCHER_PID_ENV
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,25 @@ class DistEnv:
 
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def bind_to_launcher() -> None:
+    """Under torch's elastic agent (torchrun or Stalwart's launcher), die with it: the kernel sends this
+    worker SIGKILL when its parent exits, however it exits, so no worker trains on unsupervised. A
+    worker whose launcher is already gone (or that is not the one it was started by) leaves at once."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if os.getppid() == 1 or (expected and os.getppid() != int(expected)):
+        print(f"stalwart train: the launcher that started this worker (PID {expected or '?'}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:

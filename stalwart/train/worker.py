@@ -6,6 +6,7 @@ The config is parsed once per process, by the entry point (``stalwart train`` or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -17,6 +18,7 @@ from stalwart.ft.detect import EXIT_ROLLBACK
 from stalwart.ft.guard import RollbackRequested
 from stalwart.ft.records import record_exit
 from stalwart.paths import RunPaths
+from stalwart.ft.runlock import RunLock, held_by_parent
 
 
 def format_summary(s: dict) -> str:
@@ -51,7 +53,32 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _run_lock(cfg: JobConfig) -> RunLock | contextlib.nullcontext:
+    """The run directory's lock, unless the launcher that started this process holds it: taken by the
+    one process of a single-process run, or by global rank 0 under plain torchrun (whose restarts share
+    torchrun's run id, so a restarted rank 0 waits for its predecessor instead of refusing)."""
+    if held_by_parent() or int(os.environ.get("RANK", 0)) != 0:
+        return contextlib.nullcontext()
+    return RunLock(RunPaths.of(cfg.run), job=os.environ.get("TORCHELASTIC_RUN_ID", ""))
+
+
 def worker_main(cfg: JobConfig) -> int:
+    from stalwart.train.dist_env import bind_to_launcher
+
+    bind_to_launcher()
+    lock = _run_lock(cfg)
+    try:
+        lock.__enter__()
+    except UserError as e:
+        print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _worker_main(cfg)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _worker_main(cfg: JobConfig) -> int:
     from stalwart.train.dist_env import init_distributed, shutdown
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
