@@ -7,3 +7,7 @@ traceback.
 
 class UserError(Exception):
     """An error whose message alone tells the user what is wrong and how to fix it."""
+
+
+class PeerUserError(UserError):
+    """This process stops because another rank of the job met a user error; the message is that rank's."""

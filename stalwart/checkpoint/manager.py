@@ -44,7 +44,7 @@ from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
                                         plan_save, sha256_file, write_local)
-from stalwart.errors import UserError
+from stalwart.errors import PeerUserError, UserError
 from stalwart.paths import CheckpointDir, checkpoint_step
 
 MANIFEST = "manifest.json"
@@ -53,6 +53,10 @@ _sha256 = sha256_file
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message names the checkpoint and the bad file."""
+
+
+class PeerCheckpointError(CheckpointError, PeerUserError):
+    """Another rank could not use the checkpoint (this one could)."""
 
 
 @dataclass
@@ -103,8 +107,11 @@ def describe_load_failure(path: Path, e: BaseException) -> str:
     """One line for a failed DCP load; unsafe content (code on load) is named as refused."""
     text = str(e)
     m = _UNSAFE.search(text)
-    if m:
-        return f"checkpoint {path}: refused: {(m.group(1) or m.group(2)).strip()}"
+    if m and m.group(1):
+        return f"checkpoint {path}: refused: {m.group(1).strip()}"
+    if m:  # torch's own message goes on to advise turning the safety off: never repeat it
+        return (f"checkpoint {path}: refused: a tensor entry holds a pickled Python object, not plain tensor "
+                "data (Stalwart never unpickles objects from a checkpoint)")
     msg = text.strip().splitlines()[-1] if text.strip() else type(e).__name__
     return f"checkpoint {path}: cannot be loaded into this model: {msg}"
 
@@ -329,7 +336,7 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
         return manifest
 
-    def resolve_resume(self) -> Path | None:
+    def resolve_resume(self, before: int | None = None) -> Path | None:
         """The checkpoint to resume from under ``checkpoint.resume``, falling back past bad ones."""
         mode = self.cfg.resume
         if mode == "none":
@@ -341,14 +348,41 @@ class CheckpointManager:
             self.verify(path)
             return path
         for path in reversed(self.complete_checkpoints()):
+            if before is not None and checkpoint_step(path) >= before:
+                continue
             try:
                 self.verify(path)
                 return path
             except CheckpointError as e:
-                self.log_event("checkpoint_fallback", path=str(path), error=str(e))
-                if self.rank == 0:
-                    print(f"warning: {e}; falling back to an older checkpoint", flush=True)
+                self._fall_back(path, e)
         return None
+
+    def _fall_back(self, path: Path, e: CheckpointError) -> None:
+        self.log_event("checkpoint_fallback", path=str(path), error=str(e))
+        if self.rank == 0:
+            print(f"warning: {e}; falling back to an older checkpoint", flush=True)
+
+    def load_resume(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LoadedState:
+        """Load ``path`` (from ``resolve_resume``). Under ``resume = auto`` a checkpoint refused at load
+        although it passed its checksums (crafted, or from another model) is bad like a corrupt one:
+        fall back to the next older good one. With none left, the refusal stands."""
+        while True:
+            loaded, own = None, None
+            try:
+                loaded = self.load(path, model, optimizer)
+            except CheckpointError as e:
+                own = e
+            # Every rank decides alike: a file only one rank reads (its RNG state, its shard) may fail there.
+            errors = [(r, m) for r, m in enumerate(all_gather_object(str(own) if own else None)) if m]
+            if not errors:
+                return loaded
+            rank, message = errors[0]
+            e = own or PeerCheckpointError(f"{message} (on rank {rank})")
+            older = self.resolve_resume(before=checkpoint_step(path)) if self.cfg.resume == "auto" else None
+            if older is None:
+                raise e
+            self._fall_back(path, e)
+            path = older
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:

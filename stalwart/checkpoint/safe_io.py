@@ -45,13 +45,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(stream) -> Metadata:
-    metadata = _MetadataUnpickler(stream).load()
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise UnsafeCheckpointError(f"checkpoint metadata cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError("checkpoint metadata is not a DCP Metadata object")
     return metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
+    def __init__(self, path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        # Refuse a crafted or damaged .metadata here, before DCP reads it (DCP logs every failed read
+        # with a traceback, then retries a rank-local file that does not exist).
+        self.read_metadata()
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as fh:

@@ -127,3 +127,8 @@ class RunLock:
 def held_by_parent() -> bool:
     """True in a worker whose parent launcher holds the run directory's lock for it."""
     return os.environ.get(LOCK_HOLDER_ENV, "") == str(os.getppid())
+
+
+def under_stalwart_launcher() -> bool:
+    """True in a worker started by Stalwart's launcher (its supervisor reports the workers' errors)."""
+    return os.environ.get(LAUNCHER_PID_ENV, "") == str(os.getppid())

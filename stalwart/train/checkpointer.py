@@ -68,8 +68,8 @@ class Checkpointer:
             st = self.snapshots.load(snap, model, optimizer)
             source, step, path = "memory", int(st["step"]), self.snapshots.job_dir
         elif path is not None:
-            loaded = self.manager.load(path, model, optimizer)
-            st, source, step = loaded.trainer_state, "disk", loaded.step
+            loaded = self.manager.load_resume(path, model, optimizer)
+            st, source, step, path = loaded.trainer_state, "disk", loaded.step, loaded.path
         else:
             if self.cfg.init_from_hf:
                 from stalwart.export.hf import load_hf_into

@@ -13,12 +13,12 @@ import sys
 import torch
 
 from stalwart.config.job import JobConfig
-from stalwart.errors import UserError
-from stalwart.ft.detect import EXIT_ROLLBACK
+from stalwart.errors import PeerUserError, UserError
+from stalwart.ft.detect import EXIT_ROLLBACK, EXIT_USER_ERROR
 from stalwart.ft.guard import RollbackRequested
 from stalwart.ft.records import record_exit
 from stalwart.paths import RunPaths
-from stalwart.ft.runlock import RunLock, held_by_parent
+from stalwart.ft.runlock import RunLock, held_by_parent, under_stalwart_launcher
 
 
 def format_summary(s: dict) -> str:
@@ -71,7 +71,7 @@ def worker_main(cfg: JobConfig) -> int:
         lock.__enter__()
     except UserError as e:
         print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USER_ERROR
     try:
         return _worker_main(cfg)
     finally:
@@ -92,9 +92,17 @@ def _worker_main(cfg: JobConfig) -> int:
             print(format_summary(summary), flush=True)
         return 0
     except UserError as e:
-        if env.is_main:
+        if not env.is_distributed:
             print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+            return EXIT_USER_ERROR
+        # Any rank may meet a user error (its shard of a checkpoint, say). Under Stalwart's launcher the
+        # supervisor prints the first failing rank's line once; elsewhere each failing rank prints it.
+        # Leave at once, like a crash: tearing the group down can block on peers still in a collective.
+        recorded = record_exit(RunPaths.of(cfg.run), env.rank, e, user_error=True,
+                               peer=isinstance(e, PeerUserError))
+        if not (recorded and under_stalwart_launcher()):
+            print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
+        _leave(EXIT_USER_ERROR)
     except RollbackRequested as e:
         if env.is_main:
             print(f"stalwart train: rolling back to the last good state: {e}", file=sys.stderr, flush=True)
@@ -106,8 +114,13 @@ def _worker_main(cfg: JobConfig) -> int:
         # group only once this process is gone, so exit now (traceback and flight-recorder dump first).
         record_exit(RunPaths.of(cfg.run), env.rank, e)
         sys.excepthook(type(e), e, e.__traceback__)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _leave(1)
     finally:
         shutdown()
+
+
+def _leave(code: int) -> None:
+    """Exit this worker now, without tearing the process group down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
