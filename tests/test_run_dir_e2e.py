@@ -1,4 +1,5 @@
-"""One run per run directory, and no worker outlives its launcher: real processes, real signals."""
+"""One run per run directory, restarts by default, and no worker outlives its launcher: real processes,
+real signals, through the real CLI."""
 
 import json
 import os
@@ -33,11 +34,16 @@ def _wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def _events(run: Path, name: str) -> list[dict]:
+    lines = (run / "events.jsonl").read_text().splitlines() if (run / "events.jsonl").is_file() else []
+    return [json.loads(x) for x in lines if f'"event": "{name}"' in x and x.endswith("}")]
+
+
 def _worker_pids(run: Path) -> list[int]:
     return [json.loads(p.read_text())["pid"] for p in (run / "ft" / "heartbeat").glob("rank-*.json")]
 
 
-def test_second_run_refused_and_killed_launcher_takes_its_workers(tmp_path):
+def test_killed_worker_restarts_second_run_refused_killed_launcher_takes_its_workers(tmp_path):
     run, clean = tmp_path / "run", tmp_path / "clean"
     steps = ["--training.steps", "2000"]  # the same schedule for every run here; reruns stop early
     slow = ["--fault.inject", "slow:rank=1,factor=10,steps=1-2000"]  # sleeps only: the losses are unchanged
@@ -46,6 +52,10 @@ def test_second_run_refused_and_killed_launcher_takes_its_workers(tmp_path):
                                 stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: (run / "checkpoints" / "step-8").is_dir(), 240, "the first run's step 8")
+        # By default a crashed worker is restarted (no --launch.max_restarts given): kill -9 one from outside.
+        os.kill(_worker_pids(run)[-1], signal.SIGKILL)
+        _wait_for(lambda: _events(run, "recovered"), 120, "the supervisor to restart the group and train again")
+        assert [(e["kind"], e["decision"]) for e in _events(run, "failure")] == [("signal", "restart")]
         # A second `stalwart train` and a plain torchrun on the same directory refuse at once, naming the holder.
         second = run_cli("train", "--run.dir", str(run), *COMMON, "--training.steps", "3", check=False)
         assert second.returncode == 2, second.stderr

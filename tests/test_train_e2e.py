@@ -91,6 +91,8 @@ def test_user_errors_are_one_line(tmp_path):
     one_line_error(run_cli("train", "--training.stepz", "3", check=False), "did you mean 'training.steps'")
     one_line_error(run_cli("train", "--data.path", str(tmp_path / "nope"), check=False), "does not exist")
     one_line_error(run_cli("train", "--config", "nonexistent", check=False), "config 'nonexistent' not found")
+    one_line_error(run_cli("train", "--config", "llama3-8b", check=False), "did you mean 'llama3_8b'?")
+    one_line_error(run_cli("train", "--nproc-per-node", "0", check=False), "--nproc-per-node must be a whole number")
     one_line_error(run_cli("train", *TINY_RUN, "--nproc-per-node", "2", "--parallelism.dp_shard", "3",
                            check=False), "but the world size is 2")
     one_line_error(run_cli("train", *TINY_RUN, "--nproc-per-node", "2", "--parallelism.tp", "3", check=False),

@@ -24,6 +24,9 @@ class RunConfig:
     deterministic: bool = option("Use deterministic algorithms (bit-identical resume on CPU).", True)
 
 
+AUTO_RESTARTS = 3  # launch.max_restarts = -1 (the default) under the supervisor
+
+
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = option(
@@ -32,8 +35,16 @@ class LaunchConfig:
     threads_per_proc: int = option(
         "Intra-op CPU threads per worker; 0 = cores / nproc_per_node (at least 1).", 0, min=0)
     max_restarts: int = option("Times the supervisor (torch's elastic agent) restarts the worker group after a "
-                               "failure, from the newest in-memory snapshot or checkpoint. When used up the job "
-                               "exits 75 (requeue is fine); see fault.crash_loop_restarts for exit 76.", 0, min=0)
+                               "crash or a hang, from the newest in-memory snapshot or checkpoint; a user error "
+                               "(exit 2) is never restarted. When used up the job exits 75 (requeue is fine); "
+                               "see fault.crash_loop_restarts for exit 76. -1 = auto: "
+                               f"{AUTO_RESTARTS} whenever the supervisor runs (several processes, fault injection, "
+                               "the multi-node agent); a single process runs in-process, unsupervised, unless "
+                               "this is set above 0.", -1, min=-1)
+
+    def restarts(self) -> int:
+        """The restart budget of a supervised launch (``max_restarts``, ``-1`` resolved)."""
+        return AUTO_RESTARTS if self.max_restarts < 0 else self.max_restarts
 
     def threads(self, local_world: int) -> int:
         """Intra-op threads of one worker when ``local_world`` workers share this machine."""
@@ -99,7 +110,8 @@ class OptimizerConfig:
 class SchedulerConfig:
     kind: Literal["cosine", "wsd", "constant"] = option(
         "Learning-rate schedule after warmup: cosine decay, warmup-stable-decay (WSD), or constant.", "cosine")
-    warmup_steps: int = option("Linear warmup steps from 0 to the peak learning rate.", 20, min=0)
+    warmup_steps: int = option("Linear warmup steps from 0 to the peak learning rate (clamped to training.steps, "
+                               "with a note, for a shorter run).", 20, min=0)
     min_lr_ratio: float = option("Final learning rate as a fraction of the peak.", 0.1, min=0.0, max=1.0)
     decay_fraction: float = option("WSD only: fraction of training spent in the final decay.", 0.2,
                                    min=0.0, max=1.0)
@@ -203,7 +215,7 @@ class FaultConfig:
         "skip")
     spike_zscore: float = option("Loss spike: a loss whose robust z-score (median/MAD over fault.spike_window "
                                  "steps) exceeds this rolls back to the last good state and skips the offending "
-                                 "steps (needs launch.max_restarts > 0; otherwise only reported). 0 = off; 8 is a "
+                                 "steps (needs the supervisor's restarts, see launch.max_restarts; otherwise only reported). 0 = off; 8 is a "
                                  "reasonable start.", 0.0, min=0.0)
     spike_window: int = option("Trailing steps the loss-spike statistics use (it needs half of them first).", 32,
                                min=4)
@@ -350,6 +362,11 @@ class JobConfig:
         if t.global_batch % t.micro_batch:
             raise ConfigError(f"training.global_batch ({t.global_batch}) must be a multiple of "
                               f"training.micro_batch ({t.micro_batch})")
-        if self.scheduler.warmup_steps > t.steps:
-            raise ConfigError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) exceeds "
-                              f"training.steps ({t.steps})")
+
+    def notes(self) -> list[str]:
+        """Settings that are valid but adjusted; the run prints each once at start."""
+        out = []
+        if self.scheduler.warmup_steps > self.training.steps:
+            out.append(f"note: scheduler.warmup_steps ({self.scheduler.warmup_steps}) exceeds training.steps "
+                       f"({self.training.steps}): the warmup is clamped to {self.training.steps} steps")
+        return out

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         with RunLock(paths) if single else contextlib.nullcontext():
             if single:
                 os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
-            return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.max_restarts)
+            return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.restarts())
     except UserError as e:
         print(f"stalwart train: error: {e}", file=sys.stderr)
         return 2

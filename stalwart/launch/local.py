@@ -35,6 +35,7 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
 
 
 def supervised(cfg: JobConfig) -> bool:
+    """Whether one process runs under the supervisor (several always do)."""
     return cfg.launch.max_restarts > 0 or bool(cfg.fault.inject) or cfg.fault.chaos_mtbf_s > 0
 
 
@@ -49,7 +50,7 @@ def launch(argv: list[str], nproc: int, cfg: JobConfig) -> int:
 
 
 def _launch_loop(argv: list[str], nproc: int, cfg: JobConfig, paths: RunPaths, snap) -> int:
-    budget, spares = cfg.launch.max_restarts, cfg.fault.spare_hosts
+    budget, spares = cfg.launch.restarts(), cfg.fault.spare_hosts
     while True:
         code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
                               cfg.fault, paths, snap, budget)

@@ -119,6 +119,8 @@ class Trainer:
                             layout=self.core.dims.describe(), params=count_params(self.core.spec.model_args),
                             device=str(self.env.device), collectives=self.cfg.comm.algorithm,
                             custom_comm_modules=self.core.pm.custom_comm_modules)
+        for note in self.cfg.notes():
+            self.observer.say(note)
         if self.state.step >= self.end:
             self.observer.say(f"already at step {self.state.step} of {self.cfg.training.steps}: nothing to train "
                               "(raise --training.steps to continue this run)")
