@@ -1,9 +1,11 @@
 """One run per run directory, restarts by default, and no worker outlives its launcher: real processes,
 real signals, through the real CLI."""
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,28 @@ def _events(run: Path, name: str) -> list[dict]:
     return [json.loads(x) for x in lines if f'"event": "{name}"' in x and x.endswith("}")]
 
 
+def _listening(pids: list[int]) -> list[str]:
+    """Addresses the processes ``pids`` accept TCP connections on (from /proc, as ``ip:port``)."""
+    owned = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owned.add(link[8:-1])
+    out = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in owned:  # LISTEN
+                ip, port = f[1].split(":")
+                raw = bytes.fromhex(ip)
+                addr = socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6,
+                                        b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                out.append(f"{addr}:{int(port, 16)}")
+    return out
+
+
 def _worker_pids(run: Path) -> list[int]:
     return [json.loads(p.read_text())["pid"] for p in (run / "ft" / "heartbeat").glob("rank-*.json")]
 
@@ -56,6 +80,9 @@ def test_killed_worker_restarts_second_run_refused_killed_launcher_takes_its_wor
         os.kill(_worker_pids(run)[-1], signal.SIGKILL)
         _wait_for(lambda: _events(run, "recovered"), 120, "the supervisor to restart the group and train again")
         assert [(e["kind"], e["decision"]) for e in _events(run, "failure")] == [("signal", "restart")]
+        # A single-host run listens on loopback only: the launcher's rendezvous store, rank 0's store, gloo.
+        listening = _listening([launcher.pid, *_worker_pids(run)])
+        assert len(listening) >= 3 and all(a.startswith(("127.0.0.1:", "::1:")) for a in listening), listening
         # A second `stalwart train` and a plain torchrun on the same directory refuse at once, naming the holder.
         second = run_cli("train", "--run.dir", str(run), *COMMON, "--training.steps", "3", check=False)
         assert second.returncode == 2, second.stderr

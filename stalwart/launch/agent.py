@@ -41,6 +41,7 @@ from stalwart.atomic import write_text_atomic
 from stalwart.ft.records import read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
+from stalwart.train.dist_env import bound_tcp_store
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 
@@ -163,15 +164,20 @@ def _root_cause(failures: dict, paths: RunPaths, since: float, injected: list[di
 
 @contextlib.contextmanager
 def _patched_agent(factory):
-    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments)."""
+    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments), and the
+    rendezvous store listen on its endpoint's address only."""
     from torch.distributed.launcher import api
 
-    saved = api.LocalElasticAgent
-    api.LocalElasticAgent = factory
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as rdzv
+
+    # NOTE: the rendezvous store is built by torch's c10d backend, which binds every interface; ours
+    # binds only the endpoint's address (the same arguments otherwise).
+    saved = api.LocalElasticAgent, rdzv.TCPStore
+    api.LocalElasticAgent, rdzv.TCPStore = factory, bound_tcp_store
     try:
         yield
     finally:
-        api.LocalElasticAgent = saved
+        api.LocalElasticAgent, rdzv.TCPStore = saved
 
 
 @contextlib.contextmanager
@@ -198,8 +204,13 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers check it is their parent, and die with it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a restarted gloo group must not reuse the old store
     args = get_args_parser().parse_args(torchrun_argv)
+    if args.standalone or str(args.nnodes) in ("1", "1:1"):
+        # One host: nothing listens beyond loopback (the stores, gloo's and NCCL's sockets).
+        args.local_addr = args.local_addr or "127.0.0.1"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "127.0.0.1:0"
         import uuid
 
         args.rdzv_id = str(uuid.uuid4())

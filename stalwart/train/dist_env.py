@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from stalwart.comm.launch import bound_tcp_store
 from stalwart.ft.runlock import LAUNCHER_PID_ENV
 
 
@@ -73,7 +74,12 @@ def init_distributed(device_request: str, timeout_s: float = 1800.0) -> DistEnv:
     if launched_by_torchrun() and not dist.is_initialized():
         # gloo carries CPU collectives (barriers, objects) even when NCCL carries the GPU ones.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+        store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # this job's rank 0 serves the store
+            store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                                    timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
+                                rank=rank if store else -1, world_size=world if store else -1,
                                 device_id=device if device.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, local_world, device)
 
