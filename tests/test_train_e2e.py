@@ -100,11 +100,20 @@ def test_user_errors_are_one_line(tmp_path):
     one_line_error(run_cli("generate", "--run", str(tmp_path), check=False), "not a run directory")
 
 
-def test_resume_none_refuses_to_overwrite(run_dir):
+def test_a_run_with_checkpoints_refuses_overwrite_and_a_model_of_another_shape(run_dir):
     train(run_dir, "--training.steps", "2")
+    config = (run_dir / "config.toml").read_bytes()
     proc = train(run_dir, "--training.steps", "2", "--checkpoint.resume", "none", check=False)
     one_line_error(proc, "already holds checkpoints")
     assert (run_dir / "checkpoints" / "step-2").is_dir()
+    # Refused before any process starts (the launcher) or any group forms (one process), naming both
+    # shapes, and the run's config stays the one its checkpoints were trained with.
+    more = train(run_dir, "--training.steps", "4", "--model.n_layers", "4", nproc=2, check=False)
+    one_line_error(more, "dim 64, 2 layers, 4 heads (2 key/value)")
+    assert "than the config asks for (dim 64, 4 layers," in more.stderr
+    fewer = train(run_dir, "--training.steps", "4", "--model.n_layers", "1", check=False)
+    one_line_error(fewer, "than the config asks for (dim 64, 1 layers,")
+    assert (run_dir / "config.toml").read_bytes() == config
 
 
 def test_help_documents_every_field():

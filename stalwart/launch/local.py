@@ -18,11 +18,17 @@ from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
 def preflight(cfg: JobConfig, nproc: int) -> None:
     """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
     from stalwart.data.corpus import Corpus
+    from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args
+    from stalwart.train.checkpointer import Checkpointer
 
     world = int(os.environ.get("WORLD_SIZE", nproc))
     dims = ParallelDims.resolve(cfg.parallelism, world)
-    args = resolve_args(cfg.model, 256, cfg.data.seq_len)
+    paths = RunPaths.of(cfg.run)
+    vocab = load_tokenizer(paths.tokenizer).get_vocab_size() if paths.tokenizer.is_file() else 256
+    args = resolve_args(cfg.model, vocab, cfg.data.seq_len)
+    if paths.tokenizer.is_file():  # a run to resume: its checkpoint must fit the config's model
+        Checkpointer.refuse_other_shape(cfg.checkpoint, paths, args)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
                      virtual_stages(cfg.parallelism, dims))
     Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
+from stalwart.checkpoint.manager import CheckpointError, CheckpointManager, newest_complete_checkpoint
+from stalwart.checkpoint.writer import TRAINER_STATE
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
+
+
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
+
+
+def _shape(a: dict) -> str:
+    return (f"dim {a.get('dim')}, {a.get('n_layers')} layers, {a.get('n_heads')} heads ({a.get('n_kv_heads')} "
+            f"key/value), ffn {a.get('ffn_hidden')}, vocab {a.get('vocab_size')}, "
+            f"{'tied' if a.get('tie_embeddings') else 'untied'} embeddings")
 
 
 class Checkpointer:
@@ -44,6 +55,22 @@ class Checkpointer:
             raise CheckpointError(
                 f"run directory {paths.root} already holds checkpoints and checkpoint.resume = none; use "
                 "--checkpoint.resume auto to continue it, or choose another --run.dir")
+
+    @staticmethod
+    def refuse_other_shape(cfg, paths: RunPaths, args) -> None:
+        """The checkpoint a resume would load holds a model of another shape than ``args`` (the config's,
+        resolved): stop with one line naming both, before any process group or file is touched."""
+        path = Path(cfg.resume) if cfg.resume not in ("auto", "none") else (
+            newest_complete_checkpoint(paths.checkpoints) if cfg.resume == "auto" else None)
+        try:
+            saved = json.loads((path / TRAINER_STATE).read_text())["model_args"] if path else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # unreadable: the load itself names what is wrong
+        want = dataclasses.asdict(args)
+        if isinstance(saved, dict) and any(saved.get(k) != want[k] for k in SHAPE_FIELDS):
+            raise CheckpointError(f"checkpoint {path} holds a model of another shape ({_shape(saved)}) than the "
+                                  f"config asks for ({_shape(want)}); train into another --run.dir, or resume "
+                                  f"with the run's own config (--config {paths.config})")
 
     # ------------------------------------------------------------------ state
     def trainer_state(self) -> dict[str, Any]:

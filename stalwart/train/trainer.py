@@ -57,13 +57,15 @@ class Trainer:
         self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
         if env.is_main:
             self.paths.root.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.paths.config, to_toml(cfg))
             self.tokenizer = build_tokenizer(cfg.data, self.corpus, self.paths.tokenizer)
         _barrier()
         if not env.is_main:
             self.tokenizer = load_tokenizer(self.paths.tokenizer)
         self.eos = eos_id(self.tokenizer)
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
+        Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
+        if env.is_main:
+            write_text_atomic(self.paths.config, to_toml(cfg))
         dp_rank = dims.dp_rank(env.rank)
         stream = TokenStream(self.corpus, self.corpus.train, self.tokenizer, self.eos, cfg.run.seed, True)
         data = DataLoader(stream, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
