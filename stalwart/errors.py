@@ -11,3 +11,8 @@ class UserError(Exception):
 
 class PeerUserError(UserError):
     """This process stops because another rank of the job met a user error; the message is that rank's."""
+
+
+class StorageError(UserError, OSError):
+    """Storage refused a write (full, over quota, read-only); the message says which, and where.
+    An ``OSError`` too, so code that tolerates a failed write (heartbeats, exit records) still does."""

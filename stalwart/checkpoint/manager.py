@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from stalwart.atomic import fsync_dir, write_json_atomic, write_text_atomic
+from stalwart.atomic import describe_write_failure, fsync_dir, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
@@ -144,6 +144,7 @@ class CheckpointManager:
         self._stager = HostStager()
         self._pending: _Pending | None = None
         self.last_saved: Path | None = None
+        self.last_error: str | None = None  # why the newest failed save failed
         self.last_stall_s = 0.0
 
     # ------------------------------------------------------------------ save
@@ -164,7 +165,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
             except OSError as e:
-                err = f"cannot create {tmp}: {e}"
+                err = f"cannot create {tmp}: {describe_write_failure(e, tmp)}"
         errors = all_gather_object(err)
         if _first_error(errors):
             return self._fail(step, tmp, _first_error(errors))
@@ -215,14 +216,14 @@ class CheckpointManager:
         try:
             results, err = pending.future.result(), None
         except Exception as e:  # noqa: BLE001
-            results, err = None, f"rank {self.rank}: {type(e).__name__}: {e}"
+            results, err = None, f"rank {self.rank}: {describe_write_failure(e, job.tmp)}"
         gathered = all_gather_object((err, results))
         err = _first_error([e for e, _ in gathered])
         if err is None and self.rank == 0:
             try:
                 self._commit(job, pending.final, [r for _, r in gathered])
             except OSError as e:
-                err = f"rank 0: committing {pending.final.name}: {e}"
+                err = f"rank 0: committing {pending.final.name}: {describe_write_failure(e, job.tmp)}"
         if distributed():
             box = [err]
             dist.broadcast_object_list(box, src=0)
@@ -275,11 +276,13 @@ class CheckpointManager:
                 removed = False
                 with contextlib.suppress(OSError):  # quarantine: never looks like a checkpoint
                     os.replace(tmp, self.dir.failed(step, int(time.time())))
-            self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
-                           on_failure=self.on_failure)
+            with contextlib.suppress(OSError):  # the disk may be what failed
+                self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
+                               on_failure=self.on_failure)
             print(f"warning: checkpoint step-{step} failed: {error}; the previous checkpoint is kept"
                   f"{'' if self.on_failure == 'stop' else ', training continues'}", file=sys.stderr, flush=True)
         _barrier()
+        self.last_error = error
         if self.on_failure == "stop":
             raise CheckpointError(f"checkpoint step-{step} failed: {error} (checkpoint.on_failure = stop)")
         return None

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint.manager import CheckpointError, CheckpointManager, newest_complete_checkpoint
+from stalwart.checkpoint.manager import (CheckpointError, CheckpointManager, PeerCheckpointError,
+                                         newest_complete_checkpoint)
 from stalwart.checkpoint.writer import TRAINER_STATE
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
@@ -132,7 +133,21 @@ class Checkpointer:
         ckpt = self.resumed_from if not trained else None
         if trained and (self.cfg.at_end or stopped_early):
             ckpt = self.save(block=True)
+            if ckpt is None:  # failed under on_failure = continue: the session's end is not durable
+                self._final_save_failed()
         self.manager.wait()  # an in-flight async save commits before exit
         if self.snapshots is not None and not stopped_early:
             self.snapshots.clear()  # finished: the final disk checkpoint supersedes them
         return ckpt
+
+    def _final_save_failed(self) -> None:
+        step = self.core.state.step
+        newest = newest_complete_checkpoint(self.paths.checkpoints)
+        durable = checkpoint_step(newest) if newest is not None else None
+        with contextlib.suppress(OSError):  # the disk may be what failed
+            self.log_event("final_save_failed", step=step, durable_step=durable, error=self.manager.last_error)
+        error = CheckpointError if self.env.rank == 0 else PeerCheckpointError  # every rank fails alike: one line
+        raise error(
+            f"the final checkpoint (step {step}) was not saved: {self.manager.last_error}; " + (
+                f"the newest durable checkpoint is step {durable}, which a rerun resumes from" if durable is not None
+                else "no checkpoint of this run is durable, so a rerun starts over"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 
 import torch
@@ -100,7 +101,7 @@ def _worker_main(cfg: JobConfig) -> int:
         # Leave at once, like a crash: tearing the group down can block on peers still in a collective.
         recorded = record_exit(RunPaths.of(cfg.run), env.rank, e, user_error=True,
                                peer=isinstance(e, PeerUserError))
-        if not (recorded and under_stalwart_launcher()):
+        if not (recorded and under_stalwart_launcher()) and not isinstance(e, PeerUserError):
             print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
         _leave(EXIT_USER_ERROR)
     except RollbackRequested as e:
@@ -112,11 +113,21 @@ def _worker_main(cfg: JobConfig) -> int:
             raise
         # Tearing the process group down can block on a dead or hung peer; the supervisor restarts the
         # group only once this process is gone, so exit now (traceback and flight-recorder dump first).
-        record_exit(RunPaths.of(cfg.run), env.rank, e)
-        sys.excepthook(type(e), e, e.__traceback__)
+        lost = _PEER_LOST.search(str(e))
+        record_exit(RunPaths.of(cfg.run), env.rank, e, peer=bool(lost))
+        if lost:  # not this rank's failure: Stalwart's supervisor names the rank that left first
+            if not under_stalwart_launcher():
+                print(f"stalwart train: rank {env.rank} stopped: a peer left the job ({lost.group(0)})",
+                      file=sys.stderr)
+        else:
+            sys.excepthook(type(e), e, e.__traceback__)
         _leave(1)
     finally:
         shutdown()
+
+
+# How gloo reports a collective whose peer has gone (exited, killed, or stopped its process group).
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Socket closed|connectFullMesh failed")
 
 
 def _leave(code: int) -> None:
