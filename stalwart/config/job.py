@@ -33,7 +33,8 @@ class LaunchConfig:
         "Worker processes to launch on this machine (also --nproc-per-node). Ignored under torchrun, "
         "which decides the world itself.", 1, min=1)
     threads_per_proc: int = option(
-        "Intra-op CPU threads per worker; 0 = cores / nproc_per_node (at least 1).", 0, min=0)
+        "Intra-op CPU threads per worker; 0 = OMP_NUM_THREADS if set, else cores / nproc_per_node (at least 1).",
+        0, min=0)
     max_restarts: int = option("Times the supervisor (torch's elastic agent) restarts the worker group after a "
                                "crash or a hang, from the newest in-memory snapshot or checkpoint; a user error "
                                "(exit 2) is never restarted. When used up the job exits 75 (requeue is fine); "
@@ -50,7 +51,12 @@ class LaunchConfig:
         """Intra-op threads of one worker when ``local_world`` workers share this machine."""
         import os
 
-        return self.threads_per_proc or max(1, (os.cpu_count() or 1) // max(1, local_world))
+        if self.threads_per_proc:
+            return self.threads_per_proc
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if env.isdigit() and int(env) > 0:  # the user's (or the launcher's) setting wins over the default
+            return int(env)
+        return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
 @dataclass

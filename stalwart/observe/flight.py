@@ -280,6 +280,8 @@ class FlightRecorder:
     def snapshot(self, reason: str = "") -> dict[str, Any]:
         entries = [dict(e) for e in list(self.entries)]
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),  # which launch and attempt wrote it
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "host": socket.gethostname(), "reason": reason, "time": self.clock(), "step": self.step,
                 "phase": self.phase, "phase_since": self.phase_since, "last_progress": self.last_progress,
                 "dump_count": self.dumps + 1, "earlier_reasons": list(self.reasons), "entries": entries}
