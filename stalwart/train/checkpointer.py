@@ -48,6 +48,7 @@ class Checkpointer:
             self.snapshots = SnapshotStore(paths.snapshots(cfg.memory_dir), env.rank, env.world_size,
                                            env.local_world_size, layout=core.dims.describe())
         self.resumed_from: Path | None = None
+        self.initialized_from: str | None = None  # a Hugging Face directory the weights came from
 
     @staticmethod
     def refuse_overwrite(cfg, paths: RunPaths) -> None:
@@ -103,6 +104,7 @@ class Checkpointer:
                 from stalwart.export.hf import load_hf_into
 
                 load_hf_into(model, self.core.spec.model_args, self.cfg.init_from_hf)
+                self.initialized_from = self.cfg.init_from_hf
                 self.log_event("initialized", source="hf", path=self.cfg.init_from_hf)
             return
         self._load_trainer_state(step, st)

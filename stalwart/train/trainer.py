@@ -159,7 +159,9 @@ class Trainer:
     def _banner(self) -> str:
         a, env = self.core.spec.model_args, self.env
         resumed = self.checkpointer.resumed_from
-        src = f"resumed from {resumed} at step {self.state.step}" if resumed else "fresh start"
+        hf = self.checkpointer.initialized_from
+        src = (f"resumed from {resumed} at step {self.state.step}" if resumed else
+               f"initialised from Hugging Face {hf}" if hf else "fresh start")
         return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
                 f"vocab {a.vocab_size}), {env.world_size} process(es) [{self.core.dims.describe()}] on "
                 f"{env.device}, {self.core.param_dtype}; data: {self.corpus.source}; {src}; peak "
