@@ -89,6 +89,11 @@ class DataConfig:
     format: Literal["auto", "text", "jsonl", "parquet"] = option(
         "How to read data.path; 'auto' picks by file extension.", "auto")
     text_field: str = option("Field holding the text in JSONL/Parquet records.", "text")
+    decode_errors: Literal["auto", "strict", "replace"] = option(
+        "Text that is not valid UTF-8: 'strict' refuses the file, naming it and the byte offset; 'replace' "
+        "substitutes U+FFFD and warns once per file with the count of replaced bytes; 'auto' = strict for "
+        "data.path, replace for the bundled corpus (a few stdlib test files use legacy encodings). Binary data "
+        "files (.npy, .bin, .arrow, NUL bytes, ...) are always refused by name.", "auto")
     tokenizer: str = option("'bpe' = train a byte-level BPE on the corpus (cached as <run>/tokenizer.json), "
                             "'byte' = 256-symbol byte vocabulary, or a path to a tokenizer.json.", "bpe")
     vocab_size: int = option("Target vocabulary size when training a BPE tokenizer.", 4096, min=260)

@@ -54,7 +54,8 @@ class Trainer:
         Checkpointer.refuse_overwrite(cfg.checkpoint, self.paths)  # before anything in the run is written
 
         # Data and tokenizer: rank 0 trains/caches the tokenizer, the others read the cached file.
-        self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
+        self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction,
+                             cfg.data.decode_errors)
         if env.is_main:
             self.paths.root.mkdir(parents=True, exist_ok=True)
             self.tokenizer = build_tokenizer(cfg.data, self.corpus, self.paths.tokenizer)
