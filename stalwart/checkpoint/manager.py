@@ -22,7 +22,6 @@ import base64
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -41,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from stalwart.atomic import describe_write_failure, fsync_dir, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
-from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from stalwart.checkpoint.safe_io import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
+                                         describe_load_failure)
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
                                         plan_save, sha256_file, write_local)
 from stalwart.errors import PeerUserError, UserError
@@ -97,23 +97,6 @@ def _barrier() -> None:
 
 def _first_error(errors: list[str | None]) -> str | None:
     return next((e for e in errors if e), None)
-
-
-_UNSAFE = re.compile(r"(checkpoint (?:metadata|entry) .*?(?:not allowed|not plain data)[^\n]*)|"
-                     r"(Weights only load failed[^\n]*)")
-
-
-def describe_load_failure(path: Path, e: BaseException) -> str:
-    """One line for a failed DCP load; unsafe content (code on load) is named as refused."""
-    text = str(e)
-    m = _UNSAFE.search(text)
-    if m and m.group(1):
-        return f"checkpoint {path}: refused: {m.group(1).strip()}"
-    if m:  # torch's own message goes on to advise turning the safety off: never repeat it
-        return (f"checkpoint {path}: refused: a tensor entry holds a pickled Python object, not plain tensor "
-                "data (Stalwart never unpickles objects from a checkpoint)")
-    msg = text.strip().splitlines()[-1] if text.strip() else type(e).__name__
-    return f"checkpoint {path}: cannot be loaded into this model: {msg}"
 
 
 @dataclass
