@@ -8,11 +8,15 @@ that are rewritten many times a second and need only atomicity (heartbeats).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import threading
 from pathlib import Path
 from typing import Any
+
+from stalwart.errors import StorageError
 
 
 def fsync_dir(path: Path) -> None:
@@ -27,16 +31,63 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_WORDS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+          errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EFBIG: "file too large"}
+
+
+def storage_problem(error: BaseException, where: Path) -> str | None:
+    """What a failed write under ``where`` ran into, in words, or None when storage is not the cause.
+    Some writers (torch's zip writer) report a short write only as a position mismatch, so the
+    filesystem is probed too: no free space, or not writable."""
+    words = _WORDS.get(getattr(error, "errno", None))
+    probe = Path(where)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = None
+    try:
+        st = os.statvfs(probe)
+        free = st.f_bavail * st.f_frsize
+        if words is None and st.f_flag & os.ST_RDONLY:
+            words = _WORDS[errno.EROFS]
+        elif words is None and free < 1 << 20 and isinstance(error, (OSError, RuntimeError)):
+            words = _WORDS[errno.ENOSPC]
+    except OSError:
+        pass
+    if words is None:
+        return None
+    return f"{words} writing {where}" + (f" ({free / 2**20:.1f} MiB free)" if free is not None else "")
+
+
+def describe_write_failure(error: BaseException, where: Path) -> str:
+    """One line for a failed write: the storage problem in words when there is one, else the error."""
+    return storage_problem(error, where) or f"{type(error).__name__}: {error}"
+
+
+@contextlib.contextmanager
+def storage_errors(where: Path):
+    """Turn a write's storage failure (full, quota, read-only) into a ``StorageError`` naming it."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        words = storage_problem(e, where)
+        if words is None:
+            raise
+        raise StorageError(words) from None
+
+
 def write_bytes_atomic(path: Path, data: bytes | bytearray | memoryview, durable: bool = True) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with tmp.open("wb") as fh:
+        with storage_errors(path), tmp.open("wb") as fh:
             fh.write(data)
             if durable:
                 fh.flush()
                 os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with storage_errors(path):
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -7,3 +7,12 @@ traceback.
 
 class UserError(Exception):
     """An error whose message alone tells the user what is wrong and how to fix it."""
+
+
+class PeerUserError(UserError):
+    """This process stops because another rank of the job met a user error; the message is that rank's."""
+
+
+class StorageError(UserError, OSError):
+    """Storage refused a write (full, over quota, read-only); the message says which, and where.
+    An ``OSError`` too, so code that tolerates a failed write (heartbeats, exit records) still does."""

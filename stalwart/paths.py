@@ -84,6 +84,11 @@ class RunPaths:
         return self.root / "config.toml"
 
     @property
+    def lock(self) -> Path:
+        """Held by the one run that uses this directory (``stalwart.ft.runlock``)."""
+        return self.root / "run.lock"
+
+    @property
     def tokenizer(self) -> Path:
         return self.root / "tokenizer.json"
 

@@ -24,7 +24,7 @@ from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, deseriali
 from stalwart.paths import RunPaths
 from stalwart.config.job import CheckpointConfig
 from stalwart.errors import UserError
-from test_checkpoint_unit import tiny
+from test_checkpoint_unit import saved_run, tiny
 
 class Evil:
     def __init__(self, marker: Path) -> None:
@@ -148,13 +148,66 @@ def test_malicious_checkpoint_through_the_cli(good_run, tmp_path):
     marker = tmp_path / "PWNED"
     _evil_metadata(run / "checkpoints" / "step-2", marker)
     _rehash(run / "checkpoints" / "step-2")
+    entry = tmp_path / "entry"  # a crafted tensor entry: torch's own refusal advises turning the safety off
+    shutil.copytree(good_run, entry)
+    _evil_entry(entry / "checkpoints" / "step-2", marker, tensor=True)
+    _rehash(entry / "checkpoints" / "step-2")
     for args in (["generate", "--run", str(run), "--max-new-tokens", "2"],
+                 ["generate", "--run", str(entry), "--max-new-tokens", "2"],
                  ["export", "--run", str(run), "--out", str(tmp_path / "hf")],
                  ["train", "--run.dir", str(run), *TINY_RUN, "--training.steps", "4"]):
         proc = run_cli(*args, check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert "not allowed" in proc.stderr or "refused" in proc.stderr, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "refused" in lines[0] and "step-2" in lines[0], proc.stderr[-2000:]
+        assert "weights_only" not in proc.stdout + proc.stderr
         assert not marker.exists()
+
+
+@pytest.mark.unit
+def test_checkpoint_refused_at_load_falls_back_like_a_corrupt_one(tmp_path):
+    m, events = saved_run(tmp_path)
+    _evil_metadata(tmp_path / "step-2", tmp_path / "PWNED")
+    _rehash(tmp_path / "step-2")  # passes its checksums
+    path = m.resolve_resume()
+    assert path == tmp_path / "step-2"
+    assert m.load_resume(path, *tiny(seed=5)).step == 1
+    fallback = events.named("checkpoint_fallback")
+    assert [f["path"] for f in fallback] == [str(path)] and "refused" in fallback[0]["error"]
+    _evil_metadata(tmp_path / "step-1", tmp_path / "PWNED")
+    _rehash(tmp_path / "step-1")
+    with pytest.raises(UserError, match="step-1: refused"):  # nothing good left: the refusal stands
+        m.load_resume(path, *tiny(seed=5))
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.e2e
+def test_a_refused_checkpoint_falls_back_and_a_rank_error_is_blamed_on_that_rank(tmp_path):
+    """Two processes: the newest checkpoint is refused at load (a crafted entry that passes its
+    checksums) and the run falls back; the older one is unusable on rank 1 alone. The job ends with
+    exit 2 and that rank's one line: no tracebacks, no goodput report, no restart."""
+    run = tmp_path / "run"
+    two = ["--run.dir", str(run), *TINY_RUN, "--nproc-per-node", "2", "--checkpoint.interval", "2",
+           "--sample.max_new_tokens", "0"]
+    run_cli("train", *two, "--training.steps", "4")
+    ck = run / "checkpoints"
+    _evil_entry(ck / "step-4", tmp_path / "PWNED", tensor=True)
+    (ck / "step-2" / "rng-rank1.json").write_text("{not json")
+    for s in (2, 4):
+        _rehash(ck / f"step-{s}")
+    proc = run_cli("train", *two, "--training.steps", "6", "--launch.max_restarts", "3", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"stalwart train: error (rank 1): checkpoint {ck / 'step-2'}: file rng-rank1.json is malformed "
+        "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"]
+    assert "Traceback" not in proc.stdout and "weights_only" not in proc.stdout and "ETTR" not in proc.stdout
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    fallback = [e for e in events if e["event"] == "checkpoint_fallback"]
+    assert [e["path"] for e in fallback] == [str(ck / "step-4")] and "refused" in fallback[0]["error"]
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(f["rank"], f["kind"], f["decision"]) for f in failures] == [(1, "user_error", "user_error")]
+    assert events[-1]["event"] == "supervisor_exit" and events[-1]["code"] == 2
+    assert not (tmp_path / "PWNED").exists()
 
 
 @pytest.mark.unit

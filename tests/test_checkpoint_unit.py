@@ -222,7 +222,7 @@ def test_disk_full_fails_loudly_and_training_continues(tmp_path, monkeypatch, ca
     assert m.save(2, model, opt, {"tokens_seen": 2}) is None
     m.wait()
     failed = events.named("checkpoint_failed")
-    assert failed and failed[0]["step"] == 2 and "No space left" in failed[0]["error"]
+    assert failed and failed[0]["step"] == 2 and "no space left on the device writing" in failed[0]["error"]
     assert "checkpoint step-2 failed" in capsys.readouterr().err
     assert not (tmp_path / ".tmp-step-2").exists() and not (tmp_path / "step-2").exists()
     assert m.resolve_resume() == tmp_path / "step-1"
@@ -342,3 +342,17 @@ def test_sigkill_during_async_write_keeps_the_previous_checkpoint(tmp_path):
     model, opt = tiny()
     assert manager(root, async_save=False).save(2, model, opt, {"tokens_seen": 2}) == root / "step-2"
     assert not (root / ".tmp-step-2").exists()
+
+
+@pytest.mark.unit
+def test_append_writers_name_a_full_device_in_words(tmp_path):
+    from stalwart.errors import StorageError, UserError
+    from stalwart.metrics.records import EventLog
+
+    full = tmp_path / "events.jsonl"
+    full.symlink_to("/dev/full")  # every write: ENOSPC
+    log = EventLog(full)
+    with pytest.raises(StorageError, match=f"no space left on the device writing {full}") as e:
+        log("start")
+    assert isinstance(e.value, UserError) and isinstance(e.value, OSError)  # exit 2; tolerated where OSError is
+    log.close()

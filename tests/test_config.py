@@ -76,3 +76,15 @@ def test_every_field_is_documented():
 def test_missing_config_file_is_a_clear_error():
     with pytest.raises(ConfigError, match="config 'nope' not found"):
         find_config("nope")
+
+
+def test_a_short_run_clamps_the_warmup_with_a_note_and_names_a_config_by_its_spelling():
+    from stalwart.train.optim import LRSchedule
+
+    cfg = load(JobConfig, find_config("default"), ["--training.steps", "3"])  # the file says warmup_steps = 20
+    assert cfg.notes() == ["note: scheduler.warmup_steps (20) exceeds training.steps (3): the warmup is clamped "
+                           "to 3 steps"]
+    assert [LRSchedule(cfg.scheduler, 1.0, 3).factor(s) for s in range(3)] == [1 / 3, 2 / 3, 1.0]
+    assert load(JobConfig, find_config("default")).notes() == []
+    with pytest.raises(ConfigError, match="did you mean 'llama3_8b'"):
+        find_config("llama3-8b")

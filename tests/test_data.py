@@ -155,3 +155,39 @@ def test_validation_set_spans_the_split_and_is_layout_independent(corpus, tok):
     assert span > 8 * 33 * 4  # the split is much longer than the set: sequences are spread out
     contiguous = torch.stack([torch.from_numpy(stream.read(i * 32, 33)[:-1].copy()) for i in range(8)])
     assert not torch.equal(contiguous, whole)  # not simply the first sequences of the split
+
+
+def test_text_is_strict_utf8_by_default_or_replaced_and_counted(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("ok text\n" * 20)
+    (tmp_path / "latin.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1") * 10)
+    strict = Corpus(str(tmp_path), val_fraction=0.0)
+    latin = next(d for d in strict.train if d.path.endswith("latin.txt"))
+    with pytest.raises(DataError, match=r"latin.txt is not valid UTF-8 \(byte 3: .*data.decode_errors = replace"):
+        strict.read(latin)
+    lenient = Corpus(str(tmp_path), val_fraction=0.0, decode_errors="replace")
+    assert lenient.read(latin).startswith("caf\ufffd cr\ufffdme") and lenient.replaced == {latin.path: 20}
+    lenient.read(latin)
+    assert capsys.readouterr().err.count("20 byte(s) replaced by U+FFFD") == 1  # once per file
+    (tmp_path / "rows.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    rows = Corpus(str(tmp_path / "rows.jsonl"), val_fraction=0.0)
+    with pytest.raises(DataError, match="rows.jsonl line 1 is not valid UTF-8"):
+        rows.read(rows.train[0])
+
+
+def test_binary_data_is_refused_by_name(tmp_path):
+    np.save(tmp_path / "tokens.npy", np.arange(100))
+    with pytest.raises(DataError, match=r"binary data files no data.format reads \(.*tokens.npy\)"):
+        Corpus(str(tmp_path / "tokens.npy"))
+    with pytest.raises(DataError, match="tokens.npy"):
+        Corpus(str(tmp_path))  # a directory does not skip it silently either
+    (tmp_path / "tokens.npy").unlink()
+    (tmp_path / "blob.dat").write_bytes(b"\x00\x01\x02" * 100)  # unknown suffix: the content decides
+    with pytest.raises(DataError, match="blob.dat"):
+        Corpus(str(tmp_path / "*.dat"))
+    hf = tmp_path / "saved"
+    hf.mkdir()
+    for name in ("state.json", "dataset_info.json"):
+        (hf / name).write_text("{}")
+    (hf / "data-00000-of-00001.arrow").write_bytes(b"ARROW1\x00\x00")
+    with pytest.raises(DataError, match=r"datasets.save_to_disk.*to_parquet"):
+        Corpus(str(hf))

@@ -95,6 +95,16 @@ def test_import_refuses_a_mismatched_shape(tmp_path):
     with pytest.raises(ExportError, match="hidden_size"):
         load_hf_into(build(dataclasses.replace(ARGS, dim=32, ffn_hidden=48)),
                      dataclasses.replace(ARGS, dim=32, ffn_hidden=48), out)
+    # Same shapes, another function: every such field is named, none is silently dropped.
+    cfg = json.loads((out / "config.json").read_text())
+    for key, value in (("rope_theta", 500000.0), ("rms_norm_eps", 1e-6), ("hidden_act", "gelu"),
+                       ("tie_word_embeddings", not ARGS.tie_embeddings),
+                       ("rope_scaling", {"rope_type": "llama3", "factor": 8.0})):
+        (out / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ExportError, match=f"config.json has {key} = "):
+            load_hf_into(build(ARGS), ARGS, out)
+    (out / "config.json").write_text(json.dumps(cfg))
+    load_hf_into(build(ARGS), ARGS, out)
     (out / "model.safetensors").unlink()
     (out / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(ExportError, match="never pickles"):
@@ -116,9 +126,19 @@ def test_cli_export_then_init_from_hf(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     assert tok.eos_token == "<|endoftext|>"
     # Import as initial weights; with lr = 0 the first checkpoint holds exactly the imported weights.
-    run_cli("train", "--run.dir", str(dst), *TINY_RUN, "--training.steps", "2", "--optimizer.lr", "0",
+    proc = run_cli("train", "--run.dir", str(dst), *TINY_RUN, "--training.steps", "2", "--optimizer.lr", "0",
             "--data.tokenizer", str(src / "tokenizer.json"), "--checkpoint.init_from_hf", str(hf_dir),
             "--sample.max_new_tokens", "0")
     assert digest(dst / "checkpoints" / "step-2", "model.") == digest(path, "model.")
     events = [json.loads(x) for x in (dst / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "initialized" and e["source"] == "hf" for e in events)
+    assert f"initialised from Hugging Face {hf_dir}" in proc.stdout
+    # The same weights under another RoPE base: refused by name through the CLI, nothing trained.
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "rope_theta": 500000.0}))
+    bad = run_cli("train", "--run.dir", str(tmp_path / "bad"), *TINY_RUN, "--training.steps", "2",
+                  "--data.tokenizer", str(src / "tokenizer.json"), "--checkpoint.init_from_hf", str(hf_dir),
+                  check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"stalwart train: error: checkpoint.init_from_hf {hf_dir}: config.json has rope_theta = 500000.0, but this "
+        f"run's model has 10000.0 (--model.rope_theta)"]

@@ -236,3 +236,43 @@ def test_both_exclusion_writers_share_one_record_format(tmp_path):
         (1, [2, 3], 2, "supervisor"), (1, [2, 3], 2, "straggler")]
     assert all(set(e) == set(ex[0]) for e in ex) and ex[1]["step"] == 4 and ex[0]["restarts_used"] == 3
     assert [e["rank"] for e in events if e["event"] == "straggler"] == [3]
+
+
+def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, capsys):
+    import os
+    import socket
+
+    from stalwart.ft.runlock import RunDirLocked, RunLock
+
+    paths = RunPaths(tmp_path / "run")
+    with RunLock(paths):
+        with pytest.raises(RunDirLocked, match=r"in use by another run \(host .*, PID \d+, started "):
+            RunLock(paths).acquire()
+    assert not paths.lock.exists()  # released and removed
+    paths.lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7, "start": 0}))
+    with RunLock(paths):  # nobody holds the flock: the PID is gone
+        assert json.loads(paths.lock.read_text())["pid"] == os.getpid()
+    assert "taking over the lock" in capsys.readouterr().err
+
+
+def test_supervisor_blames_the_stopped_rank_and_times_a_kill_from_its_last_heartbeat(tmp_path):
+    events = []
+    sup = Supervisor(Cfg(), tmp_path, None, 3, [0, 1], lambda name, **kw: events.append({"event": name, **kw}))
+    sup.launched(90.0)
+    write_beat(tmp_path, 0, progress_time=99.0, beat_time=106.0)  # alive, waiting for rank 1 in a collective
+    write_beat(tmp_path, 1, progress_time=99.0, beat_time=101.0)  # SIGSTOPped: its heartbeat stopped too
+    stall = sup.poll(106.0)
+    assert (stall.rank, stall.kind) == (1, "unresponsive")
+    sup.on_failure(106.0, "signal", 0, -9)  # a kill: detected at 106, rank 0's last heartbeat 106 - 0.2
+    write_beat(tmp_path, 0, progress_time=99.0, beat_time=105.8)
+    sup.on_failure(106.0, "signal", 0, -9)
+    assert events[-1]["detection_latency_s"] == pytest.approx(0.2)
+
+
+def test_threads_follow_omp_num_threads(monkeypatch):
+    from stalwart.config.job import LaunchConfig
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert LaunchConfig().threads(1) == 1 and LaunchConfig(threads_per_proc=3).threads(1) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert LaunchConfig().threads(1) >= 1

@@ -5,10 +5,13 @@ Skips when chromium / chromedriver / selenium are absent (CI installs them: see 
 
 import json
 import shutil
+import urllib.error
 import urllib.request
 
 import pytest
 
+from test_observe_logic import _dump, _e
+from conftest import run_cli
 from stalwart.observe.goodput import BUCKETS, account_run
 from stalwart.observe.server import serve_in_thread
 from stalwart.observe.synthetic import write_synthetic_run
@@ -118,6 +121,9 @@ def test_api_rereads_the_run_directory(run):
             f.write(json.dumps({"step": 61, "loss": 2.0, "tokens_per_s": 1.0, "mfu": 0.1, "time": 2e9}) + "\n")
         assert _get(url + "api/train")["train"][-1]["step"] == 61
         assert validate_trace(_get(url + "trace.json?first=5&last=9")) == []
+        with pytest.raises(urllib.error.HTTPError) as bad:  # a bad query is the client's error, said in words
+            urllib.request.urlopen(url + "trace.json?first=abc", timeout=10)
+        assert bad.value.code == 400 and b"integers" in bad.value.read()
         page = urllib.request.urlopen(url, timeout=10).read().decode()
         assert "<script" in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # no CDN
     finally:
@@ -132,3 +138,25 @@ def test_no_data_is_shown_for_an_empty_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "time": 1}\n')
     d = load_run(tmp_path)
     assert d["goodput"] is None and d["stragglers"] is None and d["heatmaps"] == {} and d["flight"] is None
+
+
+@pytest.mark.e2e
+def test_diagnose_reports_only_the_newest_attempt_and_whether_the_run_went_on(tmp_path):
+    """A finished healthy run keeps an earlier attempt's dumps: through the CLI they are history (exit 0)."""
+    flight = tmp_path / "flight"
+    flight.mkdir()
+    old = {0: _dump(0, [_e(0), _e(1), _e(2, state="started")], job="j", attempt=0),
+           1: _dump(1, [_e(0), _e(1)], job="j", attempt=0),
+           2: _dump(2, [_e(0), _e(1), _e(2, state="started")], job="j", attempt=0)}
+    for r, d in old.items():
+        (flight / f"rank-{r}.json").write_text(json.dumps(d))
+    live = run_cli("diagnose", str(tmp_path), check=False)
+    assert live.returncode == 1 and "from attempt 0 of launch j" in live.stdout and "HISTORY" not in live.stdout
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": 2100.0, "event": "restart", "attempt": 1}) + "\n" +
+                                           json.dumps({"time": 2500.0, "event": "finished", "step": 40}) + "\n")
+    done = run_cli("diagnose", str(tmp_path), check=False)
+    assert done.returncode == 0 and "HISTORY: the run went on after these dumps (finished at step 40" in done.stdout
+    (flight / "rank-1.json").write_text(json.dumps(_dump(1, [_e(0)], t=2600.0, job="j", attempt=1)))
+    newest = run_cli("diagnose", str(tmp_path), "--json", check=False)
+    a = json.loads(newest.stdout)
+    assert list(a["ranks"]) == ["1"] and a["attempt"]["attempt"] == 1 and a["attempt"]["older_dumps"] == [0, 2]

@@ -233,3 +233,4 @@ def test_cuda_event_path_resolves_at_flush(monkeypatch):
     assert FakeEvent.synced == 1  # one synchronisation per flush, none per step
     assert out[0]["phases"] == pytest.approx({"forward": 0.005, "backward": 0.005})
     assert out[0]["step_time_s"] == pytest.approx(0.025)
+

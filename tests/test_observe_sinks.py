@@ -132,3 +132,18 @@ def test_sigterm_dumps_then_terminates(tmp_path):
     assert p.returncode == -signal.SIGTERM, p.stderr
     d = json.loads((tmp_path / "flight" / "rank-0.json").read_text())
     assert d["reason"] == "signal SIGTERM" and d["step"] == 12 and d["phase"] == "forward"
+
+
+@pytest.mark.unit
+def test_prometheus_run_label_names_the_run_directory(tmp_path):
+    run = tmp_path / 'my "run"'
+    from stalwart.comm.launch import free_port
+
+    fan = build_sinks(ObserveConfig(prometheus_port=free_port()), run, run_name="default")
+    prom = next(s for s in fan.sinks if isinstance(s, PrometheusSink))
+    try:
+        prom.write(RECORDS[0])
+        body = prom.render()
+        assert 'run="my \\"run\\""' in body and "default" not in body
+    finally:
+        fan.close()

@@ -50,3 +50,11 @@ def test_plan_bad_input_is_one_line_and_nonzero():
         proc = run_cli("plan", *args, check=False)
         assert proc.returncode == 2, args
         assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr, proc.stderr
+
+
+def test_readme_plan_line_scales_the_default_batch_with_the_cluster():
+    proc = run_cli("plan", "--model.flavor", "llama3-405B", "--cluster.gpus", "8192", "--search.top", "1")
+    assert "2048 sequences/step" in proc.stdout and "best layout" in proc.stdout
+    bad = run_cli("plan", "--model.flavor", "llama3-405B", "--cluster.gpus", "8192", "--workload.global_batch", "3",
+                  check=False)
+    assert bad.returncode == 2 and "raise --workload.global_batch" in bad.stderr

@@ -91,18 +91,36 @@ def test_user_errors_are_one_line(tmp_path):
     one_line_error(run_cli("train", "--training.stepz", "3", check=False), "did you mean 'training.steps'")
     one_line_error(run_cli("train", "--data.path", str(tmp_path / "nope"), check=False), "does not exist")
     one_line_error(run_cli("train", "--config", "nonexistent", check=False), "config 'nonexistent' not found")
+    one_line_error(run_cli("train", "--config", "llama3-8b", check=False), "did you mean 'llama3_8b'?")
+    one_line_error(run_cli("train", "--nproc-per-node", "0", check=False), "--nproc-per-node must be a whole number")
     one_line_error(run_cli("train", *TINY_RUN, "--nproc-per-node", "2", "--parallelism.dp_shard", "3",
                            check=False), "but the world size is 2")
     one_line_error(run_cli("train", *TINY_RUN, "--nproc-per-node", "2", "--parallelism.tp", "3", check=False),
                    "does not divide the world size 2")
     one_line_error(run_cli("generate", "--run", str(tmp_path), check=False), "not a run directory")
+    latin, npy = tmp_path / "latin.txt", tmp_path / "tokens.npy"
+    latin.write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 400)
+    npy.write_bytes(b"\x93NUMPY\x01\x00" + bytes(200))
+    one_line_error(run_cli("train", *TINY_RUN, "--data.path", str(latin), "--run.dir", str(tmp_path / "r1"),
+                           check=False), "latin.txt is not valid UTF-8 (byte 3")
+    one_line_error(run_cli("train", *TINY_RUN, "--data.path", str(npy), "--nproc-per-node", "2", check=False),
+                   "binary data files no data.format reads")
 
 
-def test_resume_none_refuses_to_overwrite(run_dir):
+def test_a_run_with_checkpoints_refuses_overwrite_and_a_model_of_another_shape(run_dir):
     train(run_dir, "--training.steps", "2")
+    config = (run_dir / "config.toml").read_bytes()
     proc = train(run_dir, "--training.steps", "2", "--checkpoint.resume", "none", check=False)
     one_line_error(proc, "already holds checkpoints")
     assert (run_dir / "checkpoints" / "step-2").is_dir()
+    # Refused before any process starts (the launcher) or any group forms (one process), naming both
+    # shapes, and the run's config stays the one its checkpoints were trained with.
+    more = train(run_dir, "--training.steps", "4", "--model.n_layers", "4", nproc=2, check=False)
+    one_line_error(more, "dim 64, 2 layers, 4 heads (2 key/value)")
+    assert "than the config asks for (dim 64, 4 layers," in more.stderr
+    fewer = train(run_dir, "--training.steps", "4", "--model.n_layers", "1", check=False)
+    one_line_error(fewer, "than the config asks for (dim 64, 1 layers,")
+    assert (run_dir / "config.toml").read_bytes() == config
 
 
 def test_help_documents_every_field():

@@ -35,6 +35,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
 
     from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
                                      TrainingConfig)
+    from stalwart.comm.launch import join_gloo
     from stalwart.data.loader import Batch
     from stalwart.metrics.mfu import measure_matmul_tflops
     from stalwart.models.flavors import FLAVORS, llama_ffn_hidden
@@ -43,8 +44,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
 
     torch.set_num_threads(opts["threads"])
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        join_gloo(rank, world, "127.0.0.1", port, 1800.0)
     args = replace(FLAVORS["tiny"], **REFERENCE, ffn_hidden=llama_ffn_hidden(256, 64), tie_embeddings=False)
     mb, seq = opts["micro_batch"], args.max_seq_len
     total = opts["warmup"] + opts["steps"]

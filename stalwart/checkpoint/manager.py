@@ -22,7 +22,6 @@ import base64
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -39,12 +38,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from stalwart.atomic import fsync_dir, write_json_atomic, write_text_atomic
+from stalwart.atomic import describe_write_failure, fsync_dir, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
-from stalwart.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from stalwart.checkpoint.safe_io import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
+                                         describe_load_failure)
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
                                         plan_save, sha256_file, write_local)
-from stalwart.errors import UserError
+from stalwart.errors import PeerUserError, UserError
 from stalwart.paths import CheckpointDir, checkpoint_step
 
 MANIFEST = "manifest.json"
@@ -53,6 +53,10 @@ _sha256 = sha256_file
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message names the checkpoint and the bad file."""
+
+
+class PeerCheckpointError(CheckpointError, PeerUserError):
+    """Another rank could not use the checkpoint (this one could)."""
 
 
 @dataclass
@@ -95,20 +99,6 @@ def _first_error(errors: list[str | None]) -> str | None:
     return next((e for e in errors if e), None)
 
 
-_UNSAFE = re.compile(r"(checkpoint (?:metadata|entry) .*?(?:not allowed|not plain data)[^\n]*)|"
-                     r"(Weights only load failed[^\n]*)")
-
-
-def describe_load_failure(path: Path, e: BaseException) -> str:
-    """One line for a failed DCP load; unsafe content (code on load) is named as refused."""
-    text = str(e)
-    m = _UNSAFE.search(text)
-    if m:
-        return f"checkpoint {path}: refused: {(m.group(1) or m.group(2)).strip()}"
-    msg = text.strip().splitlines()[-1] if text.strip() else type(e).__name__
-    return f"checkpoint {path}: cannot be loaded into this model: {msg}"
-
-
 @dataclass
 class _Pending:
     job: SaveJob
@@ -137,6 +127,7 @@ class CheckpointManager:
         self._stager = HostStager()
         self._pending: _Pending | None = None
         self.last_saved: Path | None = None
+        self.last_error: str | None = None  # why the newest failed save failed
         self.last_stall_s = 0.0
 
     # ------------------------------------------------------------------ save
@@ -157,7 +148,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
             except OSError as e:
-                err = f"cannot create {tmp}: {e}"
+                err = f"cannot create {tmp}: {describe_write_failure(e, tmp)}"
         errors = all_gather_object(err)
         if _first_error(errors):
             return self._fail(step, tmp, _first_error(errors))
@@ -208,14 +199,14 @@ class CheckpointManager:
         try:
             results, err = pending.future.result(), None
         except Exception as e:  # noqa: BLE001
-            results, err = None, f"rank {self.rank}: {type(e).__name__}: {e}"
+            results, err = None, f"rank {self.rank}: {describe_write_failure(e, job.tmp)}"
         gathered = all_gather_object((err, results))
         err = _first_error([e for e, _ in gathered])
         if err is None and self.rank == 0:
             try:
                 self._commit(job, pending.final, [r for _, r in gathered])
             except OSError as e:
-                err = f"rank 0: committing {pending.final.name}: {e}"
+                err = f"rank 0: committing {pending.final.name}: {describe_write_failure(e, job.tmp)}"
         if distributed():
             box = [err]
             dist.broadcast_object_list(box, src=0)
@@ -268,11 +259,13 @@ class CheckpointManager:
                 removed = False
                 with contextlib.suppress(OSError):  # quarantine: never looks like a checkpoint
                     os.replace(tmp, self.dir.failed(step, int(time.time())))
-            self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
-                           on_failure=self.on_failure)
+            with contextlib.suppress(OSError):  # the disk may be what failed
+                self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
+                               on_failure=self.on_failure)
             print(f"warning: checkpoint step-{step} failed: {error}; the previous checkpoint is kept"
                   f"{'' if self.on_failure == 'stop' else ', training continues'}", file=sys.stderr, flush=True)
         _barrier()
+        self.last_error = error
         if self.on_failure == "stop":
             raise CheckpointError(f"checkpoint step-{step} failed: {error} (checkpoint.on_failure = stop)")
         return None
@@ -329,7 +322,7 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
         return manifest
 
-    def resolve_resume(self) -> Path | None:
+    def resolve_resume(self, before: int | None = None) -> Path | None:
         """The checkpoint to resume from under ``checkpoint.resume``, falling back past bad ones."""
         mode = self.cfg.resume
         if mode == "none":
@@ -341,14 +334,41 @@ class CheckpointManager:
             self.verify(path)
             return path
         for path in reversed(self.complete_checkpoints()):
+            if before is not None and checkpoint_step(path) >= before:
+                continue
             try:
                 self.verify(path)
                 return path
             except CheckpointError as e:
-                self.log_event("checkpoint_fallback", path=str(path), error=str(e))
-                if self.rank == 0:
-                    print(f"warning: {e}; falling back to an older checkpoint", flush=True)
+                self._fall_back(path, e)
         return None
+
+    def _fall_back(self, path: Path, e: CheckpointError) -> None:
+        self.log_event("checkpoint_fallback", path=str(path), error=str(e))
+        if self.rank == 0:
+            print(f"warning: {e}; falling back to an older checkpoint", flush=True)
+
+    def load_resume(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LoadedState:
+        """Load ``path`` (from ``resolve_resume``). Under ``resume = auto`` a checkpoint refused at load
+        although it passed its checksums (crafted, or from another model) is bad like a corrupt one:
+        fall back to the next older good one. With none left, the refusal stands."""
+        while True:
+            loaded, own = None, None
+            try:
+                loaded = self.load(path, model, optimizer)
+            except CheckpointError as e:
+                own = e
+            # Every rank decides alike: a file only one rank reads (its RNG state, its shard) may fail there.
+            errors = [(r, m) for r, m in enumerate(all_gather_object(str(own) if own else None)) if m]
+            if not errors:
+                return loaded
+            rank, message = errors[0]
+            e = own or PeerCheckpointError(f"{message} (on rank {rank})")
+            older = self.resolve_resume(before=checkpoint_step(path)) if self.cfg.resume == "auto" else None
+            if older is None:
+                raise e
+            self._fall_back(path, e)
+            path = older
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:

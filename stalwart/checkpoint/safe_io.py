@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,13 +47,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(stream) -> Metadata:
-    metadata = _MetadataUnpickler(stream).load()
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise UnsafeCheckpointError(f"checkpoint metadata cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError("checkpoint metadata is not a DCP Metadata object")
     return metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
+    def __init__(self, path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        # Refuse a crafted or damaged .metadata here, before DCP reads it (DCP logs every failed read
+        # with a traceback, then retries a rank-local file that does not exist).
+        self.read_metadata()
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as fh:
@@ -72,3 +85,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+_UNSAFE = re.compile(r"(checkpoint (?:metadata|entry) .*?(?:not allowed|not plain data)[^\n]*)|"
+                     r"(Weights only load failed[^\n]*)")
+
+
+def describe_load_failure(path: Path, e: BaseException) -> str:
+    """One line for a failed DCP load; unsafe content (code on load) is named as refused."""
+    text = str(e)
+    m = _UNSAFE.search(text)
+    if m and m.group(1):
+        return f"checkpoint {path}: refused: {m.group(1).strip()}"
+    if m:  # torch's own message goes on to advise turning the safety off: never repeat it
+        return (f"checkpoint {path}: refused: a tensor entry holds a pickled Python object, not plain tensor "
+                "data (Stalwart never unpickles objects from a checkpoint)")
+    msg = text.strip().splitlines()[-1] if text.strip() else type(e).__name__
+    return f"checkpoint {path}: cannot be loaded into this model: {msg}"

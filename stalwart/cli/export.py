@@ -23,9 +23,8 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     from stalwart.checkpoint.inspect import load_flat
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from stalwart.checkpoint.manager import describe_load_failure
     from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
-    from stalwart.checkpoint.safe_io import UnsafeCheckpointError
+    from stalwart.checkpoint.safe_io import UnsafeCheckpointError, describe_load_failure
     from stalwart.data.tokenizer import EOS
     from stalwart.export.hf import export_hf
 

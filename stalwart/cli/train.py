@@ -7,6 +7,7 @@ Multi-node jobs use standard torchrun rendezvous instead of --nproc-per-node:
 
 from __future__ import annotations
 
+from stalwart.config.core import ConfigError
 from stalwart.config.loading import job_help, parse_train_argv
 from stalwart.launch.local import launch, preflight, supervised
 from stalwart.train.dist_env import launched_by_torchrun
@@ -20,6 +21,21 @@ Re-running on an existing run.dir with checkpoint.resume = auto continues from i
 checkpoint and appends to its metrics.jsonl."""
 
 
+def _nproc(opts: dict, default: int) -> int:
+    """--nproc-per-node as given (named in its own errors), else launch.nproc_per_node."""
+    flag = "--nproc-per-node" if "--nproc-per-node" in opts else "--nproc_per_node"
+    raw = opts.get(flag)
+    if raw is None:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1 or str(raw).strip() != str(n):
+        raise ConfigError(f"{flag} must be a whole number >= 1 (got {raw!r})")
+    return n
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(job_help("train", INTRO))
@@ -27,7 +43,7 @@ def main(argv: list[str]) -> int:
     opts, cfg = parse_train_argv(argv)
     if launched_by_torchrun():
         return worker_main(cfg)
-    nproc = int(opts.get("--nproc-per-node") or opts.get("--nproc_per_node") or cfg.launch.nproc_per_node)
+    nproc = _nproc(opts, cfg.launch.nproc_per_node)
     preflight(cfg, nproc)
     if nproc == 1 and not supervised(cfg):
         return worker_main(cfg)

@@ -28,11 +28,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def bound_tcp_store(host: str, port: int, world_size: int | None = None, is_master: bool = False,
+                    timeout: timedelta = timedelta(seconds=300), **kwargs) -> dist.TCPStore:
+    """A ``TCPStore`` whose server listens on ``host``'s address only (torch's own binds every
+    interface): 127.0.0.1 for a single-host run, the address the user gave across hosts."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout, **kwargs)
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(1024)
+    kwargs.pop("master_listen_fd", None)
+    bound_port = sock.getsockname()[1]
+    # The store serves on this socket from now on: it owns the descriptor (detached, never closed here).
+    return dist.TCPStore(host, bound_port, world_size, True, timeout, master_listen_fd=sock.detach(), **kwargs)
+
+
+def join_gloo(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 120.0) -> None:
+    """Join a gloo group whose store rank 0 serves on ``addr`` only."""
+    timeout = timedelta(seconds=timeout_s)
+    store = bound_tcp_store(addr, port, world_size, rank == 0, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def init_gloo(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 120.0) -> None:
     """Join a gloo group with one compute thread (the machine has few cores, the workers many)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    join_gloo(rank, world_size, addr, port, timeout_s)
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:

@@ -24,22 +24,39 @@ class RunConfig:
     deterministic: bool = option("Use deterministic algorithms (bit-identical resume on CPU).", True)
 
 
+AUTO_RESTARTS = 3  # launch.max_restarts = -1 (the default) under the supervisor
+
+
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = option(
         "Worker processes to launch on this machine (also --nproc-per-node). Ignored under torchrun, "
         "which decides the world itself.", 1, min=1)
     threads_per_proc: int = option(
-        "Intra-op CPU threads per worker; 0 = cores / nproc_per_node (at least 1).", 0, min=0)
+        "Intra-op CPU threads per worker; 0 = OMP_NUM_THREADS if set, else cores / nproc_per_node (at least 1).",
+        0, min=0)
     max_restarts: int = option("Times the supervisor (torch's elastic agent) restarts the worker group after a "
-                               "failure, from the newest in-memory snapshot or checkpoint. When used up the job "
-                               "exits 75 (requeue is fine); see fault.crash_loop_restarts for exit 76.", 0, min=0)
+                               "crash or a hang, from the newest in-memory snapshot or checkpoint; a user error "
+                               "(exit 2) is never restarted. When used up the job exits 75 (requeue is fine); "
+                               "see fault.crash_loop_restarts for exit 76. -1 = auto: "
+                               f"{AUTO_RESTARTS} whenever the supervisor runs (several processes, fault injection, "
+                               "the multi-node agent); a single process runs in-process, unsupervised, unless "
+                               "this is set above 0.", -1, min=-1)
+
+    def restarts(self) -> int:
+        """The restart budget of a supervised launch (``max_restarts``, ``-1`` resolved)."""
+        return AUTO_RESTARTS if self.max_restarts < 0 else self.max_restarts
 
     def threads(self, local_world: int) -> int:
         """Intra-op threads of one worker when ``local_world`` workers share this machine."""
         import os
 
-        return self.threads_per_proc or max(1, (os.cpu_count() or 1) // max(1, local_world))
+        if self.threads_per_proc:
+            return self.threads_per_proc
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if env.isdigit() and int(env) > 0:  # the user's (or the launcher's) setting wins over the default
+            return int(env)
+        return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
 @dataclass
@@ -72,6 +89,11 @@ class DataConfig:
     format: Literal["auto", "text", "jsonl", "parquet"] = option(
         "How to read data.path; 'auto' picks by file extension.", "auto")
     text_field: str = option("Field holding the text in JSONL/Parquet records.", "text")
+    decode_errors: Literal["auto", "strict", "replace"] = option(
+        "Text that is not valid UTF-8: 'strict' refuses the file, naming it and the byte offset; 'replace' "
+        "substitutes U+FFFD and warns once per file with the count of replaced bytes; 'auto' = strict for "
+        "data.path, replace for the bundled corpus (a few stdlib test files use legacy encodings). Binary data "
+        "files (.npy, .bin, .arrow, NUL bytes, ...) are always refused by name.", "auto")
     tokenizer: str = option("'bpe' = train a byte-level BPE on the corpus (cached as <run>/tokenizer.json), "
                             "'byte' = 256-symbol byte vocabulary, or a path to a tokenizer.json.", "bpe")
     vocab_size: int = option("Target vocabulary size when training a BPE tokenizer.", 4096, min=260)
@@ -99,7 +121,8 @@ class OptimizerConfig:
 class SchedulerConfig:
     kind: Literal["cosine", "wsd", "constant"] = option(
         "Learning-rate schedule after warmup: cosine decay, warmup-stable-decay (WSD), or constant.", "cosine")
-    warmup_steps: int = option("Linear warmup steps from 0 to the peak learning rate.", 20, min=0)
+    warmup_steps: int = option("Linear warmup steps from 0 to the peak learning rate (clamped to training.steps, "
+                               "with a note, for a shorter run).", 20, min=0)
     min_lr_ratio: float = option("Final learning rate as a fraction of the peak.", 0.1, min=0.0, max=1.0)
     decay_fraction: float = option("WSD only: fraction of training spent in the final decay.", 0.2,
                                    min=0.0, max=1.0)
@@ -203,7 +226,7 @@ class FaultConfig:
         "skip")
     spike_zscore: float = option("Loss spike: a loss whose robust z-score (median/MAD over fault.spike_window "
                                  "steps) exceeds this rolls back to the last good state and skips the offending "
-                                 "steps (needs launch.max_restarts > 0; otherwise only reported). 0 = off; 8 is a "
+                                 "steps (needs the supervisor's restarts, see launch.max_restarts; otherwise only reported). 0 = off; 8 is a "
                                  "reasonable start.", 0.0, min=0.0)
     spike_window: int = option("Trailing steps the loss-spike statistics use (it needs half of them first).", 32,
                                min=4)
@@ -350,6 +373,11 @@ class JobConfig:
         if t.global_batch % t.micro_batch:
             raise ConfigError(f"training.global_batch ({t.global_batch}) must be a multiple of "
                               f"training.micro_batch ({t.micro_batch})")
-        if self.scheduler.warmup_steps > t.steps:
-            raise ConfigError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) exceeds "
-                              f"training.steps ({t.steps})")
+
+    def notes(self) -> list[str]:
+        """Settings that are valid but adjusted; the run prints each once at start."""
+        out = []
+        if self.scheduler.warmup_steps > self.training.steps:
+            out.append(f"note: scheduler.warmup_steps ({self.scheduler.warmup_steps}) exceeds training.steps "
+                       f"({self.training.steps}): the warmup is clamped to {self.training.steps} steps")
+        return out

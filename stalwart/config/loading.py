@@ -23,7 +23,12 @@ def find_config(name: str) -> Path:
             if candidate.is_file():
                 return candidate
     shipped = sorted(f.stem for f in REPO_CONFIGS.glob("*.toml")) if REPO_CONFIGS.is_dir() else []
-    raise ConfigError(f"config '{name}' not found (a TOML path, or one of: {', '.join(shipped)})")
+    import difflib
+
+    key = name.lower().replace("-", "_").removesuffix(".toml")
+    guess = [s for s in shipped if s == key] or difflib.get_close_matches(key, shipped, n=1)
+    hint = f"did you mean '{guess[0]}'? " if guess else ""
+    raise ConfigError(f"config '{name}' not found ({hint}a TOML path, or one of: {', '.join(shipped)})")
 
 
 def split_args(argv: list[str], flags: dict[str, bool]) -> tuple[dict[str, str | bool], list[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from stalwart.errors import UserError
 
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".ini", ".html", ".js"}
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
+# Data files no data.format reads: refused by name rather than skipped or decoded as text.
+BINARY_SUFFIXES = {".arrow", ".npy", ".npz", ".bin", ".pt", ".pth", ".safetensors", ".pkl", ".pickle", ".h5"}
+_BINARY_MAGIC = (b"\x93NUMPY", b"ARROW1", b"PK\x03\x04", b"\x80\x02", b"\x80\x04", b"\x89HDF")
 
 
 class DataError(UserError, ValueError):
@@ -52,15 +56,58 @@ def _kind_for(path: Path, fmt: str) -> str:
     return "text"
 
 
+def _refuse_binary(paths: list[Path], where: str) -> None:
+    if paths:
+        names = ", ".join(str(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        raise DataError(f"data.path: {where} holds binary data files no data.format reads ({names}); convert them "
+                        "to text, JSONL or Parquet, or point data.path at the text files only")
+
+
 def _files_under(root: Path) -> list[Path]:
-    out = []
+    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+        raise DataError(f"data.path: {root} is a Hugging Face `datasets.save_to_disk` directory (Arrow files); "
+                        "write it as Parquet or JSONL (`ds.to_parquet(...)`, `ds.to_json(...)`) and point "
+                        "data.path there")
+    out, binary = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
             p = Path(dirpath) / name
             if p.suffix in TEXT_SUFFIXES or p.suffix in (".jsonl", ".parquet"):
                 out.append(p)
+            elif p.suffix in BINARY_SUFFIXES:
+                binary.append(p)
+    _refuse_binary(binary, str(root))
     return out
+
+
+def looks_binary(path: Path) -> bool:
+    """A NUL byte or a known binary format's magic in the first 8 KiB (text never has either)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8192)
+    except OSError:
+        return False
+    return b"\x00" in head or head.startswith(_BINARY_MAGIC)
+
+
+def decode_utf8(data: bytes, replace: bool, where: str) -> tuple[str, int]:
+    """(text, invalid bytes replaced by U+FFFD). Strict: a DataError naming the file and byte offset."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if not replace:
+            raise DataError(f"{where} is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 4]!r}); convert "
+                            "it, or set data.decode_errors = replace to substitute U+FFFD (counted)") from None
+    out, bad, rest = [], 0, data
+    while True:
+        try:
+            out.append(rest.decode("utf-8"))
+            return "".join(out), bad
+        except UnicodeDecodeError as e:
+            out += [rest[:e.start].decode("utf-8"), "\ufffd"]
+            bad += e.end - e.start
+            rest = rest[e.end:]
 
 
 def _expand(path: str) -> list[Path]:
@@ -82,6 +129,12 @@ def _expand(path: str) -> list[Path]:
     return _files_under(p) if p.is_dir() else [p]
 
 
+def _check_files(files: list[Path], fmt: str) -> None:
+    """A file given by name or glob is read as what its name says; binary content is refused."""
+    _refuse_binary([f for f in files if f.suffix in BINARY_SUFFIXES], "it")
+    _refuse_binary([f for f in files if _kind_for(f, fmt) == "text" and looks_binary(f)], "it")
+
+
 def _rows(path: Path, kind: str, text_field: str) -> int:
     if kind == "jsonl":
         with path.open("rb") as fh:
@@ -101,11 +154,20 @@ def _rows(path: Path, kind: str, text_field: str) -> int:
 class Corpus:
     """Documents split deterministically into train and validation by a hash of their key."""
 
-    def __init__(self, path: str, fmt: str = "auto", text_field: str = "text", val_fraction: float = 0.02) -> None:
+    def __init__(self, path: str, fmt: str = "auto", text_field: str = "text", val_fraction: float = 0.02,
+                 decode_errors: str = "auto") -> None:
         self.text_field = text_field
         self.source = path or f"{default_corpus_root()} (Python standard library)"
+        # The bundled corpus has a few files in legacy encodings on purpose (the stdlib's own encoding
+        # tests): 'auto' replaces there and is strict for the user's data.
+        self.replace = decode_errors == "replace" or (decode_errors == "auto" and not path)
+        self.warn_replaced = decode_errors == "replace"
+        self.replaced: dict[str, int] = {}  # file -> invalid bytes replaced so far
         docs: list[DocRef] = []
-        for f in _expand(path):
+        files = _expand(path)
+        if path:
+            _check_files(files, fmt)
+        for f in files:
             kind = _kind_for(f, fmt)
             if kind == "text":
                 docs.append(DocRef(str(f), "text"))
@@ -126,7 +188,7 @@ class Corpus:
     def read(self, doc: DocRef) -> str:
         try:
             if doc.kind == "text":
-                return Path(doc.path).read_text(encoding="utf-8", errors="replace")
+                return self._decode(Path(doc.path).read_bytes(), doc.path)
             if doc.kind == "jsonl":
                 return self._jsonl_row(doc)
             return self._parquet_rows(doc.path)[doc.row]
@@ -136,13 +198,14 @@ class Corpus:
     def _jsonl_row(self, doc: DocRef) -> str:
         # NOTE: linear scan per record keeps memory flat; fine for the sizes CPU runs use. Large JSONL
         # corpora should be pre-tokenized instead.
-        with open(doc.path, encoding="utf-8", errors="replace") as fh:
+        with open(doc.path, "rb") as fh:
             i = -1
-            for line in fh:
-                if not line.strip():
+            for raw in fh:
+                if not raw.strip():
                     continue
                 i += 1
                 if i == doc.row:
+                    line = self._decode(raw, doc.path, f"{doc.path} line {i + 1}")
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
@@ -152,6 +215,15 @@ class Corpus:
                                         "(set data.text_field)")
                     return str(rec[self.text_field])
         raise DataError(f"{doc.path}: record {doc.row + 1} is missing (file changed during the run?)")
+
+    def _decode(self, data: bytes, path: str, where: str = "") -> str:
+        text, bad = decode_utf8(data, self.replace, where or path)
+        if bad and path not in self.replaced and self.warn_replaced:  # once per file
+            print(f"warning: data: {where or path} is not valid UTF-8: {bad} byte(s) replaced by U+FFFD "
+                  "(data.decode_errors = replace)", file=sys.stderr, flush=True)
+        if bad:
+            self.replaced[path] = self.replaced.get(path, 0) + bad
+        return text
 
     def _parquet_rows(self, path: str) -> list[str]:
         if path not in self._parquet_cache:

@@ -214,16 +214,53 @@ def read_hf(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     return config, tensors
 
 
+# HF config field -> (this run's value, HF's default when absent, how to match it). Every field that
+# changes the function the weights compute is here; a difference is refused, never silently dropped.
+def _hf_expectations(args: TransformerArgs) -> dict[str, tuple[Any, Any, str]]:
+    return {
+        "model_type": ("llama", None, "only Llama models are imported"),
+        "hidden_size": (args.dim, None, "--model.dim"),
+        "num_hidden_layers": (args.n_layers, None, "--model.n_layers"),
+        "num_attention_heads": (args.n_heads, None, "--model.n_heads"),
+        "num_key_value_heads": (args.n_kv_heads, args.n_kv_heads, "--model.n_kv_heads"),
+        "intermediate_size": (args.ffn_hidden, None, "--model.ffn_hidden"),
+        "vocab_size": (args.vocab_size, None, "--model.vocab_size or --data.tokenizer"),
+        "head_dim": (args.head_dim, args.head_dim, "--model.dim / --model.n_heads"),
+        "tie_word_embeddings": (args.tie_embeddings, False,
+                                f"--model.tie_embeddings {str(not args.tie_embeddings).lower()}"),
+        "rope_theta": (args.rope_theta, 10000.0, "--model.rope_theta"),
+        "rms_norm_eps": (args.norm_eps, 1e-6, "Stalwart's RMSNorm eps is fixed"),
+        "rope_scaling": (None, None, "RoPE scaling is not supported"),
+        "hidden_act": ("silu", "silu", "only SiLU (SwiGLU) MLPs are supported"),
+        "attention_bias": (False, False, "attention biases are not supported"),
+        "mlp_bias": (False, False, "MLP biases are not supported"),
+        "sliding_window": (args.sliding_window or None, None, "--model.sliding_window"),
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(a)), abs(float(b)))
+    return a == b
+
+
+def check_hf_config(config: dict[str, Any], args: TransformerArgs, where: str = "") -> None:
+    """Refuse a Hugging Face model whose config computes another function than this run's model."""
+    params = config.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        raise ExportError(f"checkpoint.init_from_hf {where}: config.json has rope_parameters.rope_type = "
+                          f"{params['rope_type']!r}: RoPE scaling is not supported")
+    for key, (ours, default, fix) in _hf_expectations(args).items():
+        theirs = config.get(key, params.get(key, default) if key == "rope_theta" else default)
+        if not _same(theirs, ours):
+            raise ExportError(f"checkpoint.init_from_hf {where}: config.json has {key} = {theirs!r}, but this "
+                              f"run's model has {ours!r} ({fix})")
+
+
 def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args: TransformerArgs,
                   where: str = "") -> dict[str, torch.Tensor]:
     """HF tensors -> Stalwart full state dict, after checking the shapes agree with ``args``."""
-    expect = {"hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-              "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden,
-              "vocab_size": args.vocab_size}
-    for key, value in expect.items():
-        if config.get(key, value if key == "num_key_value_heads" else None) != value:
-            raise ExportError(f"checkpoint.init_from_hf {where}: config.json has {key} = {config.get(key)}, "
-                              f"but this run's model has {value} (set --model.* to match)")
+    check_hf_config(config, args, where)
     state = {}
     for ours, theirs in name_map(args):
         if theirs not in tensors:

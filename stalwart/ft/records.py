@@ -80,25 +80,34 @@ def read_heartbeats(paths: RunPaths, ranks: list[int]) -> dict[int, dict]:
 
 
 # ---------------------------------------------------------------------- exits
-def record_exit(paths: RunPaths, rank: int, error: BaseException) -> None:
-    """Note when and why this rank is failing: the supervisor names the earliest as the root cause."""
+def record_exit(paths: RunPaths, rank: int, error: BaseException, user_error: bool = False,
+                peer: bool = False) -> bool:
+    """Note when and why this rank is failing: the supervisor names the earliest as the root cause
+    (and prints a user error's message, which is then the whole of what the user sees). ``peer``: this
+    rank stops only because another one failed. Returns whether the record was written."""
+    text = str(error) if user_error else f"{type(error).__name__}: {error}"
     try:
         paths.exit_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(paths.exit_record(rank), {"rank": rank, "time": time.time(), "pid": os.getpid(),
-                                                    "error": f"{type(error).__name__}: {error}"[:500]})
+                                                    "error": text[:2000], "user_error": user_error,
+                                                    "peer": peer})
     except OSError:
-        pass
+        return False
+    return True
 
 
-def read_exits(paths: RunPaths) -> dict[int, float]:
-    """rank -> unix time it recorded a failing exit."""
+def read_exit_records(paths: RunPaths, since: float = 0.0) -> dict[int, dict]:
+    """rank -> its exit record (``rank``, ``time``, ``error``, ``user_error``, ``peer``), recorded at or
+    after ``since``."""
     out = {}
     for p in rank_files(paths.exit_dir, ".json").values():
         rec = _read_json(p)
         try:
-            out[int(rec["rank"])] = float(rec["time"])
+            rank, when = int(rec["rank"]), float(rec["time"])
         except (KeyError, TypeError, ValueError):
             continue
+        if when >= since:
+            out[rank] = {**rec, "rank": rank, "time": when}
     return out
 
 

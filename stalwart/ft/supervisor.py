@@ -29,7 +29,7 @@ from stalwart.ft.detect import (
 from stalwart.checkpoint.manager import newest_complete_checkpoint
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.ft.plan import ChaosSchedule, read_fired
-from stalwart.ft.records import read_heartbeats
+from stalwart.ft.records import read_exit_records, read_heartbeats
 from stalwart.paths import RunPaths, checkpoint_step
 
 def newest_state_step(run_dir: Path, snapshot_dir: Path | None) -> int:
@@ -127,13 +127,15 @@ class Supervisor:
         if not self._recovered and current and all(b.step > b.resumed_step for b in current.values()):
             self._recovered = True
             self._on_recovered(current)
-        for r in self.ranks:
-            stall = check_heartbeat(beats.get(r), r, now, self.attempt_start, self.attempt,
-                                    self.cfg.heartbeat_timeout_s, self.cfg.progress_timeout_s,
-                                    self.cfg.init_timeout_s)
-            if stall is not None:
-                return stall
-        return None
+        stalls = [s for r in self.ranks if (s := check_heartbeat(
+            beats.get(r), r, now, self.attempt_start, self.attempt, self.cfg.heartbeat_timeout_s,
+            self.cfg.progress_timeout_s, self.cfg.init_timeout_s)) is not None]
+        if not stalls:
+            return None
+        # Peers of a hung rank stop progressing too (they wait in its collective): blame the rank an
+        # injected fault hit, else one whose heartbeat stopped (a stopped process), else the oldest stall.
+        injected = {f["rank"] for f in self.injected_since(self.attempt_start) if f.get("kind") == "hang"}
+        return min(stalls, key=lambda s: (s.rank not in injected, s.kind != "unresponsive", s.since, s.rank))
 
     def _on_recovered(self, beats: dict[int, Beat]) -> None:
         f, self._pending = self._pending, None
@@ -171,7 +173,8 @@ class Supervisor:
         """Record a failure and decide: RESTART, EXCLUDE, CRASH_LOOP, BUDGET_EXHAUSTED or user_error."""
         step = self._max_step
         injected = self.injected_since(self.attempt_start)
-        fault_time = injected[-1]["time"] if injected else (stall.since if stall is not None else now)
+        fault_time = injected[-1]["time"] if injected else (
+            stall.since if stall is not None else self._last_sign_of_life(rank, now))
         if injected:
             step = max(step, int(injected[-1].get("step", step)) - 1)
         progress = newest_state_step(self.run_dir, self.snapshot_dir)
@@ -195,6 +198,17 @@ class Supervisor:
         self._pending = _Failure(kind, rank, step, fault_time, now)
         self.verdict = decision
         return decision
+
+    def _last_sign_of_life(self, rank: int, now: float) -> float:
+        """When a failed rank was last known alive: its exit record (a crash notes the moment), else its
+        newest heartbeat of this attempt (a kill leaves none; at most fault.heartbeat_interval_s early)."""
+        rec = read_exit_records(self.paths, self.attempt_start).get(rank)
+        if rec is not None:
+            return min(now, rec["time"])
+        beat = read_beats(self.paths, [rank]).get(rank)
+        if beat is not None and beat.attempt == self.attempt and beat.beat_time >= self.attempt_start:
+            return min(now, beat.beat_time)
+        return now
 
     def finished(self, now: float, code: int) -> None:
         self.log_event("supervisor_exit", time=now, code=code, verdict="finished" if code == 0 else self.verdict,

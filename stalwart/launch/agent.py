@@ -38,9 +38,11 @@ from stalwart.ft.supervisor import (
     classify,
 )
 from stalwart.atomic import write_text_atomic
-from stalwart.ft.records import read_exits, record_exclusion
+from stalwart.ft.records import read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
+from stalwart.train.dist_env import bound_tcp_store
+from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 
 class SupervisedAgent(LocalElasticAgent):
@@ -93,9 +95,9 @@ class SupervisedAgent(LocalElasticAgent):
             if stall is not None:
                 kind, rank, code = stall.kind, stall.rank, None
             else:
-                rank, failure = _root_cause(result, self.sup.paths, self.sup.attempt_start,
-                                            self.sup.injected_since(self.sup.attempt_start))
-                code = failure.exitcode if failure is not None else None
+                rank = _root_cause(result.failures, self.sup.paths, self.sup.attempt_start,
+                                   self.sup.injected_since(self.sup.attempt_start))
+                code = result.failures[rank].exitcode if rank in result.failures else None
                 kind = classify(code)
             decision = self.sup.on_failure(now, kind, rank, code, stall)
             if decision in (CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE, "user_error"):
@@ -137,36 +139,60 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _root_cause(result: RunResult, paths: RunPaths, since: float, injected: list[dict]):
+_STOPPED_BY_US = (-signal.SIGTERM, -signal.SIGKILL)  # how torch (and the watchdog) stop the survivors
+
+
+def _root_cause(failures: dict, paths: RunPaths, since: float, injected: list[dict]) -> int:
     """The failed rank that caused the others to fail: an injected fault's rank, else one killed by a
-    signal (not the SIGTERM torch sends the survivors), else the earliest to record its exit
-    (``<run>/ft/exit``), else the lowest rank."""
-    if not result.failures:
-        return -1, None
-    fired = [f for f in injected if f.get("rank") in result.failures]
+    signal other than the SIGTERM torch sends the survivors, else the earliest to record its exit
+    (``<run>/ft/exit``: crashes and user errors), else one that exited by itself, else the lowest."""
+    if not failures:
+        return -1
+    fired = [f for f in injected if f.get("rank") in failures]
     if fired:
-        rank = max(fired, key=lambda f: f["time"])["rank"]
-        return rank, result.failures[rank]
-    signalled = [r for r, f in result.failures.items()
-                 if f.exitcode is not None and f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+        return max(fired, key=lambda f: f["time"])["rank"]
+    signalled = [r for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0 and
+                 f.exitcode != -signal.SIGTERM]
     if signalled:
-        return min(signalled), result.failures[min(signalled)]
-    exits = {r: t for r, t in read_exits(paths).items() if r in result.failures and t >= since}
-    rank = min(exits, key=exits.get) if exits else min(result.failures)
-    return rank, result.failures[rank]
+        return min(signalled)
+    exits = {r: rec for r, rec in read_exit_records(paths, since).items() if r in failures}
+    if exits:  # a rank that stopped only because a peer failed is never the cause
+        return min(exits, key=lambda r: (bool(exits[r].get("peer")), exits[r]["time"]))
+    own = [r for r, f in failures.items() if f.exitcode not in _STOPPED_BY_US]
+    return min(own or failures)
 
 
 @contextlib.contextmanager
 def _patched_agent(factory):
-    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments)."""
+    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments), and the
+    rendezvous store listen on its endpoint's address only."""
     from torch.distributed.launcher import api
 
-    saved = api.LocalElasticAgent
-    api.LocalElasticAgent = factory
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as rdzv
+
+    # NOTE: the rendezvous store is built by torch's c10d backend, which binds every interface; ours
+    # binds only the endpoint's address (the same arguments otherwise).
+    saved = api.LocalElasticAgent, rdzv.TCPStore
+    api.LocalElasticAgent, rdzv.TCPStore = factory, bound_tcp_store
     try:
         yield
     finally:
-        api.LocalElasticAgent = saved
+        api.LocalElasticAgent, rdzv.TCPStore = saved
+
+
+@contextlib.contextmanager
+def _quiet_process_logs():
+    """torch logs every worker it stops and every failed exit with a traceback-like block; the
+    supervisor reports the root cause itself, in one line."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    saved = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(saved)
 
 
 def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,
@@ -175,10 +201,16 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser
 
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers check it is their parent, and die with it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # a restarted gloo group must not reuse the old store
     args = get_args_parser().parse_args(torchrun_argv)
+    if args.standalone or str(args.nnodes) in ("1", "1:1"):
+        # One host: nothing listens beyond loopback (the stores, gloo's and NCCL's sockets).
+        args.local_addr = args.local_addr or "127.0.0.1"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "127.0.0.1:0"
         import uuid
 
         args.rdzv_id = str(uuid.uuid4())
@@ -204,15 +236,17 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
 
     code = EXIT_OK
     try:
-        with _patched_agent(factory):
+        with _patched_agent(factory), _quiet_process_logs():
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         sup = holder.get("sup")
-        rank, failure = e.get_first_failure()
+        since = sup.attempt_start if sup else 0.0
+        rank = _root_cause(e.failures, paths, since, sup.injected_since(since) if sup else [])
         if sup is not None and sup.failures and sup.failures[-1]["rank"] in e.failures:
             rank = sup.failures[-1]["rank"]
-            failure = e.failures[rank]
+        failure = e.failures[rank]
         verdict = sup.verdict if sup else ""
+        user_errors = {r: rec for r, rec in read_exit_records(paths, since).items() if rec.get("user_error")}
         if verdict == CRASH_LOOP:
             code = EXIT_CRASH_LOOP
         elif verdict == EXCLUDE:
@@ -222,8 +256,12 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
                              restarts_used=sup.policy.restarts)
             print(f"stalwart supervisor: host {host} (ranks {host * size}-{(host + 1) * size - 1}) failed "
                   f"{fault_cfg.exclude_after} times: excluding it", file=sys.stderr, flush=True)
-        elif failure.exitcode == EXIT_USER_ERROR:
-            code = EXIT_USER_ERROR
+        elif verdict == "user_error" or user_errors or any(f.exitcode == EXIT_USER_ERROR for f in e.failures.values()):
+            code = EXIT_USER_ERROR  # never restarted; the first rank's one line is the whole message
+            if user_errors:
+                first = min(user_errors, key=lambda r: (bool(user_errors[r].get("peer")), user_errors[r]["time"]))
+                where = f" (rank {first})" if first else ""
+                print(f"stalwart train: error{where}: {user_errors[first]['error']}", file=sys.stderr, flush=True)
         elif verdict == BUDGET_EXHAUSTED and max_restarts > 0:
             code = EXIT_RESTART_BUDGET
             print(f"stalwart supervisor: restart budget (launch.max_restarts = {max_restarts}) used up; last failure "
@@ -237,7 +275,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         if "sup" in holder:
             holder["sup"].finished(time.time(), code)
         events.close()
-    if code != EXIT_EXCLUDE and holder.get("sup") is not None and (holder["sup"].failures or fault_cfg.chaos_mtbf_s):
+    if code not in (EXIT_EXCLUDE, EXIT_USER_ERROR) and holder.get("sup") is not None and (holder["sup"].failures or fault_cfg.chaos_mtbf_s):
         from stalwart.observe.goodput import account_run, format_report
 
         g = account_run(paths.root)
@@ -264,7 +302,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     paths = RunPaths.of(cfg.run)
     snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
-    return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.max_restarts)
+    # One host: this agent holds the run directory for its workers. Several: global rank 0 holds it
+    # (the agents cannot know which of them is first before the rendezvous).
+    single = "--standalone" in argv[:i] or any(a in ("--nnodes=1", "--nnodes=1:1") for a in argv[:i]) or (
+        "--nnodes" in argv[:i] and argv[argv.index("--nnodes") + 1] in ("1", "1:1"))
+    try:
+        with RunLock(paths) if single else contextlib.nullcontext():
+            if single:
+                os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
+            return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.restarts())
+    except UserError as e:
+        print(f"stalwart train: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,19 +12,26 @@ from stalwart.launch.agent import run_supervised
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import LayoutError, ParallelDims, virtual_stages
 from stalwart.paths import RunPaths
+from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
 
 
 def preflight(cfg: JobConfig, nproc: int) -> None:
     """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
     from stalwart.data.corpus import Corpus
+    from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args
+    from stalwart.train.checkpointer import Checkpointer
 
     world = int(os.environ.get("WORLD_SIZE", nproc))
     dims = ParallelDims.resolve(cfg.parallelism, world)
-    args = resolve_args(cfg.model, 256, cfg.data.seq_len)
+    paths = RunPaths.of(cfg.run)
+    vocab = load_tokenizer(paths.tokenizer).get_vocab_size() if paths.tokenizer.is_file() else 256
+    args = resolve_args(cfg.model, vocab, cfg.data.seq_len)
+    if paths.tokenizer.is_file():  # a run to resume: its checkpoint must fit the config's model
+        Checkpointer.refuse_other_shape(cfg.checkpoint, paths, args)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
                      virtual_stages(cfg.parallelism, dims))
-    Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
+    Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:
         raise LayoutError(
@@ -34,6 +41,7 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
 
 
 def supervised(cfg: JobConfig) -> bool:
+    """Whether one process runs under the supervisor (several always do)."""
     return cfg.launch.max_restarts > 0 or bool(cfg.fault.inject) or cfg.fault.chaos_mtbf_s > 0
 
 
@@ -42,7 +50,13 @@ def launch(argv: list[str], nproc: int, cfg: JobConfig) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(nproc)))
     paths = RunPaths.of(cfg.run)
     snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
-    budget, spares = cfg.launch.max_restarts, cfg.fault.spare_hosts
+    with RunLock(paths):  # one run per directory, for the whole job (restarts and relaunches included)
+        os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
+        return _launch_loop(argv, nproc, cfg, paths, snap)
+
+
+def _launch_loop(argv: list[str], nproc: int, cfg: JobConfig, paths: RunPaths, snap) -> int:
+    budget, spares = cfg.launch.restarts(), cfg.fault.spare_hosts
     while True:
         code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
                               cfg.fault, paths, snap, budget)

@@ -1,12 +1,15 @@
-"""Append-only JSON-lines files: metrics.jsonl and events.jsonl (see docs/run-directory.md)."""
+"""Append-only JSON-lines files: metrics.jsonl, events.jsonl, timings (see docs/run-directory.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from pathlib import Path
 from typing import Any
+
+from stalwart.atomic import storage_errors
 
 
 def _clean(value: Any) -> Any:
@@ -22,17 +25,23 @@ class JsonlWriter:
         self._fh = None
 
     def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        self.write_many([record])
+
+    def write_many(self, records: list[dict[str, Any]]) -> None:
+        """Append and flush; a full or read-only disk is a ``StorageError`` naming the file."""
+        if not self.enabled or not records:
             return
-        if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", encoding="utf-8")
-        self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._fh.flush()
+        with storage_errors(self.path):
+            if self._fh is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = self.path.open("a", encoding="utf-8")
+            self._fh.write("".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in records))
+            self._fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
+            with contextlib.suppress(OSError):  # already reported by the write that failed
+                self._fh.close()
             self._fh = None
 
 

@@ -12,6 +12,7 @@ ranks are reported as mismatches (a desynchronised program).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,21 @@ def load_dumps(run_dir: str | Path) -> dict[int, dict[str, Any]]:
             continue
         out[int(d.get("rank", rank))] = d
     return out
+
+
+def newest_attempt(dumps: dict[int, dict[str, Any]], events: list[dict[str, Any]]) -> tuple[dict, dict]:
+    """The dumps of the newest attempt that wrote any (a launch and its restart count), and what that
+    attempt is: ``{"job", "attempt", "time", "older_dumps", "superseded_by"}``. ``superseded_by`` is
+    the event (a later ``start``, ``finished`` or ``stopped``) showing the run went on after them."""
+    key = lambda d: (d.get("job", ""), int(d.get("attempt", 0)))  # noqa: E731
+    newest = max(dumps.values(), key=lambda d: d.get("time", 0.0))
+    mine = {r: d for r, d in dumps.items() if key(d) == key(newest)}
+    last = max(d.get("time", 0.0) for d in mine.values())
+    later = [e for e in events if e.get("event") in ("start", "finished", "stopped", "restart")
+             and e.get("time", 0.0) > last]
+    info = {"job": key(newest)[0], "attempt": key(newest)[1], "time": last, "older_dumps": sorted(set(dumps) - set(mine)),
+            "superseded_by": later[-1] if later else None}
+    return mine, info
 
 
 def _rank_state(d: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +123,17 @@ def _op(b: dict[str, Any] | None, age_word: str) -> str:
 
 def format_diagnosis(a: dict[str, Any]) -> str:
     lines = [f"flight-recorder dumps: {len(a['ranks'])} of {a['world_size']} ranks"]
+    att = a.get("attempt")
+    if att:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(att["time"]))
+        lines[0] += f", from attempt {att['attempt']} of launch {att['job'] or '-'} (newest dump {when})"
+        if att["older_dumps"]:
+            lines.append(f"  rank(s) {att['older_dumps']}: only dumps of an earlier attempt, left out")
+        if att["superseded_by"]:
+            ev = att["superseded_by"]
+            lines.append(f"  HISTORY: the run went on after these dumps ({ev['event']} at step {ev.get('step', '-')}, "
+                         f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))}); they describe that earlier "
+                         "attempt, not the run's current state")
     if a["missing_dumps"]:
         lines.append(f"  no dump from rank(s) {a['missing_dumps']} (process dead, or recorder not installed)")
     if not a["findings"] and not a["mismatches"]:

@@ -36,10 +36,11 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], q: Any) -> N
     import torch
     import torch.distributed as dist
 
+    from stalwart.comm.launch import join_gloo
+
     torch.set_num_threads(opts["threads"])
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=__import__("datetime").timedelta(seconds=opts["timeout_s"]))
+        join_gloo(rank, world, "127.0.0.1", port, opts["timeout_s"])
         n = opts["matmul_n"]
         a, b = torch.randn(n, n), torch.randn(n, n)
         slow = opts.get("slow_rank") == rank

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import inspect
 import itertools
+import contextlib
 import json
 import os
 import signal
@@ -238,7 +239,7 @@ class FlightRecorder:
             self._watchdog = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.dump(f"signal {signal.Signals(signum).name}")
+        self._dump_quietly(f"signal {signal.Signals(signum).name}")
         if signum == signal.SIGTERM:
             prev = self._prev_handlers.get(signum, signal.SIG_DFL)
             if callable(prev):
@@ -248,7 +249,7 @@ class FlightRecorder:
                 os.kill(os.getpid(), signum)
 
     def _on_exception(self, tp: Any, value: Any, tb: Any) -> None:
-        self.dump(f"exception {tp.__name__}: {value}"[:300])
+        self._dump_quietly(f"exception {tp.__name__}: {value}"[:300])
         (self._prev_excepthook or sys.__excepthook__)(tp, value, tb)
 
     def check(self, now: float | None = None) -> str | None:
@@ -273,15 +274,23 @@ class FlightRecorder:
                 fired_at = None
             elif fired_at is None or fired_at != self.last_progress:
                 fired_at = self.last_progress
-                self.dump(reason)
+                self._dump_quietly(reason)
 
     # -- dumping --------------------------------------------------------------------------------
     def snapshot(self, reason: str = "") -> dict[str, Any]:
         entries = [dict(e) for e in list(self.entries)]
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),  # which launch and attempt wrote it
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "host": socket.gethostname(), "reason": reason, "time": self.clock(), "step": self.step,
                 "phase": self.phase, "phase_since": self.phase_since, "last_progress": self.last_progress,
                 "dump_count": self.dumps + 1, "earlier_reasons": list(self.reasons), "entries": entries}
+
+    def _dump_quietly(self, reason: str) -> None:
+        """An automatic dump (signal, exception, watchdog) must not add a failure of its own: a full
+        disk is reported by the writer that meets it first."""
+        with contextlib.suppress(OSError):
+            self.dump(reason)
 
     def dump(self, reason: str = "requested") -> Path:
         data = self.snapshot(reason)

@@ -43,8 +43,13 @@ def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0) -> 
                     self._send(204, b"", "image/x-icon")
                 elif path == "/trace.json":
                     q = parse_qs(url.query)
-                    first = int(q["first"][0]) if "first" in q else None
-                    last = int(q["last"][0]) if "last" in q else None
+                    try:
+                        first = int(q["first"][0]) if "first" in q else None
+                        last = int(q["last"][0]) if "last" in q else None
+                    except ValueError:
+                        self._send(400, b'{"error": "first and last must be step numbers (integers)"}',
+                                   "application/json")
+                        return
                     body = json.dumps(build_trace(load_timings(run_dir), first, last)).encode()
                     self._send(200, body, "application/json")
                 elif path.startswith("/api/"):

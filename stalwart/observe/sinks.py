@@ -65,6 +65,11 @@ class TensorBoardSink:
         self._w.close()
 
 
+def _label_value(v: str) -> str:
+    """Prometheus text format: backslash, double quote and newline escaped."""
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class PrometheusSink:
     """Serves the newest value of every numeric metric at ``http://host:port/metrics`` (text format).
 
@@ -75,7 +80,7 @@ class PrometheusSink:
     def __init__(self, port: int = 0, host: str = "127.0.0.1", prefix: str = "stalwart",
                  labels: dict[str, str] | None = None) -> None:
         self.prefix = prefix
-        self._labels = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+        self._labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in (labels or {}).items())
         self._values: dict[str, float] = {}
         self._lock = threading.Lock()
         sink = self
@@ -176,7 +181,9 @@ def build_sinks(cfg: Any, run_dir: str | Path, run_name: str = "run", is_main: b
     if cfg.tensorboard:
         sinks.append(TensorBoardSink(paths.tensorboard))
     if cfg.prometheus_port:
-        sinks.append(PrometheusSink(cfg.prometheus_port, cfg.prometheus_host, labels={"run": run_name}))
+        # `run` names the run directory (run.name stays "default" when only run.dir is given).
+        sinks.append(PrometheusSink(cfg.prometheus_port, cfg.prometheus_host,
+                                    labels={"run": paths.root.resolve().name, "run_dir": str(paths.root.resolve())}))
     if cfg.wandb:
         sinks.append(WandbSink(cfg.wandb_project, run_name, config_dict, paths.root))
     return MetricsFanout(sinks)

@@ -23,37 +23,22 @@ No rank talks to another: each rank appends its own file and the tools (``stalwa
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from stalwart.metrics.records import JsonlWriter
 from stalwart.paths import RunPaths
 
 # The standard phase names; any other name is accepted and becomes its own lane.
 PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint")
 
 
-class TimingsWriter:
+class TimingsWriter(JsonlWriter):
     """Appends timing records to ``<run_dir>/timings/rank-<r>.jsonl`` (line-buffered by flush)."""
 
     def __init__(self, run_dir: str | Path, rank: int) -> None:
-        self.path = RunPaths(run_dir).timings(rank)
-        self._fh = None
-
-    def write_many(self, records: list[dict[str, Any]]) -> None:
-        if not records:
-            return
-        if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", encoding="utf-8")
-        self._fh.write("".join(json.dumps(r) + "\n" for r in records))
-        self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        super().__init__(RunPaths(run_dir).timings(rank))
 
 
 class _Phase:

@@ -34,7 +34,8 @@ options:
 def build_workload(cfg: PlanConfig) -> Workload:
     shape = apply_shape_overrides(FLAVORS[cfg.model.flavor], cfg.model)
     w = cfg.workload
-    batch = w.global_batch_tokens // w.seq_len if w.global_batch_tokens else w.global_batch
+    batch = w.global_batch_tokens // w.seq_len if w.global_batch_tokens else (
+        w.global_batch or max(16, cfg.cluster.gpus // 4))
     return Workload(shape, w.seq_len, batch)
 
 
@@ -75,7 +76,9 @@ def main(argv: list[str]) -> int:
               f"{w.global_batch} sequences/step ({w.tokens_per_step:,} tokens), {c.gpus} x {gpu.name}")
         print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.hbm_gb - s.headroom_gb:.0f} GB\n")
         if not ranked:
-            raise ConfigError("no valid layout: check that gpus, batch and the search lists are compatible")
+            raise ConfigError(f"no valid layout: {w.global_batch} sequences/step cannot be split over {c.gpus} GPUs "
+                              "with the searched tp/pp/cp degrees and micro-batches; raise --workload.global_batch "
+                              "(a multiple of the data-parallel degree), or widen the search lists")
         shown = (fitting or ranked)[: s.top]
         print(f"  {'#':>2}  {'layout':<56} {'tokens/s/GPU':>12} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7} "
               f"{'mem GB':>7}")

@@ -36,7 +36,9 @@ def apply_shape_overrides(base: ModelShape, m: ModelSection) -> ModelShape:
 @dataclass
 class WorkloadSection:
     seq_len: int = option("Sequence length in tokens.", 8192, min=1)
-    global_batch: int = option("Sequences per optimizer step (global_batch_tokens, if set, wins).", 16, min=1)
+    global_batch: int = option("Sequences per optimizer step (global_batch_tokens, if set, wins); 0 = scale "
+                               "with the cluster: max(16, cluster.gpus / 4), e.g. 2048 on 8,192 GPUs (Llama 3 "
+                               "405B's 16M tokens at seq 8192).", 0, min=0)
     global_batch_tokens: int = option("Tokens per optimizer step; 0 = use global_batch. Must be a multiple of "
                                       "seq_len.", 0, min=0)
 

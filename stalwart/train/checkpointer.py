@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint.manager import CheckpointError, CheckpointManager
+from stalwart.checkpoint.manager import (CheckpointError, CheckpointManager, PeerCheckpointError,
+                                         newest_complete_checkpoint)
+from stalwart.checkpoint.writer import TRAINER_STATE
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
+
+
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
+
+
+def _shape(a: dict) -> str:
+    return (f"dim {a.get('dim')}, {a.get('n_layers')} layers, {a.get('n_heads')} heads ({a.get('n_kv_heads')} "
+            f"key/value), ffn {a.get('ffn_hidden')}, vocab {a.get('vocab_size')}, "
+            f"{'tied' if a.get('tie_embeddings') else 'untied'} embeddings")
 
 
 class Checkpointer:
@@ -36,6 +48,7 @@ class Checkpointer:
             self.snapshots = SnapshotStore(paths.snapshots(cfg.memory_dir), env.rank, env.world_size,
                                            env.local_world_size, layout=core.dims.describe())
         self.resumed_from: Path | None = None
+        self.initialized_from: str | None = None  # a Hugging Face directory the weights came from
 
     @staticmethod
     def refuse_overwrite(cfg, paths: RunPaths) -> None:
@@ -44,6 +57,22 @@ class Checkpointer:
             raise CheckpointError(
                 f"run directory {paths.root} already holds checkpoints and checkpoint.resume = none; use "
                 "--checkpoint.resume auto to continue it, or choose another --run.dir")
+
+    @staticmethod
+    def refuse_other_shape(cfg, paths: RunPaths, args) -> None:
+        """The checkpoint a resume would load holds a model of another shape than ``args`` (the config's,
+        resolved): stop with one line naming both, before any process group or file is touched."""
+        path = Path(cfg.resume) if cfg.resume not in ("auto", "none") else (
+            newest_complete_checkpoint(paths.checkpoints) if cfg.resume == "auto" else None)
+        try:
+            saved = json.loads((path / TRAINER_STATE).read_text())["model_args"] if path else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # unreadable: the load itself names what is wrong
+        want = dataclasses.asdict(args)
+        if isinstance(saved, dict) and any(saved.get(k) != want[k] for k in SHAPE_FIELDS):
+            raise CheckpointError(f"checkpoint {path} holds a model of another shape ({_shape(saved)}) than the "
+                                  f"config asks for ({_shape(want)}); train into another --run.dir, or resume "
+                                  f"with the run's own config (--config {paths.config})")
 
     # ------------------------------------------------------------------ state
     def trainer_state(self) -> dict[str, Any]:
@@ -68,13 +97,14 @@ class Checkpointer:
             st = self.snapshots.load(snap, model, optimizer)
             source, step, path = "memory", int(st["step"]), self.snapshots.job_dir
         elif path is not None:
-            loaded = self.manager.load(path, model, optimizer)
-            st, source, step = loaded.trainer_state, "disk", loaded.step
+            loaded = self.manager.load_resume(path, model, optimizer)
+            st, source, step, path = loaded.trainer_state, "disk", loaded.step, loaded.path
         else:
             if self.cfg.init_from_hf:
                 from stalwart.export.hf import load_hf_into
 
                 load_hf_into(model, self.core.spec.model_args, self.cfg.init_from_hf)
+                self.initialized_from = self.cfg.init_from_hf
                 self.log_event("initialized", source="hf", path=self.cfg.init_from_hf)
             return
         self._load_trainer_state(step, st)
@@ -105,7 +135,21 @@ class Checkpointer:
         ckpt = self.resumed_from if not trained else None
         if trained and (self.cfg.at_end or stopped_early):
             ckpt = self.save(block=True)
+            if ckpt is None:  # failed under on_failure = continue: the session's end is not durable
+                self._final_save_failed()
         self.manager.wait()  # an in-flight async save commits before exit
         if self.snapshots is not None and not stopped_early:
             self.snapshots.clear()  # finished: the final disk checkpoint supersedes them
         return ckpt
+
+    def _final_save_failed(self) -> None:
+        step = self.core.state.step
+        newest = newest_complete_checkpoint(self.paths.checkpoints)
+        durable = checkpoint_step(newest) if newest is not None else None
+        with contextlib.suppress(OSError):  # the disk may be what failed
+            self.log_event("final_save_failed", step=step, durable_step=durable, error=self.manager.last_error)
+        error = CheckpointError if self.env.rank == 0 else PeerCheckpointError  # every rank fails alike: one line
+        raise error(
+            f"the final checkpoint (step {step}) was not saved: {self.manager.last_error}; " + (
+                f"the newest durable checkpoint is step {durable}, which a rerun resumes from" if durable is not None
+                else "no checkpoint of this run is durable, so a rerun starts over"))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from stalwart.comm.launch import bound_tcp_store
+from stalwart.ft.runlock import LAUNCHER_PID_ENV
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,25 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def bind_to_launcher() -> None:
+    """Under torch's elastic agent (torchrun or Stalwart's launcher), die with it: the kernel sends this
+    worker SIGKILL when its parent exits, however it exits, so no worker trains on unsupervised. A
+    worker whose launcher is already gone (or that is not the one it was started by) leaves at once."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if os.getppid() == 1 or (expected and os.getppid() != int(expected)):
+        print(f"stalwart train: the launcher that started this worker (PID {expected or '?'}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -50,7 +74,12 @@ def init_distributed(device_request: str, timeout_s: float = 1800.0) -> DistEnv:
     if launched_by_torchrun() and not dist.is_initialized():
         # gloo carries CPU collectives (barriers, objects) even when NCCL carries the GPU ones.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+        store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # this job's rank 0 serves the store
+            store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                                    timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
+                                rank=rank if store else -1, world_size=world if store else -1,
                                 device_id=device if device.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, local_world, device)
 

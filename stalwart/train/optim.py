@@ -81,7 +81,7 @@ class LRSchedule:
     """lr(step) as a pure function of the step; the state is just the step counter."""
 
     def __init__(self, cfg, peak_lr: float, total_steps: int) -> None:
-        self.kind, self.warmup = cfg.kind, cfg.warmup_steps
+        self.kind, self.warmup = cfg.kind, min(cfg.warmup_steps, total_steps)
         self.min_ratio, self.decay_fraction = cfg.min_lr_ratio, cfg.decay_fraction
         self.peak, self.total = peak_lr, total_steps
         self.step_count = 0

@@ -54,16 +54,19 @@ class Trainer:
         Checkpointer.refuse_overwrite(cfg.checkpoint, self.paths)  # before anything in the run is written
 
         # Data and tokenizer: rank 0 trains/caches the tokenizer, the others read the cached file.
-        self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
+        self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction,
+                             cfg.data.decode_errors)
         if env.is_main:
             self.paths.root.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.paths.config, to_toml(cfg))
             self.tokenizer = build_tokenizer(cfg.data, self.corpus, self.paths.tokenizer)
         _barrier()
         if not env.is_main:
             self.tokenizer = load_tokenizer(self.paths.tokenizer)
         self.eos = eos_id(self.tokenizer)
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
+        Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
+        if env.is_main:
+            write_text_atomic(self.paths.config, to_toml(cfg))
         dp_rank = dims.dp_rank(env.rank)
         stream = TokenStream(self.corpus, self.corpus.train, self.tokenizer, self.eos, cfg.run.seed, True)
         data = DataLoader(stream, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
@@ -119,6 +122,8 @@ class Trainer:
                             layout=self.core.dims.describe(), params=count_params(self.core.spec.model_args),
                             device=str(self.env.device), collectives=self.cfg.comm.algorithm,
                             custom_comm_modules=self.core.pm.custom_comm_modules)
+        for note in self.cfg.notes():
+            self.observer.say(note)
         if self.state.step >= self.end:
             self.observer.say(f"already at step {self.state.step} of {self.cfg.training.steps}: nothing to train "
                               "(raise --training.steps to continue this run)")
@@ -155,7 +160,9 @@ class Trainer:
     def _banner(self) -> str:
         a, env = self.core.spec.model_args, self.env
         resumed = self.checkpointer.resumed_from
-        src = f"resumed from {resumed} at step {self.state.step}" if resumed else "fresh start"
+        hf = self.checkpointer.initialized_from
+        src = (f"resumed from {resumed} at step {self.state.step}" if resumed else
+               f"initialised from Hugging Face {hf}" if hf else "fresh start")
         return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
                 f"vocab {a.vocab_size}), {env.world_size} process(es) [{self.core.dims.describe()}] on "
                 f"{env.device}, {self.core.param_dtype}; data: {self.corpus.source}; {src}; peak "

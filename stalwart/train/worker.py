@@ -6,17 +6,20 @@ The config is parsed once per process, by the entry point (``stalwart train`` or
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 
 import torch
 
 from stalwart.config.job import JobConfig
-from stalwart.errors import UserError
-from stalwart.ft.detect import EXIT_ROLLBACK
+from stalwart.errors import PeerUserError, UserError
+from stalwart.ft.detect import EXIT_ROLLBACK, EXIT_USER_ERROR
 from stalwart.ft.guard import RollbackRequested
 from stalwart.ft.records import record_exit
 from stalwart.paths import RunPaths
+from stalwart.ft.runlock import RunLock, held_by_parent, under_stalwart_launcher
 
 
 def format_summary(s: dict) -> str:
@@ -51,7 +54,32 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _run_lock(cfg: JobConfig) -> RunLock | contextlib.nullcontext:
+    """The run directory's lock, unless the launcher that started this process holds it: taken by the
+    one process of a single-process run, or by global rank 0 under plain torchrun (whose restarts share
+    torchrun's run id, so a restarted rank 0 waits for its predecessor instead of refusing)."""
+    if held_by_parent() or int(os.environ.get("RANK", 0)) != 0:
+        return contextlib.nullcontext()
+    return RunLock(RunPaths.of(cfg.run), job=os.environ.get("TORCHELASTIC_RUN_ID", ""))
+
+
 def worker_main(cfg: JobConfig) -> int:
+    from stalwart.train.dist_env import bind_to_launcher
+
+    bind_to_launcher()
+    lock = _run_lock(cfg)
+    try:
+        lock.__enter__()
+    except UserError as e:
+        print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    try:
+        return _worker_main(cfg)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _worker_main(cfg: JobConfig) -> int:
     from stalwart.train.dist_env import init_distributed, shutdown
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -65,9 +93,17 @@ def worker_main(cfg: JobConfig) -> int:
             print(format_summary(summary), flush=True)
         return 0
     except UserError as e:
-        if env.is_main:
+        if not env.is_distributed:
             print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+            return EXIT_USER_ERROR
+        # Any rank may meet a user error (its shard of a checkpoint, say). Under Stalwart's launcher the
+        # supervisor prints the first failing rank's line once; elsewhere each failing rank prints it.
+        # Leave at once, like a crash: tearing the group down can block on peers still in a collective.
+        recorded = record_exit(RunPaths.of(cfg.run), env.rank, e, user_error=True,
+                               peer=isinstance(e, PeerUserError))
+        if not (recorded and under_stalwart_launcher()) and not isinstance(e, PeerUserError):
+            print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
+        _leave(EXIT_USER_ERROR)
     except RollbackRequested as e:
         if env.is_main:
             print(f"stalwart train: rolling back to the last good state: {e}", file=sys.stderr, flush=True)
@@ -77,10 +113,25 @@ def worker_main(cfg: JobConfig) -> int:
             raise
         # Tearing the process group down can block on a dead or hung peer; the supervisor restarts the
         # group only once this process is gone, so exit now (traceback and flight-recorder dump first).
-        record_exit(RunPaths.of(cfg.run), env.rank, e)
-        sys.excepthook(type(e), e, e.__traceback__)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        lost = _PEER_LOST.search(str(e))
+        record_exit(RunPaths.of(cfg.run), env.rank, e, peer=bool(lost))
+        if lost:  # not this rank's failure: Stalwart's supervisor names the rank that left first
+            if not under_stalwart_launcher():
+                print(f"stalwart train: rank {env.rank} stopped: a peer left the job ({lost.group(0)})",
+                      file=sys.stderr)
+        else:
+            sys.excepthook(type(e), e, e.__traceback__)
+        _leave(1)
     finally:
         shutdown()
+
+
+# How gloo reports a collective whose peer has gone (exited, killed, or stopped its process group).
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Socket closed|connectFullMesh failed")
+
+
+def _leave(code: int) -> None:
+    """Exit this worker now, without tearing the process group down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
