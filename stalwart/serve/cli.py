@@ -10,7 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stalwart.serve.http import bind, die_with_parent
+from stalwart.procs import die_with_parent
+from stalwart.serve.http import bind
 from stalwart.serve.options import parse, usage
 
 

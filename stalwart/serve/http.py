@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import signal
 import socket
-import sys
 from pathlib import Path
 
 import uvicorn
 
 from stalwart.atomic import write_text_atomic
 from stalwart.errors import UserError
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent exits (no orphaned replica or rank)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def bind(host: str, port: int) -> socket.socket:

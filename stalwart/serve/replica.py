@@ -15,7 +15,7 @@ from pathlib import Path
 from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
 from stalwart.infer.load import Source
-from stalwart.serve.http import die_with_parent
+from stalwart.procs import die_with_parent
 
 
 def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None) -> int:

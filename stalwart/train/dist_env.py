@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -42,12 +41,11 @@ def bind_to_launcher() -> None:
     worker whose launcher is already gone (or that is not the one it was started by) leaves at once."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    import ctypes
     import signal
 
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    from stalwart.procs import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
     expected = os.environ.get(LAUNCHER_PID_ENV)
     if os.getppid() == 1 or (expected and os.getppid() != int(expected)):
         print(f"stalwart train: the launcher that started this worker (PID {expected or '?'}) is gone; exiting",
