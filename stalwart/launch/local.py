@@ -23,7 +23,7 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
     dims = ParallelDims.resolve(cfg.parallelism, world)
     args = resolve_args(cfg.model, 256, cfg.data.seq_len)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
-                     virtual_stages(cfg.parallelism, dims))
+                     virtual_stages(cfg.parallelism, dims), args.moe.n_experts if args.moe else 0)
     Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:

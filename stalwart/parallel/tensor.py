@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -47,11 +48,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if block.moe is None:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        else:
+            # NOTE: the sparse feed-forward is not tensor-parallel: every tp rank routes and computes the
+            # whole (gathered) sequence with plain replicated weights, then keeps its sequence shard.
+            # Routing needs whole sequences (the balance statistics are per sequence).
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
         if block.ffn_norm is not None:
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
