@@ -30,7 +30,9 @@ from stalwart.models.flavors import MoEArgs
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local part of a sharded (DTensor) parameter; a plain tensor unchanged."""
+    """The local part of a sharded or replicated (DTensor) parameter; a plain tensor unchanged. The sparse
+    block computes on local tensors: a tensor-parallel layout replicates its weights, expert parallelism
+    shards the experts, and the tokens are always plain tensors."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -65,7 +67,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (tokens, dim) -> scores (tokens, experts), selected (tokens, k), weights (tokens, k)."""
-        logits = self.gate(x).float()
+        logits = F.linear(x, _local(self.gate.weight)).float()
         scores = torch.softmax(logits, -1) if self.moe.score_func == "softmax" else torch.sigmoid(logits)
         selected = torch.topk(scores.detach() + self.expert_bias, self.moe.top_k, dim=-1).indices
         weights = scores.gather(-1, selected)
@@ -134,7 +136,9 @@ class MoE(nn.Module):
         aux = self._aux_loss(scores, selected, bs, seq)
         if aux is not None and torch.is_grad_enabled():
             weights = _AddAuxGrad.apply(weights, aux, self.aux_grad_scale)
-        if self.training and not _in_backward():
+        # Statistics of training forwards only: not evaluation, not a recomputation during backward
+        # (activation checkpointing), not a pipeline stage's shape inference (runs without grad).
+        if self.training and torch.is_grad_enabled() and not _in_backward():
             self._record(scores, counts, aux)
         # Sort the N*k (token, expert) pairs by expert; stable, so each expert sees tokens in order.
         order = torch.argsort(selected.flatten(), stable=True)  # (N*k,)
@@ -145,7 +149,9 @@ class MoE(nn.Module):
         unsorted[order] = out
         y = unsorted.view(-1, k, dim).sum(1)  # (N, dim)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            se = self.shared_experts
+            w1, w2, w3 = (_local(lin.weight) for lin in (se.w1, se.w2, se.w3))
+            y = y + F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
         return y.view(bs, seq, dim)
 
     def _aux_loss(self, scores: torch.Tensor, selected: torch.Tensor, bs: int, seq: int) -> torch.Tensor | None:

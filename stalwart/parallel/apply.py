@@ -43,7 +43,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
             from stalwart.parallel.tensor import apply_tensor_parallel
 
             pm.loss_parallel = cfg.loss_parallel
-            apply_tensor_parallel(stage, meshes["tp"], cfg.loss_parallel)
+            apply_tensor_parallel(stage, meshes["tp"], cfg.loss_parallel, replicate_experts=dims.ep == 1)
         if dims.ep > 1:
             from stalwart.parallel.expert import apply_expert_parallel
 

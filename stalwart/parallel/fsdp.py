@@ -28,5 +28,9 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype, reshard_after_f
         if expert_mesh is not None and moe is not None:
             fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
             moe.experts.set_gradient_divide_factor(float(dp_size))
+            if expert_mesh.size() > 1:
+                # Sum, then divide (gloo has no PREMUL_SUM). NOTE: not on a 1-rank mesh, where torch 2.13
+                # would divide twice (once in place of the reduce-scatter and once after it).
+                moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

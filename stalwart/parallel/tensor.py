@@ -10,7 +10,7 @@ cross-entropy never materialises full logits on one rank.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -21,8 +21,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``."""
+def _replicate_params(module: nn.Module, mesh) -> None:
+    """Every parameter under ``module`` a Replicate DTensor; buffers untouched (unlike distribute_module)."""
+    for sub in module.modules():
+        for pname, param in list(sub.named_parameters(recurse=False)):
+            sub.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, replicate_experts: bool = True) -> None:
+    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``. ``replicate_experts``: False
+    when expert parallelism shards the routed experts instead."""
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -60,9 +68,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
             # NOTE: the sparse feed-forward is not tensor-parallel: every tp rank routes and computes the
             # whole (gathered) sequence with plain replicated weights, then keeps its sequence shard.
             # Routing needs whole sequences (the balance statistics are per sequence).
+            # Its weights become Replicate DTensors (one optimizer over DTensors; the block computes on
+            # their local values), its buffers (routing bias, statistics) stay plain tensors.
             plan["moe"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            parts = [block.moe.router] + ([block.moe.shared_experts] if block.moe.shared_experts else [])
+            for part in parts + ([block.moe.experts] if replicate_experts else []):
+                _replicate_params(part, tp_mesh)
         if block.ffn_norm is not None:
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
