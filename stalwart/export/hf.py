@@ -1,5 +1,8 @@
 """Hugging Face Llama format: export a run's checkpoint, and import HF weights as initial weights.
 
+A mixture-of-experts model uses the Mixtral layout (same attention and norms; ``hf_moe.py`` maps the
+router and the experts).
+
 Names map one to one (``layers.i.attention.wq`` <-> ``model.layers.i.self_attn.q_proj``, ...). The one
 non-trivial difference is RoPE: Stalwart rotates interleaved channel pairs ``(x[2i], x[2i+1])``, HF
 Llama rotates halves ``(x[i], x[i + d/2])``. Permuting the rows of ``wq``/``wk`` within each head
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import UserError
+from stalwart.export import hf_moe
 from stalwart.models.flavors import TransformerArgs
 
 SAFE_SINGLE = "model.safetensors"
@@ -44,24 +48,27 @@ def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- names
-def _layer_map(i: int) -> list[tuple[str, str]]:
+def _layer_map(i: int, sparse: bool) -> list[tuple[str, str]]:
     p, q = f"layers.{i}.", f"model.layers.{i}."
+    ffn = hf_moe.router_names(i) if sparse else [
+        (p + "feed_forward.w1.weight", q + "mlp.gate_proj.weight"),
+        (p + "feed_forward.w3.weight", q + "mlp.up_proj.weight"),
+        (p + "feed_forward.w2.weight", q + "mlp.down_proj.weight")]
     return [(p + "attention.wq.weight", q + "self_attn.q_proj.weight"),
             (p + "attention.wk.weight", q + "self_attn.k_proj.weight"),
             (p + "attention.wv.weight", q + "self_attn.v_proj.weight"),
             (p + "attention.wo.weight", q + "self_attn.o_proj.weight"),
-            (p + "feed_forward.w1.weight", q + "mlp.gate_proj.weight"),
-            (p + "feed_forward.w3.weight", q + "mlp.up_proj.weight"),
-            (p + "feed_forward.w2.weight", q + "mlp.down_proj.weight"),
+            *ffn,
             (p + "attention_norm.weight", q + "input_layernorm.weight"),
             (p + "ffn_norm.weight", q + "post_attention_layernorm.weight")]
 
 
 def name_map(args: TransformerArgs) -> list[tuple[str, str]]:
-    """(stalwart name, HF name) for every stored tensor (the tied head is stored once, as the embedding)."""
+    """(stalwart name, HF name) for every stored tensor mapped one to one (the tied head is stored once, as
+    the embedding; stacked experts are mapped by ``hf_moe``)."""
     out = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     for i in range(args.n_layers):
-        out += _layer_map(i)
+        out += _layer_map(i, args.is_moe_layer(i))
     if not args.tie_embeddings:
         out.append(("output.weight", "lm_head.weight"))
     return out
@@ -72,10 +79,12 @@ def check_exportable(args: TransformerArgs) -> None:
         raise ExportError("model.parallel_block = true has no Hugging Face Llama equivalent; cannot export")
     if args.sliding_window:
         raise ExportError("model.sliding_window has no Hugging Face Llama equivalent; cannot export")
+    if args.moe is not None:
+        hf_moe.check_mixtral(args)
 
 
 def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") -> dict[str, Any]:
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_hidden,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
@@ -87,6 +96,7 @@ def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") ->
         "initializer_range": args.init_std, "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
         "bos_token_id": eos, "eos_token_id": eos,
     }
+    return hf_moe.mixtral_config(args, llama) if args.moe is not None else llama
 
 
 # ---------------------------------------------------------------------- export
@@ -102,6 +112,8 @@ def to_hf_state(state: dict[str, torch.Tensor], args: TransformerArgs) -> dict[s
         elif ours.endswith("attention.wk.weight"):
             t = to_hf_rope(t, args.n_kv_heads)
         out[theirs] = t.contiguous().clone()
+    if args.moe is not None:
+        out.update(hf_moe.experts_to_hf(state, args))
     return out
 
 
@@ -191,14 +203,18 @@ def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args
                   where: str = "") -> dict[str, torch.Tensor]:
     """HF tensors -> Stalwart full state dict, after checking the shapes agree with ``args``."""
     expect = {"hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-              "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden,
-              "vocab_size": args.vocab_size}
+              "num_key_value_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
+              "intermediate_size": args.moe.hidden if args.moe else args.ffn_hidden}
+    if args.moe is not None:
+        expect.update(num_local_experts=args.moe.n_experts, num_experts_per_tok=args.moe.top_k)
     for key, value in expect.items():
         if config.get(key, value if key == "num_key_value_heads" else None) != value:
             raise ExportError(f"checkpoint.init_from_hf {where}: config.json has {key} = {config.get(key)}, "
                               f"but this run's model has {value} (set --model.* to match)")
     state = {}
     for ours, theirs in name_map(args):
+        if ".moe.router." in ours:
+            theirs = hf_moe.router_from_hf_name(theirs, tensors)
         if theirs not in tensors:
             raise ExportError(f"checkpoint.init_from_hf {where}: tensor '{theirs}' is missing")
         t = tensors[theirs].float()
@@ -207,6 +223,8 @@ def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args
         elif ours.endswith("attention.wk.weight"):
             t = from_hf_rope(t, args.n_kv_heads)
         state[ours] = t
+    if args.moe is not None:
+        state.update(hf_moe.experts_from_hf(tensors, args, where))
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state
