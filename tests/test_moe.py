@@ -165,7 +165,7 @@ def test_expert_parallel_degree_is_validated():
         ParallelDims.resolve(_par(ep=2, dp_replicate=2), 4)
     with pytest.raises(LayoutError, match="dense"):
         dims.check_model(4, 2, 4, 32, n_experts=0)
-    with pytest.raises(LayoutError, match="the 6 experts"):
+    with pytest.raises(LayoutError, match="divide the 6 experts"):
         ParallelDims.resolve(_par(ep=4), 4).check_model(4, 2, 4, 32, n_experts=6)
 
 

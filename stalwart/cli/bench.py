@@ -9,6 +9,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
     "collectives": ("stalwart.comm.bench", "collective algorithms: bus bandwidth per size, cost-model fit"),
     "layouts": ("stalwart.bench.layouts", "parallel layouts: tokens/s vs one process, per-rank state bytes"),
+    "moe": ("stalwart.bench.moe", "mixture of experts: grouped matmul vs expert loop, bias balancing"),
 }
 
 

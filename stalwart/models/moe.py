@@ -169,9 +169,9 @@ class MoE(nn.Module):
         probs = scores / scores.sum(-1, keepdim=True)
         entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1).sum()
         self.stat_tokens += counts.to(self.stat_tokens.dtype)
-        self.stat_misc += torch.stack([aux.detach().double() if aux is not None else torch.zeros((), dtype=torch.float64),
-                                       entropy.double(), torch.tensor(float(scores.shape[0]), dtype=torch.float64),
-                                       torch.ones((), dtype=torch.float64)])
+        zero = torch.zeros((), dtype=torch.float64, device=scores.device)  # no host sync on an accelerator
+        aux_value = aux.detach().double() if aux is not None else zero
+        self.stat_misc += torch.stack([aux_value, entropy.double(), zero + scores.shape[0], zero + 1])
 
 
 def moe_modules(model: nn.Module) -> dict[int, MoE]:

@@ -134,10 +134,13 @@ function renderExperts(d) {
   const ex = d.experts, box = byId("experts"), sel = byId("expert-layer");
   byId("experts-section").style.display = ex ? "" : "none";
   if (!ex) return;
-  if (sel.options.length !== ex.layers.length) sel.replaceChildren(...ex.layers.map((l) => h("option", {value: l}, "layer " + l)));
+  if (sel.options.length !== ex.layers.length) {
+    sel.replaceChildren(...ex.layers.map((l) => h("option", {value: l}, "layer " + l)));
+  }
   if (!ex.layers.includes(EXPERT_LAYER)) EXPERT_LAYER = ex.layers[0];
   sel.value = EXPERT_LAYER;
-  const m = ex.load[EXPERT_LAYER], n = ex.steps.length, cw = Math.max(2, Math.min(14, Math.floor(860 / Math.max(1, n))));
+  const m = ex.load[EXPERT_LAYER], n = ex.steps.length;
+  const cw = Math.max(2, Math.min(14, Math.floor(860 / Math.max(1, n))));
   const ch = 14, L = 70, T = 6, W = L + cw * n + 10, H = T + ch * m.length + 26;
   const hi = Math.max(2, ...m.flat().filter((v) => v !== null));
   const g = svg("svg", {width: W, height: H, class: "experts-svg"});
@@ -145,16 +148,18 @@ function renderExperts(d) {
     g.appendChild(svg("text", {x: L - 6, y: T + e * ch + 11, "text-anchor": "end"}, "expert " + e));
     row.forEach((v, j) => {
       if (v === null) return;
-      const cell = svg("rect", {x: L + j * cw, y: T + e * ch, width: cw - 0.5, height: ch - 1, fill: heatColor(v / hi),
-                                class: "ex-cell"});
-      cell.appendChild(svg("title", {}, `layer ${EXPERT_LAYER} expert ${e} step ${ex.steps[j]}: ${v.toFixed(2)} x mean load`));
+      const cell = svg("rect", {x: L + j * cw, y: T + e * ch, width: cw - 0.5, height: ch - 1,
+                                fill: heatColor(v / hi), class: "ex-cell"});
+      const tip = `layer ${EXPERT_LAYER} expert ${e} step ${ex.steps[j]}: ${v.toFixed(2)} x mean load`;
+      cell.appendChild(svg("title", {}, tip));
       g.appendChild(cell);
     });
   });
   const y = T + ch * m.length + 14;
   g.appendChild(svg("text", {x: L, y}, "step " + ex.steps[0]));
   g.appendChild(svg("text", {x: L + cw * n, y, "text-anchor": "end"}, "step " + ex.steps[n - 1]));
-  g.appendChild(svg("text", {x: L + cw * n / 2, y, "text-anchor": "middle"}, `load / mean: 0 (green) .. ${hi.toFixed(1)} (red)`));
+  g.appendChild(svg("text", {x: L + cw * n / 2, y, "text-anchor": "middle"},
+                    `load / mean: 0 (green) .. ${hi.toFixed(1)} (red)`));
   box.replaceChildren(g);
   const s = ex.series;
   lineChart(byId("chart-balance"), [{name: "max/mean load (layer mean)", points: s.moe_load_imbalance || []},

@@ -68,10 +68,12 @@ class ParallelDims:
     def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
                     virtual_stages: int = 1, n_experts: int = 0) -> None:
         """Constraints that depend on the model shape (``n_experts`` = 0: a dense model)."""
-        if self.ep > 1 and (not n_experts or n_experts % self.ep):
-            what = f"the {n_experts} experts" if n_experts else "a mixture-of-experts model (this one is dense)"
-            raise LayoutError(f"parallelism.ep = {self.ep} needs {what} to split evenly over the ep ranks; "
-                              f"valid ep degrees: {[d for d in _divisors(n_experts) if self.dp_shard % d == 0]}")
+        if self.ep > 1 and not n_experts:
+            raise LayoutError(f"parallelism.ep = {self.ep} needs a mixture-of-experts model and this one is dense; "
+                              "use a sparse flavor (e.g. --model.flavor debug-moe) or --model.moe_experts N")
+        if self.ep > 1 and n_experts % self.ep:
+            raise LayoutError(f"parallelism.ep = {self.ep} must divide the {n_experts} experts; valid ep degrees: "
+                              f"{[d for d in _divisors(n_experts) if self.dp_shard % d == 0]}")
         if n_experts and self.cp > 1:
             raise LayoutError("parallelism.cp > 1 with a mixture-of-experts model is not supported (the balance "
                               "statistics are per sequence); use dp_shard or ep")
