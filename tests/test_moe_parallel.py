@@ -21,6 +21,7 @@ from stalwart.models.flavors import MoEArgs, TransformerArgs
 from stalwart.models.moe import moe_modules
 from stalwart.train.core import CoreSpec, TrainCore
 from stalwart.train.dist_env import DistEnv
+from stalwart.train.init import canonical_name
 
 pytestmark = pytest.mark.multiproc
 
@@ -48,7 +49,7 @@ def run_layout(layout: dict, rank: int, world: int) -> dict:
 
     def capture(step: int, loss):
         if step == 1:
-            params = dict(core.model.named_parameters())
+            params = {canonical_name(n): p for n, p in core.model.named_parameters()}
             for name in GRADS:
                 if name in params:
                     g = params[name].grad
@@ -125,8 +126,10 @@ def test_skewed_routing_reaches_the_cases_that_matter(reference):
 
 
 def test_expert_parallel_on_two_ranks_and_pipeline_match_one_process(reference, tmp_path):
-    ep2, pp2 = spawn(tmp_path, 2, [{"ep": 2}, {"pp": 2, "dp_shard": 1}])
+    ep2, ep2_ac, pp2 = spawn(tmp_path, 2, [{"ep": 2}, {"ep": 2, "activation_checkpoint": "full"},
+                                           {"pp": 2, "dp_shard": 1}])
     assert_matches(reference, ep2, "ep2")
+    assert_matches(reference, ep2_ac, "ep2 with activation checkpointing (all-to-alls recomputed)")
     assert_matches(reference, pp2, "pp2")
 
 
