@@ -4,7 +4,8 @@ A tiny mixture of experts (one dense layer, three sparse ones, 8 experts, top-2,
 balancing on) is trained for 5 steps by the training core under each layout. Routing is skewed on
 purpose: expert 0 is always chosen and expert 7 never, so under ep=2 rank 0's experts receive about
 three times the tokens of rank 1's and one expert receives none. Per-step losses, the auxiliary loss and
-the step-1 gradients of a router and an expert weight must match the single process.
+the step-1 gradients of a router and an expert weight must match the single process. Layouts: ep=2, ep=2 with
+activation checkpointing, pp=2 (2 ranks); ep=2 x dp_shard_mod_ep=2, ep=2 x tp=2, ep=2 x pp=2 (4 ranks).
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def test_expert_parallel_on_two_ranks_and_pipeline_match_one_process(reference, 
     assert_matches(reference, pp2, "pp2")
 
 
-def test_expert_parallel_with_fsdp_and_with_tensor_parallel_match_one_process(reference, tmp_path):
-    ep2_dp2, ep2_tp2 = spawn(tmp_path, 4, [{"ep": 2}, {"ep": 2, "tp": 2, "dp_shard": 2}])
+def test_expert_parallel_with_fsdp_tensor_and_pipeline_parallel_match_one_process(reference, tmp_path):
+    ep2_dp2, ep2_tp2, ep2_pp2 = spawn(tmp_path, 4, [{"ep": 2}, {"ep": 2, "tp": 2, "dp_shard": 2}, {"ep": 2, "pp": 2}])
     assert_matches(reference, ep2_dp2, "ep2 x dp_shard_mod_ep2")
     assert_matches(reference, ep2_tp2, "ep2 x tp2")
+    assert_matches(reference, ep2_pp2, "ep2 x pp2")

@@ -57,7 +57,10 @@ def balance(seed: int, steps: int, rate: float) -> tuple[float, float]:
     torch.nn.init.normal_(router.gate.weight, std=0.5)
     router.expert_bias.zero_()
     x = torch.randn(4096, 64) + 2.0 * router.gate.weight[seed % 8] / router.gate.weight[seed % 8].norm()
-    load = lambda: torch.bincount(router(x)[1].flatten(), minlength=8)  # noqa: E731
+
+    def load() -> torch.Tensor:
+        return torch.bincount(router(x)[1].flatten(), minlength=8)
+
     before = imbalance(load())
     for _ in range(steps):
         update_bias(router.expert_bias, load(), rate)
