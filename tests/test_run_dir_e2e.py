@@ -87,12 +87,12 @@ def test_killed_worker_restarts_second_run_refused_killed_launcher_takes_its_wor
         second = run_cli("train", "--run.dir", str(run), *COMMON, "--training.steps", "3", check=False)
         assert second.returncode == 2, second.stderr
         assert second.stderr.strip().splitlines() == [
-            line for line in second.stderr.splitlines() if f"in use by another run (host" in line]
+            line for line in second.stderr.splitlines() if "in use by another run (host" in line]
         assert f"PID {launcher.pid}," in second.stderr and str(run) in second.stderr
         tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                              "-m", "stalwart.train", "--run.dir", str(run), *COMMON, "--training.steps", "3"],
                             env=cli_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert tr.returncode != 0 and f"in use by another run (host" in tr.stderr
+        assert tr.returncode != 0 and "in use by another run (host" in tr.stderr
         assert "Traceback" not in tr.stderr.split("in use by another run")[0].split("Root Cause")[0]
 
         workers = _worker_pids(run)

@@ -62,7 +62,8 @@ class LaunchConfig:
 @dataclass
 class ModelConfig:
     flavor: str = option("Model shape preset: debug, tiny, small, 125M, llama3-1B, llama3-3B, llama3-8B, "
-                         "llama3-70B, llama3-405B (see stalwart/models/flavors.py).", "tiny")
+                         "llama3-70B, llama3-405B; sparse (mixture of experts): debug-moe, mixtral-8x7B, "
+                         "deepseek-v3-like, qwen3-moe-30B-A3B-like (see stalwart/models/flavors.py).", "tiny")
     dim: int = option("Override the flavor's hidden size (0 = keep the flavor's).", 0, min=0)
     n_layers: int = option("Override the number of transformer blocks (0 = flavor's).", 0, min=0)
     n_heads: int = option("Override the number of attention heads (0 = flavor's).", 0, min=0)
@@ -80,6 +81,23 @@ class ModelConfig:
         "(one fewer serial dependency per layer).", False)
     sliding_window: int = option("Sliding-window attention width in tokens (0 = full causal attention).", 0, min=0)
     init_std: float = option("Std-dev of the normal init of linear and embedding weights.", 0.02, min=0.0)
+    moe_experts: int = option("Routed experts per sparse layer (0 = the flavor's; > 0 makes a dense flavor a "
+                              "mixture of experts).", 0, min=0)
+    moe_top_k: int = option("Experts each token is routed to (0 = the flavor's).", 0, min=0)
+    moe_hidden: int = option("SwiGLU hidden size of one expert (0 = the flavor's).", 0, min=0)
+    moe_shared: int = option("Shared experts every token also passes through (-1 = the flavor's).", -1, min=-1)
+    moe_dense_layers: int = option("The first this many layers keep a dense feed-forward (-1 = the flavor's).",
+                                   -1, min=-1)
+    moe_score: Literal["auto", "softmax", "sigmoid"] = option(
+        "Router score function ('auto' = the flavor's); the top-k weights are renormalised to sum to 1.", "auto")
+    moe_aux_loss: float = option("Weight of the sequence-wise auxiliary balance loss (-1 = the flavor's, 0 = off).",
+                                 -1.0, min=-1.0)
+    moe_bias_rate: float = option("Auxiliary-loss-free balancing: after each step every expert's routing bias moves "
+                                  "this much towards balance (sign of mean load minus its load; -1 = the "
+                                  "flavor's, 0 = off).", -1.0, min=-1.0)
+    moe_compute: Literal["grouped", "loop"] = option(
+        "Expert computation: one grouped matmul over all experts, or a loop over the experts with tokens.",
+        "grouped")
 
 
 @dataclass
@@ -151,6 +169,8 @@ class ParallelismConfig:
     tp: int = option("Tensor-parallel degree (with sequence parallel).", 1, min=1)
     pp: int = option("Pipeline-parallel degree.", 1, min=1)
     cp: int = option("Context-parallel degree.", 1, min=1)
+    ep: int = option("Expert-parallel degree: the routed experts are split over this many of the FSDP ranks "
+                     "(tokens travel by all-to-all); must divide dp_shard and the number of experts.", 1, min=1)
     reshard_after_forward: bool = option("FSDP: free gathered parameters after forward (less memory, one more "
                                          "all-gather in backward). Always off for pipeline stages.", True)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",

@@ -1,5 +1,8 @@
 """Hugging Face Llama format: export a run's checkpoint, and import HF weights as initial weights.
 
+A mixture-of-experts model uses the Mixtral layout (same attention and norms; ``hf_moe.py`` maps the
+router and the experts).
+
 Names map one to one (``layers.i.attention.wq`` <-> ``model.layers.i.self_attn.q_proj``, ...). The one
 non-trivial difference is RoPE: Stalwart rotates interleaved channel pairs ``(x[2i], x[2i+1])``, HF
 Llama rotates halves ``(x[i], x[i + d/2])``. Permuting the rows of ``wq``/``wk`` within each head
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import UserError
+from stalwart.export import hf_moe
 from stalwart.models.flavors import TransformerArgs
 
 SAFE_SINGLE = "model.safetensors"
@@ -44,24 +48,27 @@ def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- names
-def _layer_map(i: int) -> list[tuple[str, str]]:
+def _layer_map(i: int, sparse: bool) -> list[tuple[str, str]]:
     p, q = f"layers.{i}.", f"model.layers.{i}."
+    ffn = hf_moe.router_names(i) if sparse else [
+        (p + "feed_forward.w1.weight", q + "mlp.gate_proj.weight"),
+        (p + "feed_forward.w3.weight", q + "mlp.up_proj.weight"),
+        (p + "feed_forward.w2.weight", q + "mlp.down_proj.weight")]
     return [(p + "attention.wq.weight", q + "self_attn.q_proj.weight"),
             (p + "attention.wk.weight", q + "self_attn.k_proj.weight"),
             (p + "attention.wv.weight", q + "self_attn.v_proj.weight"),
             (p + "attention.wo.weight", q + "self_attn.o_proj.weight"),
-            (p + "feed_forward.w1.weight", q + "mlp.gate_proj.weight"),
-            (p + "feed_forward.w3.weight", q + "mlp.up_proj.weight"),
-            (p + "feed_forward.w2.weight", q + "mlp.down_proj.weight"),
+            *ffn,
             (p + "attention_norm.weight", q + "input_layernorm.weight"),
             (p + "ffn_norm.weight", q + "post_attention_layernorm.weight")]
 
 
 def name_map(args: TransformerArgs) -> list[tuple[str, str]]:
-    """(stalwart name, HF name) for every stored tensor (the tied head is stored once, as the embedding)."""
+    """(stalwart name, HF name) for every stored tensor mapped one to one (the tied head is stored once, as
+    the embedding; stacked experts are mapped by ``hf_moe``)."""
     out = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
     for i in range(args.n_layers):
-        out += _layer_map(i)
+        out += _layer_map(i, args.is_moe_layer(i))
     if not args.tie_embeddings:
         out.append(("output.weight", "lm_head.weight"))
     return out
@@ -72,10 +79,12 @@ def check_exportable(args: TransformerArgs) -> None:
         raise ExportError("model.parallel_block = true has no Hugging Face Llama equivalent; cannot export")
     if args.sliding_window:
         raise ExportError("model.sliding_window has no Hugging Face Llama equivalent; cannot export")
+    if args.moe is not None:
+        hf_moe.check_mixtral(args)
 
 
 def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") -> dict[str, Any]:
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_hidden,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
@@ -87,6 +96,7 @@ def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") ->
         "initializer_range": args.init_std, "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
         "bos_token_id": eos, "eos_token_id": eos,
     }
+    return hf_moe.mixtral_config(args, llama) if args.moe is not None else llama
 
 
 def args_from_hf(config: dict[str, Any], where: str) -> TransformerArgs:
@@ -124,6 +134,8 @@ def to_hf_state(state: dict[str, torch.Tensor], args: TransformerArgs) -> dict[s
         elif ours.endswith("attention.wk.weight"):
             t = to_hf_rope(t, args.n_kv_heads)
         out[theirs] = t.contiguous().clone()
+    if args.moe is not None:
+        out.update(hf_moe.experts_to_hf(state, args))
     return out
 
 
@@ -217,8 +229,14 @@ def read_hf(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 # HF config field -> (this run's value, HF's default when absent, how to match it). Every field that
 # changes the function the weights compute is here; a difference is refused, never silently dropped.
 def _hf_expectations(args: TransformerArgs) -> dict[str, tuple[Any, Any, str]]:
+    moe = {} if args.moe is None else {
+        "model_type": ("mixtral", None, "a sparse model imports the Mixtral layout"),
+        "intermediate_size": (args.moe.hidden, None, "--model.moe_hidden"),
+        "num_local_experts": (args.moe.n_experts, None, "--model.moe_experts"),
+        "num_experts_per_tok": (args.moe.top_k, None, "--model.moe_top_k"),
+    }
     return {
-        "model_type": ("llama", None, "only Llama models are imported"),
+        "model_type": ("llama", None, "only Llama (or, for a sparse model, Mixtral) models are imported"),
         "hidden_size": (args.dim, None, "--model.dim"),
         "num_hidden_layers": (args.n_layers, None, "--model.n_layers"),
         "num_attention_heads": (args.n_heads, None, "--model.n_heads"),
@@ -235,7 +253,7 @@ def _hf_expectations(args: TransformerArgs) -> dict[str, tuple[Any, Any, str]]:
         "attention_bias": (False, False, "attention biases are not supported"),
         "mlp_bias": (False, False, "MLP biases are not supported"),
         "sliding_window": (args.sliding_window or None, None, "--model.sliding_window"),
-    }
+    } | moe
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -263,6 +281,8 @@ def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args
     check_hf_config(config, args, where)
     state = {}
     for ours, theirs in name_map(args):
+        if ".moe.router." in ours:
+            theirs = hf_moe.router_from_hf_name(theirs, tensors)
         if theirs not in tensors:
             raise ExportError(f"checkpoint.init_from_hf {where}: tensor '{theirs}' is missing")
         t = tensors[theirs].float()
@@ -271,6 +291,8 @@ def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args
         elif ours.endswith("attention.wk.weight"):
             t = from_hf_rope(t, args.n_kv_heads)
         state[ours] = t
+    if args.moe is not None:
+        state.update(hf_moe.experts_from_hf(tensors, args, where))
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state

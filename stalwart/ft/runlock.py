@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 from stalwart.errors import UserError
 from stalwart.paths import RunPaths

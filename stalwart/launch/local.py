@@ -30,7 +30,7 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
     if paths.tokenizer.is_file():  # a run to resume: its checkpoint must fit the config's model
         Checkpointer.refuse_other_shape(cfg.checkpoint, paths, args)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
-                     virtual_stages(cfg.parallelism, dims))
+                     virtual_stages(cfg.parallelism, dims), args.moe.n_experts if args.moe else 0)
     Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:

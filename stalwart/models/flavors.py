@@ -4,12 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from stalwart.errors import UserError
 
 
 class ModelShapeError(UserError, ValueError):
     """An inconsistent model shape (e.g. dim not divisible by heads)."""
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A sparse feed-forward: routed experts chosen per token, optional shared experts."""
+
+    n_experts: int
+    top_k: int
+    hidden: int                      # SwiGLU hidden size of one routed (and one shared) expert
+    n_shared: int = 0                # shared experts every token passes through
+    n_dense_layers: int = 0          # the first layers keep a dense feed-forward of ``ffn_hidden``
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True          # renormalise the top-k weights to sum to 1
+    route_scale: float = 1.0         # multiply the combine weights (DeepSeek-V3: 2.5)
+    aux_loss_coef: float = 0.0       # sequence-wise balance loss weight (0 = off)
+    bias_update_rate: float = 0.0    # auxiliary-loss-free balancing step per optimizer step (0 = off)
+    grouped_mm: bool = True          # one grouped matmul over experts, else a loop over non-empty experts
+
+    def validate(self, n_layers: int) -> None:
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ModelShapeError(f"model.moe_top_k ({self.top_k}) must be between 1 and model.moe_experts "
+                                  f"({self.n_experts})")
+        if self.n_dense_layers > n_layers:
+            raise ModelShapeError(f"model.moe_dense_layers ({self.n_dense_layers}) exceeds model.n_layers "
+                                  f"({n_layers})")
+
+    @property
+    def active_experts(self) -> int:
+        return self.top_k + self.n_shared
 
 
 @dataclass(frozen=True)
@@ -29,6 +59,10 @@ class TransformerArgs:
     parallel_block: bool = False
     sliding_window: int = 0
     init_std: float = 0.02
+    moe: MoEArgs | None = None  # None: every layer is dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.n_dense_layers
 
     @property
     def head_dim(self) -> int:
@@ -42,6 +76,8 @@ class TransformerArgs:
                              f"({self.n_kv_heads})")
         if self.head_dim % 2:
             raise ModelShapeError(f"head dimension {self.head_dim} must be even for RoPE")
+        if self.moe is not None:
+            self.moe.validate(self.n_layers)
 
 
 def llama_ffn_hidden(dim: int, multiple_of: int, multiplier: float | None = None) -> int:
@@ -73,6 +109,27 @@ FLAVORS: dict[str, TransformerArgs] = {
                                   ffn_hidden=28672, rope_theta=500000.0, max_seq_len=8192),
     "llama3-405B": TransformerArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                                    ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192),
+    # Sparse: the debug MoE has the debug model's active feed-forward width per token (top-2 experts of
+    # half its hidden size) and one dense layer in front of three sparse ones.
+    "debug-moe": TransformerArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512,
+                                 ffn_hidden=llama_ffn_hidden(64, 32), tie_embeddings=True,
+                                 moe=MoEArgs(n_experts=8, top_k=2, hidden=llama_ffn_hidden(64, 32) // 2,
+                                             n_dense_layers=1)),
+    "mixtral-8x7B": TransformerArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                                    ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768,
+                                    moe=MoEArgs(n_experts=8, top_k=2, hidden=14336)),
+    # DeepSeek-V3's expert layout (256 routed + 1 shared, top-8, sigmoid scores, 3 dense layers) with
+    # grouped-query attention standing in for multi-head latent attention.
+    "deepseek-v3-like": TransformerArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                                        ffn_hidden=18432, rope_theta=10000.0, max_seq_len=4096,
+                                        moe=MoEArgs(n_experts=256, top_k=8, hidden=2048, n_shared=1,
+                                                    n_dense_layers=3, score_func="sigmoid", route_scale=2.5,
+                                                    bias_update_rate=1e-3)),
+    # Qwen3-30B-A3B's expert layout (128 experts, top-8, no shared experts); attention heads chosen so
+    # the head dimension is Qwen3's 128.
+    "qwen3-moe-30B-A3B-like": TransformerArgs(dim=2048, n_layers=48, n_heads=16, n_kv_heads=4,
+                                              vocab_size=151936, ffn_hidden=6144, rope_theta=1e6,
+                                              max_seq_len=32768, moe=MoEArgs(n_experts=128, top_k=8, hidden=768)),
 }
 
 
@@ -105,6 +162,29 @@ def resolve_args(cfg, vocab_size: int, seq_len: int) -> TransformerArgs:
     changes["parallel_block"] = cfg.parallel_block
     changes["sliding_window"] = cfg.sliding_window
     changes["init_std"] = cfg.init_std
+    changes["moe"] = _resolve_moe(cfg, base.moe, changes.get("ffn_hidden", base.ffn_hidden))
     args = dataclasses.replace(base, **changes)
     args.validate()
     return args
+
+
+def _resolve_moe(cfg, base: MoEArgs | None, ffn_hidden: int) -> MoEArgs | None:
+    """The flavor's MoE shape with ``model.moe_*`` overrides; ``moe_experts > 0`` makes a dense flavor sparse."""
+    if base is None and not cfg.moe_experts:
+        return None
+    if base is None:
+        base = MoEArgs(n_experts=cfg.moe_experts, top_k=min(2, cfg.moe_experts), hidden=max(1, ffn_hidden // 2))
+    changes: dict = {}
+    for field, name in (("n_experts", "moe_experts"), ("top_k", "moe_top_k"), ("hidden", "moe_hidden"),
+                        ("n_shared", "moe_shared"), ("n_dense_layers", "moe_dense_layers")):
+        value = getattr(cfg, name)
+        if value >= 0 if name in ("moe_shared", "moe_dense_layers") else value > 0:
+            changes[field] = value
+    if cfg.moe_score != "auto":
+        changes["score_func"] = cfg.moe_score
+    if cfg.moe_aux_loss >= 0:
+        changes["aux_loss_coef"] = cfg.moe_aux_loss
+    if cfg.moe_bias_rate >= 0:
+        changes["bias_update_rate"] = cfg.moe_bias_rate
+    changes["grouped_mm"] = cfg.moe_compute == "grouped"
+    return dataclasses.replace(base, **changes)

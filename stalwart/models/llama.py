@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart.models.flavors import TransformerArgs
+from stalwart.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -117,21 +118,31 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: TransformerArgs) -> None:
+    """Attention + feed-forward; the feed-forward is dense (``feed_forward``) or sparse (``moe``)."""
+
+    def __init__(self, args: TransformerArgs, layer: int = 0) -> None:
         super().__init__()
         self.parallel = args.parallel_block
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         # The parallel block shares one norm between attention and MLP (GPT-J / MegaScale).
         self.ffn_norm = None if self.parallel else RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.feed_forward: FeedForward | None = None
+        self.moe: MoE | None = None
+        if args.is_moe_layer(layer):
+            m = args.moe
+            shared = FeedForward(args.dim, m.hidden * m.n_shared) if m.n_shared else None
+            self.moe = MoE(args.dim, m, shared)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        ffn = self.feed_forward if self.moe is None else self.moe
         if self.parallel:
             h = self.attention_norm(x)
-            return x + self.attention(h, rope, positions) + self.feed_forward(h)
+            return x + self.attention(h, rope, positions) + ffn(h)
         x = x + self.attention(self.attention_norm(x), rope, positions)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return x + ffn(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
@@ -140,7 +151,7 @@ class Transformer(nn.Module):
         args.validate()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -152,6 +163,9 @@ class Transformer(nn.Module):
         """Recompute non-persistent buffers (after building on the meta device and materializing)."""
         device = self.rope.device
         self.rope = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
+        for block in self.layers.values():
+            if block.moe is not None:
+                block.moe.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) token ids — or (batch, seq, dim) activations on a later pipeline stage.
@@ -178,33 +192,44 @@ class Transformer(nn.Module):
         for name, _ in self.named_parameters():
             if name.endswith("norm.weight"):
                 spec[name] = ("ones", 0.0)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2",
+                                "shared_experts.w2.weight")):
                 spec[name] = ("normal", depth_std)
             else:
                 spec[name] = ("normal", std)
         return spec
 
 
-def count_params(args: TransformerArgs, include_embedding: bool = True) -> int:
-    """Parameter count from the shape alone (no model needed)."""
+def count_params(args: TransformerArgs, include_embedding: bool = True, active: bool = False) -> int:
+    """Parameter count from the shape alone (no model needed). ``active``: only the parameters one token
+    uses (its top-k routed experts and the shared ones, not every expert)."""
     d, f, v = args.dim, args.ffn_hidden, args.vocab_size
     attn = d * args.n_heads * args.head_dim * 2 + d * args.n_kv_heads * args.head_dim * 2
     norms = d * (1 if args.parallel_block else 2)
-    per_layer = attn + 3 * d * f + norms
+    layers = 0
+    for i in range(args.n_layers):
+        if args.is_moe_layer(i):
+            m = args.moe
+            experts = m.top_k if active else m.n_experts
+            ffn = 3 * d * m.hidden * (experts + m.n_shared) + d * m.n_experts  # experts + router
+        else:
+            ffn = 3 * d * f
+        layers += attn + ffn + norms
     embed = v * d
     head = 0 if args.tie_embeddings else v * d
-    total = args.n_layers * per_layer + d + head + (embed if include_embedding else 0)
-    return total
+    return layers + d + head + (embed if include_embedding else 0)
 
 
 def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding params incl. the output head) + attention.
 
+    For a mixture of experts the parameters are the *active* ones (top-k routed + shared experts).
+
     Attention adds 12 * layers * dim * context per token (QK^T and AV, forward 2x + backward 4x),
     the PaLM/torchtitan convention (not halved for causality). With a sliding window the context is
     the window. This is *model* FLOPs: recomputation under activation checkpointing is not counted.
     """
-    n = count_params(args, include_embedding=False)
+    n = count_params(args, include_embedding=False, active=True)
     if args.tie_embeddings:
         n += args.vocab_size * args.dim  # the tied head still does its matmul
     context = min(seq_len, args.sliding_window) if args.sliding_window else seq_len

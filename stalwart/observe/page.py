@@ -128,6 +128,45 @@ function heatmap(box, hm) {
   box.replaceChildren(g);
 }
 
+// Mixture of experts: the expert x step load heat map of one sparse layer (load = count / mean count).
+let EXPERT_LAYER = null;
+function renderExperts(d) {
+  const ex = d.experts, box = byId("experts"), sel = byId("expert-layer");
+  byId("experts-section").style.display = ex ? "" : "none";
+  if (!ex) return;
+  if (sel.options.length !== ex.layers.length) {
+    sel.replaceChildren(...ex.layers.map((l) => h("option", {value: l}, "layer " + l)));
+  }
+  if (!ex.layers.includes(EXPERT_LAYER)) EXPERT_LAYER = ex.layers[0];
+  sel.value = EXPERT_LAYER;
+  const m = ex.load[EXPERT_LAYER], n = ex.steps.length;
+  const cw = Math.max(2, Math.min(14, Math.floor(860 / Math.max(1, n))));
+  const ch = 14, L = 70, T = 6, W = L + cw * n + 10, H = T + ch * m.length + 26;
+  const hi = Math.max(2, ...m.flat().filter((v) => v !== null));
+  const g = svg("svg", {width: W, height: H, class: "experts-svg"});
+  m.forEach((row, e) => {
+    g.appendChild(svg("text", {x: L - 6, y: T + e * ch + 11, "text-anchor": "end"}, "expert " + e));
+    row.forEach((v, j) => {
+      if (v === null) return;
+      const cell = svg("rect", {x: L + j * cw, y: T + e * ch, width: cw - 0.5, height: ch - 1,
+                                fill: heatColor(v / hi), class: "ex-cell"});
+      const tip = `layer ${EXPERT_LAYER} expert ${e} step ${ex.steps[j]}: ${v.toFixed(2)} x mean load`;
+      cell.appendChild(svg("title", {}, tip));
+      g.appendChild(cell);
+    });
+  });
+  const y = T + ch * m.length + 14;
+  g.appendChild(svg("text", {x: L, y}, "step " + ex.steps[0]));
+  g.appendChild(svg("text", {x: L + cw * n, y, "text-anchor": "end"}, "step " + ex.steps[n - 1]));
+  g.appendChild(svg("text", {x: L + cw * n / 2, y, "text-anchor": "middle"},
+                    `load / mean: 0 (green) .. ${hi.toFixed(1)} (red)`));
+  box.replaceChildren(g);
+  const s = ex.series;
+  lineChart(byId("chart-balance"), [{name: "max/mean load (layer mean)", points: s.moe_load_imbalance || []},
+                                    {name: "worst layer", points: s.moe_load_imbalance_max || []},
+                                    {name: "max/mean per EP rank", points: s.moe_ep_imbalance || []}]);
+}
+
 function table(box, headers, rows, rowClass) {
   if (!rows.length) return nodata(box);
   const t = h("table"), head = h("tr");
@@ -232,6 +271,7 @@ function render(d) {
   renderHeader(d);
   renderCharts(d);
   renderHeatmap(d);
+  renderExperts(d);
   renderStragglers(d);
   renderGoodput(d);
   renderEvents(d);
@@ -249,6 +289,10 @@ async function refresh() {
   }
 }
 
+byId("expert-layer").addEventListener("change", (e) => {
+  EXPERT_LAYER = e.target.value;
+  if (window.STALWART_DATA) render(window.STALWART_DATA); else refresh();
+});
 byId("hm-field").addEventListener("change", (e) => {
   HM_FIELD = e.target.value;
   if (window.STALWART_DATA) render(window.STALWART_DATA); else refresh();
@@ -266,6 +310,8 @@ _BODY = """
 <section><h2>MFU</h2><div id="chart-mfu" class="chart"></div></section>
 <section><h2>Step time / data wait (s)</h2><div id="chart-step" class="chart"></div></section>
 <section class="wide"><h2>Per-rank heat map <select id="hm-field"></select></h2><div id="heatmap"></div></section>
+<section class="wide" id="experts-section"><h2>Expert load per step <select id="expert-layer"></select></h2>
+<div id="experts"></div><div id="chart-balance" class="chart"></div></section>
 <section><h2>Stragglers (rank median / fastest rank's median)</h2><div id="suspects"></div>
 <div id="stragglers"></div></section>
 <section><h2>Goodput</h2><div id="goodput"></div></section>

@@ -10,6 +10,7 @@ from typing import Any
 from stalwart.metrics.records import read_jsonl
 from stalwart.observe.aggregate import heatmap, load_timings, phase_names, straggler_scores
 from stalwart.observe.diagnose import analyze, format_diagnosis, load_dumps
+from stalwart.observe.experts import expert_view
 from stalwart.observe.goodput import account
 from stalwart.paths import RunPaths
 
@@ -64,6 +65,7 @@ def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 50
         "flight": flight,
         "flight_text": format_diagnosis(flight) if flight else None,
         "n_ranks": len({t["rank"] for t in timings}),
+        "experts": expert_view([m for _, m in sorted(newest.items())], heatmap_steps),
     }
     return _clean(data)
 

@@ -62,6 +62,20 @@ def _plots(data: dict[str, Any], out: Path) -> list[Path]:
         fig.colorbar(im, ax=ax, label="ms")
         save(fig, "heatmap.png" if field == "step_time_s" else f"heatmap-{field}.png")
 
+    ex = data.get("experts")
+    if ex:
+        import numpy as np
+
+        layers = ex["layers"]
+        fig, axes = plt.subplots(len(layers), 1, figsize=(9, 0.9 + 1.6 * len(layers)), squeeze=False)
+        for ax, layer in zip(axes[:, 0], layers):
+            m = np.array([[np.nan if v is None else v for v in row] for row in ex["load"][layer]])
+            im = ax.imshow(m, aspect="auto", cmap="RdYlGn_r", interpolation="nearest", vmin=0,
+                           extent=(ex["steps"][0] - 0.5, ex["steps"][-1] + 0.5, m.shape[0] - 0.5, -0.5))
+            ax.set_ylabel(f"layer {layer}\nexpert"), fig.colorbar(im, ax=ax, label="load / mean")
+        axes[0, 0].set_title("tokens per expert and step, relative to the mean"), axes[-1, 0].set_xlabel("step")
+        save(fig, "experts.png")
+
     gp = data["goodput"]
     if gp:
         fig, ax = plt.subplots(figsize=(9, 1.8))

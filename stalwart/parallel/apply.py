@@ -1,7 +1,7 @@
 """The one place where parallelism is applied, in one documented order.
 
     1. pipeline split   (a stage = the model with the layers it does not own removed)
-    2. tensor + sequence parallel
+    2. tensor + sequence parallel, then expert parallel (the routed experts over the ep ranks)
     3. context parallel (ring attention)
     4. activation checkpointing
     5. torch.compile per block
@@ -43,7 +43,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
             from stalwart.parallel.tensor import apply_tensor_parallel
 
             pm.loss_parallel = cfg.loss_parallel
-            apply_tensor_parallel(stage, meshes["tp"], cfg.loss_parallel)
+            apply_tensor_parallel(stage, meshes["tp"], cfg.loss_parallel, replicate_experts=dims.ep == 1)
+        if dims.ep > 1:
+            from stalwart.parallel.expert import apply_expert_parallel
+
+            pm.expert_comm = apply_expert_parallel(stage, meshes.ep)
         # 3. Context parallel.
         if dims.cp > 1:
             from stalwart.parallel.context import apply_context_parallel
@@ -57,7 +61,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
             apply_compile(stage)
         # 6. FSDP / HSDP (on a 1-rank mesh too when mixed precision needs FSDP's casting policy).
         if meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
-            apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1)
+            apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
+                       meshes.expert_fsdp, dims.dp)
     if comm_cfg is not None and comm_cfg.algorithm != "builtin" and meshes is not None and meshes.fsdp.size() > 1:
         # FSDP's reduce-scatter / all-gather through the topology-aware algorithms.
         from stalwart.comm.fsdp_comm import install_on_fsdp

@@ -33,6 +33,7 @@ class ParallelDims:
     pp: int
     cp: int
     world_size: int
+    ep: int = 1  # expert parallel: a split of dp_shard (experts sharded, tokens by all-to-all)
 
     @staticmethod
     def resolve(cfg, world_size: int) -> "ParallelDims":
@@ -53,11 +54,29 @@ class ParallelDims:
                 f"parallelism: dp_replicate({cfg.dp_replicate}) * dp_shard({dp_shard}) * tp({cfg.tp}) * "
                 f"pp({cfg.pp}) * cp({cfg.cp}) = {product}, but the world size is {world_size}; set "
                 f"parallelism.dp_shard = -1 to fill in the rest, or launch {product} processes")
-        return ParallelDims(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size)
+        ep = getattr(cfg, "ep", 1)
+        if dp_shard % ep:
+            raise LayoutError(f"parallelism.ep = {ep} must divide parallelism.dp_shard = {dp_shard} (expert parallel "
+                              f"ranks are a subset of the FSDP ranks); valid ep degrees: {_divisors(dp_shard)}")
+        if ep > 1 and cfg.cp > 1:
+            raise LayoutError("parallelism.ep: expert parallel together with cp > 1 is not supported; use one of them")
+        if ep > 1 and cfg.dp_replicate > 1:
+            raise LayoutError("parallelism.ep: expert parallel together with dp_replicate > 1 (HSDP) is not "
+                              "supported; use dp_shard for the data-parallel ranks")
+        return ParallelDims(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size, ep)
 
     def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
-                    virtual_stages: int = 1) -> None:
-        """Constraints that depend on the model shape."""
+                    virtual_stages: int = 1, n_experts: int = 0) -> None:
+        """Constraints that depend on the model shape (``n_experts`` = 0: a dense model)."""
+        if self.ep > 1 and not n_experts:
+            raise LayoutError(f"parallelism.ep = {self.ep} needs a mixture-of-experts model and this one is dense; "
+                              "use a sparse flavor (e.g. --model.flavor debug-moe) or --model.moe_experts N")
+        if self.ep > 1 and n_experts % self.ep:
+            raise LayoutError(f"parallelism.ep = {self.ep} must divide the {n_experts} experts; valid ep degrees: "
+                              f"{[d for d in _divisors(n_experts) if self.dp_shard % d == 0]}")
+        if n_experts and self.cp > 1:
+            raise LayoutError("parallelism.cp > 1 with a mixture-of-experts model is not supported (the balance "
+                              "statistics are per sequence); use dp_shard or ep")
         if n_heads % self.tp or n_kv_heads % self.tp:
             ok = [d for d in _divisors(n_kv_heads) if n_heads % d == 0]
             raise LayoutError(
@@ -103,7 +122,7 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in self.degrees().items() if v > 1]
+        parts = [f"{k}={v}" for k, v in {**self.degrees(), "ep": self.ep}.items() if v > 1]
         return " x ".join(parts) if parts else "single process"
 
 
@@ -124,6 +143,8 @@ class Meshes:
     dp: object  # 1-D: ranks that see different batches (replicate x shard)
     fsdp: object  # FSDP mesh: 1-D (shard[, cp]) or 2-D (replicate, shard[, cp]) for HSDP
     dims: ParallelDims
+    ep: object = None  # expert-parallel ranks (inner part of dp_shard); None without expert parallel
+    expert_fsdp: object = None  # the rest of dp_shard: FSDP mesh of the sharded experts
 
     def __getitem__(self, name: str):
         return self.world[name]
@@ -135,7 +156,14 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(dims.degrees()[n] for n in MESH_ORDER)
-    world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+    if dims.ep > 1:
+        # dp_shard = (dp_shard_mod_ep, ep), row-major, so a rank's dp_shard index is unchanged.
+        names = MESH_ORDER[:2] + ("dp_shard_mod_ep", "ep") + MESH_ORDER[3:]
+        shape = shape[:2] + (dims.dp_shard // dims.ep, dims.ep) + shape[3:]
+        world = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    else:
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
     dp = world["dp_replicate", "dp_shard"]._flatten("dp")
     if dims.cp > 1:
         shard = world["dp_shard", "cp"]._flatten("dp_shard_cp")
@@ -144,4 +172,6 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
         fsdp = shard
     else:
         fsdp = world["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else world["dp_shard"]
+    if dims.ep > 1:
+        return Meshes(world=world, dp=dp, fsdp=fsdp, dims=dims, ep=world["ep"], expert_fsdp=world["dp_shard_mod_ep"])
     return Meshes(world=world, dp=dp, fsdp=fsdp, dims=dims)

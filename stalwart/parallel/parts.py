@@ -22,6 +22,7 @@ class ParallelModel:
     n_stages: int = 1
     loss_parallel: bool = False
     custom_comm_modules: int = 0  # FSDP modules whose collectives use Stalwart's algorithms
+    expert_comm: object = None  # ExpertComm: time in the expert all-to-alls (expert parallel only)
 
     @property
     def has_first(self) -> bool:

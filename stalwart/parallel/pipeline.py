@@ -82,13 +82,34 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, schedule: str, virtual_
     return ParallelModel(container=model, stages=stages, stage_indices=owned, n_stages=n_stages)
 
 
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    from stalwart.models.moe import moe_modules
+
+    class Stage(PipelineStage):
+        """A stage whose metadata-inference forward (on empty tensors, before the first step's real
+        micro-batches) leaves the sparse layers' routing statistics as they were."""
+
+        def _compute_outputs(self, *args, module, **kwargs):
+            saved = [(m, m.stat_tokens.clone(), m.stat_misc.clone()) for m in moe_modules(module).values()]
+            try:
+                return super()._compute_outputs(*args, module=module, **kwargs)
+            finally:
+                for m, tokens, misc in saved:
+                    m.stat_tokens.copy_(tokens)
+                    m.stat_misc.copy_(misc)
+
+    return Stage
+
+
 def build_schedule(parts: ParallelModel, pp_group, device: torch.device, schedule: str, n_microbatches: int,
                    loss_fn):
     from torch.distributed import pipelining
-    from torch.distributed.pipelining import PipelineStage
 
     cls = getattr(pipelining.schedules, SCHEDULES[schedule][0])
-    stages = [PipelineStage(m, s, parts.n_stages, device, group=pp_group)
+    stage_cls = _stage_class()
+    stages = [stage_cls(m, s, parts.n_stages, device, group=pp_group)
               for m, s in zip(parts.stages, parts.stage_indices)]
     if SCHEDULES[schedule][1] == 1:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -10,18 +10,28 @@ cross-entropy never materialises full logits on one rank.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, sequence_parallel: bool = True) -> None:
-    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``.
+def _replicate_params(module: nn.Module, mesh) -> None:
+    """Every parameter under ``module`` a Replicate DTensor; buffers untouched (unlike distribute_module)."""
+    for sub in module.modules():
+        for pname, param in list(sub.named_parameters(recurse=False)):
+            sub.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, replicate_experts: bool = True,
+                          sequence_parallel: bool = True) -> None:
+    """Shard ``model`` (or a pipeline stage of it) over the 1-D ``tp_mesh``. ``replicate_experts``: False
+    when expert parallelism shards the routed experts instead.
 
     ``sequence_parallel=False`` is the inference plan: the residual stream stays replicated (its token
     count changes every step and need not divide the degree), norms run unsharded, and each block's
@@ -48,11 +58,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, sequen
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if block.moe is None:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        else:
+            # NOTE: the sparse feed-forward is not tensor-parallel: every tp rank routes and computes the
+            # whole (gathered) sequence with plain replicated weights, then keeps its sequence shard.
+            # Routing needs whole sequences (the balance statistics are per sequence).
+            # Its weights become Replicate DTensors (one optimizer over DTensors; the block computes on
+            # their local values), its buffers (routing bias, statistics) stay plain tensors.
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            parts = [block.moe.router] + ([block.moe.shared_experts] if block.moe.shared_experts else [])
+            for part in parts + ([block.moe.experts] if replicate_experts else []):
+                _replicate_params(part, tp_mesh)
         if block.ffn_norm is not None:
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
@@ -77,7 +102,9 @@ def _apply_replicated_stream(model: nn.Module, tp_mesh) -> None:
         top["output"] = ColwiseParallel(output_layouts=Replicate())
     _parallelize_ends(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()}
+        if block.moe is None:  # a sparse block runs whole on every rank, on its plain (replicated) weights
+            plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                         "feed_forward.w2": RowwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)

@@ -20,9 +20,9 @@ from stalwart.planner.validation import TOLERANCE, check_all
 INTRO = """usage: stalwart plan [--config PATH] [--json PATH] [--validate] [--section.key VALUE ...]
 
 Enumerates parallel layouts (fsdp/dp, tp, pp with schedule and virtual stages, cp, micro-batch,
-activation checkpointing) for a model on a cluster, predicts per-GPU memory and step time (compute,
-exposed communication per dimension and network tier, pipeline bubble), ranks the layouts that fit
-by tokens/s and explains the best one.
+activation checkpointing, and expert parallel for mixture-of-experts shapes) for a model on a cluster,
+predicts per-GPU memory and step time (compute, exposed communication per dimension and network tier,
+pipeline bubble), ranks the layouts that fit by tokens/s and explains the best one.
 
 options:
   --config PATH   TOML file with the sections below
@@ -69,10 +69,11 @@ def main(argv: list[str]) -> int:
                       reduce_bytes=s.reduce_bytes)
         space = Space(tp=tuple(s.tp), pp=tuple(s.pp), cp=tuple(s.cp), micro_batch=tuple(s.micro_batch),
                       virtual_stages=tuple(s.virtual_stages), schedules=tuple(s.schedules), ac=tuple(s.ac),
-                      fsdp=tuple(s.fsdp))
+                      fsdp=tuple(s.fsdp), ep=tuple(s.ep) if w.shape.is_moe else (1,))
         ranked = rank_layouts(w, c.gpus, gpu, net, opt, space=space, headroom_gb=s.headroom_gb)
         fitting = [x for x in ranked if x.fits]
-        print(f"stalwart plan: {cfg.model.flavor} ({w.shape.params / 1e9:.1f}B params), seq {w.seq_len}, "
+        active = f", {w.shape.active_params / 1e9:.1f}B active" if w.shape.is_moe else ""
+        print(f"stalwart plan: {cfg.model.flavor} ({w.shape.params / 1e9:.1f}B params{active}), seq {w.seq_len}, "
               f"{w.global_batch} sequences/step ({w.tokens_per_step:,} tokens), {c.gpus} x {gpu.name}")
         print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.hbm_gb - s.headroom_gb:.0f} GB\n")
         if not ranked:

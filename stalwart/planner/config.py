@@ -70,6 +70,8 @@ class SearchSection:
         "every-other-matmul; full = whole layers).", factory=lambda: ["none", "selective", "op", "full"])
     fsdp: list[bool] = option("Shard params/grads/optimizer over data parallel (true = FSDP/ZeRO-3, false = "
                               "replicated params with a sharded optimizer).", factory=lambda: [True, False])
+    ep: list[int] = option("Expert-parallel degrees to try (mixture-of-experts shapes; each must divide the "
+                           "experts and the data-parallel degree).", factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     compile: bool = option("Assume torch.compile-fused elementwise kernels.", True)
     async_tp: bool = option("Assume tensor-parallel collectives overlap with matmuls (async TP).", False)
     reduce_bytes: int = option("Bytes per element of the gradient reduction (4 = fp32, 2 = bf16).", 4,
@@ -91,7 +93,7 @@ class PlanConfig:
         if w.global_batch_tokens and w.global_batch_tokens % w.seq_len:
             raise ConfigError(f"workload.global_batch_tokens ({w.global_batch_tokens}) must be a multiple of "
                               f"workload.seq_len ({w.seq_len})")
-        for name in ("tp", "pp", "cp", "micro_batch", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "ep"):
             vals = getattr(self.search, name)
             if not vals or min(vals) < 1:
                 raise ConfigError(f"search.{name} must list positive integers")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from stalwart.planner.hardware import GPUSpec, clock_factor
 from stalwart.planner.layout import Layout, Workload, layers_per_stage, micro_batches
-from stalwart.planner.memory import Precision, params_per_rank
+from stalwart.planner.memory import Precision, expert_params_per_rank, params_per_rank
 
 GEMM_EFFICIENCY = 0.62
 ATTENTION_EFFICIENCY = 0.35
@@ -54,6 +54,7 @@ class StepTime:
     cp_s: float                        # exposed context-parallel communication
     pp_s: float                        # exposed point-to-point (pipeline fill/drain)
     dp_s: float                        # exposed data-parallel / FSDP communication
+    ep_s: float                        # expert-parallel all-to-all (dispatch + combine, fwd + bwd), exposed
     bubble_s: float                    # pipeline bubble
     optimizer_s: float
     step_s: float
@@ -114,10 +115,50 @@ def collective_s(kind: str, nbytes: float, group: int, stride: int, gpu: GPUSpec
     return 2.0 * one if kind == "all_reduce" else one
 
 
+def all_to_all_s(nbytes: float, group: int, stride: int, gpu: GPUSpec, net: Network) -> float:
+    """Pairwise all-to-all in which each rank holds ``nbytes`` and keeps 1/group of it. Across pods the
+    share bound for other pods crosses the oversubscribed spine."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    t = tier(group, stride, net)
+    out = (group - 1) / group * nbytes
+    nic = net.nic_gbps / 8.0 * 1e9 * NETWORK_EFFICIENCY
+    if t == "nvlink":
+        return out / (gpu.nvlink_gbps * 1e9 * NETWORK_EFFICIENCY) + (group - 1) * net.nvlink_latency_us * 1e-6
+    lat = (group - 1) * net.net_latency_us * 1e-6
+    if t == "network":
+        return out / nic + lat
+    k = max(1, min(group, net.pod_gpus // stride))  # members per pod
+    across = (group - k) / group * nbytes
+    return max((out - across) / nic, across / (nic / net.spine_oversubscription)) + lat
+
+
+def _ffn_fwd(w: Workload, lay: Layout, n: float, gpu: GPUSpec, peak: float, hbm: float) -> tuple[float, float]:
+    """(GEMM seconds, elementwise elements per token) of one layer's feed-forward, averaged over the layers.
+
+    A sparse layer routes each of the ``n`` tokens to ``top_k`` experts; under expert parallelism a rank
+    computes its ``experts / ep`` experts for the tokens of its whole ep group (balanced load assumed).
+    NOTE: Stalwart computes the sparse block unsharded on every tp rank (experts are not tensor-parallel).
+    """
+    s, t, h, f = w.shape, lay.tp, w.shape.dim, w.shape.ffn_hidden
+    dense_g = _gemm(n, h, 2 * f / t, gpu, peak, hbm) + _gemm(n, f / t, h, gpu, peak, hbm)
+    if not s.is_moe:
+        return dense_g, 3 * f / t
+    he, k, local = s.expert_hidden, s.top_k, s.n_experts // lay.ep
+    per_expert = n * k * lay.ep / s.n_experts  # tokens per local expert
+    moe_g = local * (_gemm(per_expert, h, 2 * he, gpu, peak, hbm) + _gemm(per_expert, he, h, gpu, peak, hbm))
+    moe_g += _gemm(n, h, s.n_experts, gpu, peak, hbm)  # router
+    if s.n_shared:
+        moe_g += _gemm(n, h, 2 * he * s.n_shared, gpu, peak, hbm) + _gemm(n, he * s.n_shared, h, gpu, peak, hbm)
+    frac = s.n_sparse_layers / s.n_layers
+    moe_elems = k * (3 * he + 4 * h) + 3 * he * s.n_shared   # SwiGLU + permutation copies
+    return (1 - frac) * dense_g + frac * moe_g, (1 - frac) * 3 * f / t + frac * moe_elems
+
+
 def step_time(w: Workload, lay: Layout, gpu: GPUSpec, net: Network = Network(), opt: Options = Options(),
               prec: Precision = Precision()) -> StepTime:
     s = w.shape
-    h, kv, f = s.dim, s.kv_dim, s.ffn_hidden
+    h, kv = s.dim, s.kv_dim
     t = lay.tp
     peak = gpu.bf16_tflops * 1e12 * clock_factor(gpu, opt.power_limit_w)
     gemm_peak = peak * GEMM_EFFICIENCY
@@ -125,11 +166,14 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, net: Network = Network(), 
     n = lay.micro_batch * w.seq_len / lay.cp                       # tokens per micro-batch per rank
 
     # --- one layer, one micro-batch, forward
+    ffn_g, ffn_elems = _ffn_fwd(w, lay, n, gpu, gemm_peak, hbm)
     g_fwd = (_gemm(n, h, (h + 2 * kv) / t, gpu, gemm_peak, hbm) + _gemm(n, h / t, h, gpu, gemm_peak, hbm)
-             + _gemm(n, h, 2 * f / t, gpu, gemm_peak, hbm) + _gemm(n, f / t, h, gpu, gemm_peak, hbm))
+             + ffn_g)
     attn_fwd = 4.0 * n * (w.seq_len / 2.0) * h / t / (peak * ATTENTION_EFFICIENCY)   # causal half
-    elems = (8 * h + 2 * kv + 3 * f) if opt.compile else (12 * h + 2 * kv + 5 * f)
-    ew_fwd = n * elems * prec.act_bytes / t / hbm
+    elems = (8 * h + 2 * kv) / t + ffn_elems * (1.0 if opt.compile else 5.0 / 3.0)
+    if not opt.compile:
+        elems += 4 * h / t
+    ew_fwd = n * elems * prec.act_bytes / hbm
     fwd = g_fwd + attn_fwd + ew_fwd
     bwd = 2.0 * g_fwd + 2.5 * attn_fwd + 2.0 * ew_fwd
     recompute = {"none": 0.0, "selective": ew_fwd, "op": 0.5 * g_fwd + ew_fwd, "full": fwd}[lay.ac]
@@ -185,13 +229,34 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, net: Network = Network(), 
     optimizer = shard * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optim_states * prec.optim_bytes
                          + compute_bytes) / hbm
 
-    step = compute + m * per_mb_comm + bubble + p2p + dp + optimizer
+    # Expert parallel: dispatch and combine all-to-alls of the k routed copies, forward and backward, in
+    # every sparse layer; the ep group is the innermost part of dp. Not overlapped (Stalwart blocks on them).
+    ep_stride = t * lay.cp * lay.pp
+    ep = 0.0
+    if s.is_moe and lay.ep > 1:
+        sparse = layers * s.n_sparse_layers / s.n_layers
+        ep = m * sparse * 4 * all_to_all_s(n * s.top_k * h * prec.act_bytes, lay.ep, ep_stride, gpu, net)
+    # The experts' FSDP traffic runs over the dp / ep ranks outside the ep group.
+    expert_local = expert_params_per_rank(w, lay)
+    if expert_local and lay.dp // lay.ep > 1:
+        e_ag = collective_s("all_gather", expert_local * compute_bytes, lay.dp // lay.ep, ep_stride * lay.ep,
+                            gpu, net)
+        e_rs = collective_s("reduce_scatter", expert_local * opt.reduce_bytes, lay.dp // lay.ep,
+                            ep_stride * lay.ep, gpu, net)
+        e_comm = (2 * m if lay.fsdp and lay.pp == 1 else 1) * e_ag + e_rs
+        dp += max(e_comm / max(layers, 1), e_comm - DP_OVERLAP * compute) if lay.pp == 1 else \
+            e_comm * (1.0 - DP_OVERLAP * (lay.virtual_stages - 1) / lay.virtual_stages)
+    optimizer += expert_local / max(lay.dp // lay.ep, 1) * (2 * prec.param_bytes + prec.grad_bytes
+                                                            + 2 * prec.optim_states * prec.optim_bytes
+                                                            + compute_bytes) / hbm
+
+    step = compute + m * per_mb_comm + bubble + p2p + dp + ep + optimizer
     tokens = w.tokens_per_step
     world = lay.world
     tflops = s.flops_per_token(w.seq_len) * tokens / step / world
     return StepTime(
-        compute_s=compute, tp_s=m * layers * tp_layer, cp_s=m * layers * cp_layer, pp_s=p2p, dp_s=dp,
+        compute_s=compute, tp_s=m * layers * tp_layer, cp_s=m * layers * cp_layer, pp_s=p2p, dp_s=dp, ep_s=ep,
         bubble_s=bubble, optimizer_s=optimizer, step_s=step, tokens_per_s_per_gpu=tokens / step / world,
         tflops_per_gpu=tflops / 1e12, mfu=tflops / (gpu.bf16_tflops * 1e12),
         tiers={"tp": tier(t, 1, net), "cp": tier(lay.cp, t, net), "pp": tier(lay.pp, pp_stride, net),
-               "dp": tier(lay.dp, dp_stride, net)})
+               "dp": tier(lay.dp, dp_stride, net), "ep": tier(lay.ep, ep_stride, net)})

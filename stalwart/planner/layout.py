@@ -22,6 +22,7 @@ class Layout:
     schedule: str = "1f1b"               # 1f1b | interleaved | gpipe (ignored when pp == 1)
     ac: str = "none"                     # activation checkpointing: none | selective | op | full
     fsdp: bool = True                    # shard params/grads/optimizer over dp (ZeRO-3); else ZeRO-1
+    ep: int = 1                          # expert parallel: routed experts split over ep of the dp ranks
 
     @property
     def world(self) -> int:
@@ -29,7 +30,8 @@ class Layout:
 
     def describe(self) -> str:
         pp = f"pp{self.pp}" + (f"x{self.virtual_stages} {self.schedule}" if self.pp > 1 else "")
-        return (f"{'fsdp' if self.fsdp else 'dp'}{self.dp} tp{self.tp} {pp} cp{self.cp} "
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"{'fsdp' if self.fsdp else 'dp'}{self.dp}{ep} tp{self.tp} {pp} cp{self.cp} "
                 f"mb{self.micro_batch} ac={self.ac}")
 
 
@@ -70,6 +72,8 @@ def invalid_reason(w: Workload, lay: Layout, gpus_per_host: int) -> str | None:
         return f"tp {lay.tp} does not split {s.n_heads} heads / {s.n_kv_heads} kv heads"
     if w.seq_len % (2 * lay.cp) and lay.cp > 1:
         return f"seq {w.seq_len} is not divisible by 2*cp"
+    if lay.ep > 1 and (not s.is_moe or s.n_experts % lay.ep or lay.dp % lay.ep):
+        return f"ep {lay.ep} needs a mixture of experts whose experts and dp {lay.dp} it divides"
     if lay.pp > s.n_layers:
         return f"pp {lay.pp} exceeds {s.n_layers} layers"
     if lay.pp == 1 and (lay.virtual_stages != 1 or lay.schedule != "1f1b"):

@@ -41,7 +41,8 @@ class MemoryBreakdown:
 
 
 def params_per_rank(w: Workload, lay: Layout, first_stage: bool = True) -> int:
-    """Parameters held by one (tp, pp) rank before data-parallel sharding (worst stage)."""
+    """Parameters other than routed experts held by one (tp, pp) rank before data-parallel sharding
+    (worst stage)."""
     s = w.shape
     n = layers_per_stage(w, lay) * s.layer_params
     if first_stage or lay.pp == 1:
@@ -49,6 +50,16 @@ def params_per_rank(w: Workload, lay: Layout, first_stage: bool = True) -> int:
     if lay.pp == 1 or not first_stage:
         n += s.head_params
     return math.ceil(n / lay.tp)
+
+
+def expert_params_per_rank(w: Workload, lay: Layout) -> int:
+    """Routed-expert parameters of one rank before sharding over the dp / ep non-expert-parallel ranks.
+
+    NOTE: Stalwart's experts are not tensor-parallel (each tp rank holds its ep share whole)."""
+    s = w.shape
+    if not s.is_moe:
+        return 0
+    return math.ceil(s.expert_params / s.n_layers * layers_per_stage(w, lay) / lay.ep)
 
 
 def state_bytes(n_params: int, dp: int, fsdp: bool, prec: Precision = Precision()) -> tuple[float, float, float]:
@@ -75,10 +86,18 @@ def activation_bytes_per_token_layer(w: Workload, lay: Layout, prec: Precision =
     (sequence parallel) and, through the token count, by cp.
     """
     s = w.shape
-    h, kv, f = s.dim, s.kv_dim, s.ffn_hidden
-    elems = {"none": 6 * h + 2 * kv + 3 * f, "selective": 4 * h + 2 * kv + 2 * f,
-             "op": 3 * h + kv + f, "full": h}[lay.ac]
-    return elems * prec.act_bytes / lay.tp
+    h, kv, ffn = s.dim, s.kv_dim, 3 * s.ffn_hidden  # ffn: the SwiGLU's saved elements per token
+    sparse = 0.0
+    if s.is_moe:
+        # A sparse layer keeps k dispatched copies of the token (in and out) and k experts' SwiGLU
+        # intermediates, plus the shared experts'; Stalwart computes it unsharded on every tp rank.
+        moe = s.top_k * (2 * h + 3 * s.expert_hidden) + 3 * s.expert_hidden * s.n_shared
+        sparse = s.n_sparse_layers / s.n_layers * {"none": moe, "selective": 2 * moe / 3, "op": moe / 3,
+                                                     "full": 0.0}[lay.ac]
+        ffn = ffn * s.n_dense_layers / s.n_layers
+    elems = {"none": 6 * h + 2 * kv + ffn, "selective": 4 * h + 2 * kv + 2 * ffn / 3,
+             "op": 3 * h + kv + ffn / 3, "full": h}[lay.ac]
+    return (elems / lay.tp + sparse) * prec.act_bytes
 
 
 def memory_per_rank(w: Workload, lay: Layout, prec: Precision = Precision()) -> MemoryBreakdown:
@@ -86,6 +105,10 @@ def memory_per_rank(w: Workload, lay: Layout, prec: Precision = Precision()) -> 
     s = w.shape
     n = params_per_rank(w, lay)
     params, grads, opt = state_bytes(n, lay.dp, lay.fsdp, prec)
+    n_exp = expert_params_per_rank(w, lay)
+    if n_exp:  # experts: sharded over ep, the rest of their state over the dp ranks outside the ep group
+        params, grads, opt = (a + b for a, b in zip((params, grads, opt),
+                                                    state_bytes(n_exp, lay.dp // lay.ep, lay.fsdp, prec)))
     tokens_mb = lay.micro_batch * w.seq_len / lay.cp
     layers = layers_per_stage(w, lay)
     per_layer = activation_bytes_per_token_layer(w, lay, prec) * tokens_mb
@@ -106,8 +129,9 @@ def memory_per_rank(w: Workload, lay: Layout, prec: Precision = Precision()) -> 
     compute = prec.compute_bytes or prec.param_bytes
     transient = 0.0
     if lay.fsdp and lay.dp > 1:              # current + prefetched layer unsharded, and its grads
-        transient += 2 * s.layer_params / lay.tp * (compute + prec.grad_bytes)
+        transient += 2 * (s.layer_params / lay.tp + s.expert_params / max(s.n_layers, 1) / lay.ep) \
+            * (compute + prec.grad_bytes)
     # Logits in fp32 for the loss (+ their gradient). NOTE: charged to the same worst rank as stage 0's
     # activations, which over-counts by a little when pp > 1 (they live on the last stage).
     transient += tokens_mb * s.vocab_size / lay.tp * 4 * 2
-    return MemoryBreakdown(params, grads, opt, acts, transient, n)
+    return MemoryBreakdown(params, grads, opt, acts, transient, n + n_exp)

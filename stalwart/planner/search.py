@@ -23,6 +23,7 @@ class Space:
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
     ac: tuple[str, ...] = ("none", "selective", "op", "full")
     fsdp: tuple[bool, ...] = (True, False)
+    ep: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # only those valid for the shape are tried
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,12 @@ def enumerate_layouts(w: Workload, gpus: int, gpus_per_host: int, space: Space =
         if gpus % (tp * pp * cp):
             continue
         dp = gpus // (tp * pp * cp)
-        for mb, v, sched, ac, fsdp in itertools.product(space.micro_batch, space.virtual_stages, space.schedules,
-                                                         space.ac, space.fsdp):
+        for mb, v, sched, ac, fsdp, ep in itertools.product(space.micro_batch, space.virtual_stages,
+                                                             space.schedules, space.ac, space.fsdp, space.ep):
             if pp == 1 and (v != 1 or sched != "1f1b"):
                 continue
             lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, virtual_stages=v, schedule=sched, ac=ac,
-                         fsdp=fsdp)
+                         fsdp=fsdp, ep=ep)
             if invalid_reason(w, lay, gpus_per_host) is None:
                 out.append(lay)
     return out
@@ -68,6 +69,7 @@ def explain(c: Candidate, w: Workload, gpu: GPUSpec) -> list[str]:
     t, m, lay = c.time, c.memory, c.layout
     parts = {"compute": t.compute_s, "tensor-parallel comm": t.tp_s, "context-parallel comm": t.cp_s,
              "pipeline bubble": t.bubble_s, "pipeline p2p": t.pp_s, "data-parallel comm": t.dp_s,
+             "expert all-to-all": t.ep_s,
              "optimizer": t.optimizer_s}
     lines = [(f"{lay.describe()}: {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {t.tflops_per_gpu:.0f} TFLOP/s/GPU, "
              f"MFU {100 * t.mfu:.1f}%, step {t.step_s:.2f} s, {m.total / 1e9:.1f} of {gpu.hbm_gb:.0f} GB"),
@@ -75,6 +77,11 @@ def explain(c: Candidate, w: Workload, gpu: GPUSpec) -> list[str]:
              "  tiers: " + ", ".join(f"{k} on {v}" for k, v in t.tiers.items() if v != "-"),
              (f"  memory/GPU: params {m.params / 1e9:.1f} GB, grads {m.grads / 1e9:.1f}, optimizer "
              f"{m.optimizer / 1e9:.1f}, activations {m.activations / 1e9:.1f}, transient {m.transient / 1e9:.1f}")]
+    if w.shape.is_moe:
+        lines.append(f"  mixture of experts: {w.shape.active_params / 1e9:.1f}B of {w.shape.params / 1e9:.1f}B "
+                     f"parameters active per token; ep{lay.ep} holds {w.shape.n_experts // lay.ep} experts per rank"
+                     + (f", all-to-all {100 * t.ep_s / t.step_s:.1f}% of the step on {t.tiers['ep']}"
+                        if lay.ep > 1 else ""))
     if lay.tp > 1:
         lines.append(f"  tp{lay.tp} stays inside a host's NVLink; it divides weights and activations by {lay.tp}.")
     if lay.pp > 1:

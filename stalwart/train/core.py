@@ -29,6 +29,7 @@ from stalwart.models.llama import Transformer, TransformerArgs, flops_per_token
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
 from stalwart.train.dist_env import DistEnv
+from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
 from stalwart.train.optim import GatedOptimizer, LRSchedule, build_optimizer, clip_grad_norm
 from stalwart.train.step import LossFn, StepRunner, cross_entropy
@@ -92,7 +93,8 @@ class TrainCore:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(spec.seed)
         a = spec.model_args
-        dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, spec.seq_len, virtual_stages(spec.parallelism, dims))
+        dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, spec.seq_len, virtual_stages(spec.parallelism, dims),
+                         a.moe.n_experts if a.moe else 0)
         self.mesh = build_mesh(dims, self.device.type) if env.is_distributed else None
         # Build on meta, parallelize, then materialize and initialise from the seed: every layout starts
         # from the same bits.
@@ -112,6 +114,8 @@ class TrainCore:
         self.state = TrainState()
         self.backward_hooks: list[BackwardHook] = []
         self.flops_per_token, self.tokens_per_step = spec.flops_per_token, spec.tokens_per_step
+        self.experts = (ExpertBalancer(self.pm.stages, a, dims, self.device, env.is_distributed, self.pm.expert_comm)
+                        if ExpertBalancer.wanted(a) else None)
 
     @classmethod
     def build(cls, spec: CoreSpec, env: DistEnv, timer=None) -> "TrainCore":
@@ -137,6 +141,8 @@ class TrainCore:
         self.state.tokens_seen += self.tokens_per_step
         loss = decision.mean_loss if decision.mean_loss is not None else self.mean_over_ranks(local_loss)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": self.state.tokens_seen}
+        if self.experts is not None:
+            record.update(self.experts.after_step(decision.commit))
         if not decision.commit:
             record["skipped"] = True
         return record

@@ -118,12 +118,28 @@ class LRSchedule:
         self.step_count = int(state["step_count"])
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by device mesh in first-seen order (foreach kernels cannot mix meshes: experts
+    under expert parallel live on another mesh than the FSDP-sharded rest)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """2-norm of all gradients, reduced per mesh in parameter order (the same collectives on every rank)."""
+    norms = []
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> float:
     """Global gradient norm over all shards and pipeline stages (clipped in place when max_norm > 0)."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    total = _total_norm(grads) if grads else torch.zeros(())
     if pp_group is not None:
         import torch.distributed as dist
 
@@ -133,7 +149,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -
     if not grads:
         return float(total)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in _by_mesh([p for p in params if p.grad is not None]):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return float(total)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from stalwart.data.loader import Batch
+from stalwart.models.moe import set_aux_grad_scale
 from stalwart.parallel.parts import ParallelModel
 from stalwart.parallel.dims import Meshes, ParallelDims
 
@@ -79,6 +80,7 @@ class StepRunner:
         if self.schedule is not None:
             return self._pipeline_step(micro)
         model = self.pm.stages[0]
+        set_aux_grad_scale(model, 1.0 / len(micro))  # the balance loss's gradient, scaled like the loss's
         total = torch.zeros((), device=self.device)
         for batch in micro:
             inputs, targets, positions = self._prepare(batch)
