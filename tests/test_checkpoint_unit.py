@@ -260,6 +260,7 @@ def test_read_only_storage_fails_loudly(tmp_path):
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
         assert m.save(2, model, opt, {"tokens_seen": 2}) is None
         assert events.named("checkpoint_failed") and m.resolve_resume() == mnt / "ckpt" / "step-1"
+        assert events.named("checkpoint_failed")[0]["error"].startswith("read-only file system writing ")
         subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
         # A real ENOSPC: fill the 4 MiB tmpfs, then save.
         (mnt / "filler").write_bytes(b"\0" * (4 * 2**20 - (mnt / "ckpt" / "step-1" / "__0_0.distcp").stat().st_size
@@ -267,7 +268,8 @@ def test_read_only_storage_fails_loudly(tmp_path):
         events.clear()
         m.save(3, model, opt, {"tokens_seen": 3})
         m.wait()
-        assert events.named("checkpoint_failed") and "No space" in events.named("checkpoint_failed")[0]["error"]
+        assert events.named("checkpoint_failed") and "no space left on the device writing " in \
+            events.named("checkpoint_failed")[0]["error"]
         assert not list((mnt / "ckpt").glob(".tmp-*")) and m.resolve_resume() == mnt / "ckpt" / "step-1"
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

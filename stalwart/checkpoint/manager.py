@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from stalwart.atomic import describe_write_failure, fsync_dir, write_json_atomic, write_text_atomic
+from stalwart.atomic import describe_write_failure, fsync_dir, storage_problem, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                          describe_load_failure)
@@ -148,7 +148,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
             except OSError as e:
-                err = f"cannot create {tmp}: {describe_write_failure(e, tmp)}"
+                err = storage_problem(e, tmp) or f"cannot create {tmp}: {e}"
         errors = all_gather_object(err)
         if _first_error(errors):
             return self._fail(step, tmp, _first_error(errors))
