@@ -228,3 +228,12 @@ def test_scheduler_preempts_the_newest_and_resumes_it_from_its_cached_blocks():
     third = sched.schedule()
     # b comes back: its two full blocks were still cached, so only the rest is recomputed.
     assert [(p.seq.rid, p.start, p.n) for p in third] == [("b", 8, 1)]
+
+
+@pytest.mark.unit
+def test_a_sparse_model_serves_with_the_same_greedy_tokens():
+    from stalwart.models.flavors import FLAVORS
+
+    args = dataclasses.replace(FLAVORS["debug-moe"], vocab_size=96, max_seq_len=128, init_std=0.4)
+    reference = [sample(build(args=args), p, GREEDY.max_tokens, 128, temperature=0) for p in prompts(8)]
+    assert run(Engine(build(args=args), ByteTokenizer(), None, EngineConfig()), prompts(8), GREEDY) == reference
