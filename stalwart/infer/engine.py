@@ -10,7 +10,7 @@ and sends each step's batch to the other ranks (``infer/group.py``), which run t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
 from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, decode_group, install_paged_attention
 from stalwart.infer.blocks import BlockPool
-from stalwart.infer.sampling import Choice, SamplingParams
+from stalwart.infer.sampling import Choice, SamplingParams, sample_row
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
 from stalwart.infer.text import TextTail
 
@@ -46,7 +46,6 @@ class RequestState:
     params: SamplingParams
     gen: torch.Generator
     tail: TextTail
-    versions: list[int] = field(default_factory=list)  # weight versions that produced its tokens
 
     @property
     def generated(self) -> list[int]:
@@ -216,14 +215,10 @@ class Engine:
         batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
 
     def _advance(self, state: RequestState, logits: torch.Tensor) -> Output:
-        from stalwart.infer.sampling import sample_row
-
         choice = sample_row(logits, state.params, state.gen)
         seq = state.seq
         seq.tokens.append(choice.token)
         self.tokens_generated += 1
-        if not state.versions or state.versions[-1] != self.weight_version:
-            state.versions.append(self.weight_version)
         if choice.token == self.eos_id and not state.params.ignore_eos:
             reason = "stop"
         elif len(state.generated) >= state.params.max_tokens or len(seq.tokens) >= self.args.max_seq_len:
