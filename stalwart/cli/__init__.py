@@ -14,6 +14,7 @@ from stalwart.errors import UserError
 # name -> (module, one-line summary). Keep sorted by how often people type them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("stalwart.cli.train", "train a model (launches workers itself, or runs under torchrun)"),
+    "rl": ("stalwart.cli.rl", "RL post-training tools: run a program against tests in the reward sandbox"),
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
     "serve": ("stalwart.serve.cli", "serve a model over an OpenAI-compatible API (batched, KV-cached, --tp/--replicas)"),
     "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),

@@ -1,0 +1,56 @@
+"""`stalwart rl`: reinforcement-learning post-training tools.
+
+`stalwart rl sandbox --program FILE --tests FILE` runs one program against one test file in the
+sandbox the reward workers use and prints one JSON line: reward, passed, total, reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stalwart.config import ConfigError, help_text, load
+from stalwart.config.loading import split_args
+from stalwart.config.rl import RLConfig
+
+USAGE = """usage: stalwart rl sandbox --program FILE --tests FILE [--sandbox.key VALUE ...]
+
+Runs a Python program (reads stdin, writes stdout) against a JSON list of {"input": str, "output": str}
+cases in the reward sandbox (bubblewrap: no network, read-only /usr only, private /tmp; rlimits on CPU,
+memory, processes, file size and open files; a wall-clock timeout) and prints one JSON line
+{"reward": passed/total, "passed": n, "total": n, "reason": "..."}. A case passes when the program's
+stdout, stripped, equals its output, stripped."""
+
+
+def _read(flag: str, value: str | bool | None) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{flag} FILE is required")
+    path = Path(value)
+    if not path.is_file():
+        raise ConfigError(f"{flag}: {path} is not a file")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag}: cannot read {path} as UTF-8 text ({e})") from None
+
+
+def sandbox_main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n\nSandbox limits (--sandbox.key VALUE):\n" + help_text(RLConfig))
+        return 0
+    from stalwart.rl.sandbox import Sandbox, parse_cases
+
+    found, overrides = split_args(argv, {"--program": True, "--tests": True})
+    cfg = load(RLConfig, None, overrides).sandbox
+    program = _read("--program", found.get("--program"))
+    cases = parse_cases(_read("--tests", found.get("--tests")), f"--tests {found['--tests']}")
+    print(Sandbox(cfg).score(program, cases).to_json())
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "sandbox":
+        return sandbox_main(argv[1:])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    raise ConfigError(f"unknown rl command '{argv[0]}'. {USAGE.splitlines()[0]}")
