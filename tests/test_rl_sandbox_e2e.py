@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import socket
-import subprocess
+import time
 
 import pytest
 from conftest import run_cli
@@ -33,6 +33,8 @@ def test_every_family_reference_passes_and_a_wrong_program_fails(sandbox):
         verdict = sandbox.score(inst.solution, inst.cases(2, seed=3))
         assert verdict.reward == 1.0, (inst.key, verdict)
     assert sandbox.score("print(0)", ADD).reward == 0.0
+    unparsable = sandbox.score("print(int(input()", ADD)
+    assert unparsable.reward == 0.0 and unparsable.reason.startswith("syntax error: '(' was never closed")
 
 
 def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, tmp_path):
@@ -63,6 +65,9 @@ def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, t
                 server.accept()  # nothing reached the host's loopback
         assert not outside.exists() and not os.path.exists("/usr/x")
         assert secret.read_text() == "secret"
+        deadline = time.monotonic() + 10  # killed sandboxes take a moment to be reaped
+        while _user_processes(sandbox.uid) > before and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _user_processes(sandbox.uid) <= before  # no process of the sandbox user survived
 
 
@@ -70,7 +75,7 @@ def test_the_process_limit_binds(sandbox):
     forks = ("import os, time\nn = 0\nfor _ in range(50):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1)\n        os._exit(0)\n"
              "    n += 1\nprint(n)")
-    run = sandbox.run(forks, "")
+    run = Sandbox(SandboxConfig(wall_seconds=20, processes=LIMITS.processes)).run(forks, "")
     assert run.returncode == 0 and 0 < int(run.stdout) < LIMITS.processes, run
 
 

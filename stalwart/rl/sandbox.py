@@ -16,6 +16,7 @@ limit counts every process of the sandbox user, so it is set to that user's curr
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from stalwart.errors import UserError
 NOBODY = 65534
 PROGRAM = "/sandbox/program.py"
 STDERR_TAIL = 400
+MAX_SOURCE = 64 * 1024
 
 
 class SandboxError(UserError):
@@ -104,6 +106,19 @@ def parse_cases(text: str, where: str) -> list[Case]:
             raise SandboxError(f'{where}: case {i} must be an object with string fields "input" and "output"')
         cases.append(Case(item["input"], item["output"]))
     return cases
+
+
+def syntax_error(source: str) -> str:
+    """Why `source` cannot be a Python program, or '' if it parses (nothing of it is executed)."""
+    if len(source) > MAX_SOURCE:
+        return f"program longer than {MAX_SOURCE} characters"
+    try:
+        ast.parse(source)
+    except SyntaxError as e:
+        return f"syntax error: {e.msg} (line {e.lineno})"
+    except (ValueError, RecursionError, MemoryError) as e:  # null bytes; nesting too deep to parse
+        return f"cannot parse: {type(e).__name__}"
+    return ""
 
 
 def find_python(configured: str) -> str:
@@ -198,7 +213,12 @@ class Sandbox:
 
     def score(self, source: str, cases: list[Case]) -> Verdict:
         """reward = passed / total; a case passes when stdout, stripped, equals its output stripped.
-        After a program runs out of time the remaining cases are not run (they count as failed)."""
+        After a program runs out of time the remaining cases are not run (they count as failed).
+        A program that does not parse fails every case without starting a sandbox: the host only
+        parses its text (capped in length), it never runs any of it."""
+        bad = syntax_error(source)
+        if bad:
+            return Verdict(0.0, 0, len(cases), bad)
         passed, first_failure = 0, ""
         for i, case in enumerate(cases):
             run = self.run(source, case.input)
