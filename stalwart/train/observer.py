@@ -61,14 +61,16 @@ class Observer:
         self.cfg, self.metrics_cfg, self.env = observe_cfg, metrics_cfg, env
         self.flops_per_token, self.peak_flops, self.tokens_per_step = flops_per_token, peak_flops, tokens_per_step
         self.events = EventLog(paths.events, enabled=env.is_main)
-        self.metrics = build_sinks(observe_cfg, paths.root, run_name, is_main=env.is_main, config_dict=config_dict)
+        self.metrics = build_sinks(observe_cfg, paths.root, run_name, is_main=env.is_main, config_dict=config_dict,
+                                   rank=env.rank, local_rank=env.local_rank)
         self.recorder = (FlightRecorder(env.rank, env.world_size, paths.root, observe_cfg.flight_entries,
                                         observe_cfg.hang_timeout_s)
                          if env.is_distributed and observe_cfg.flight_recorder else None)
         self.timer = PhaseTimer(env.rank, env.device, TimingsWriter(paths.root, env.rank),
                                 observe_cfg.timings_flush_every, enabled=observe_cfg.timings,
                                 on_phase=self.recorder.set_phase if self.recorder else None,
-                                comm_clock=self.recorder.blocked_seconds if self.recorder else None)
+                                comm_clock=self.recorder.blocked_seconds if self.recorder else None,
+                                on_flush=self.metrics.write_timings if self.metrics.sinks else None)
         self.progress: Progress | None = None
         self._end = 0
         self.last: dict[str, Any] = {}  # the newest step record of this session
