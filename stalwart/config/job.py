@@ -14,6 +14,7 @@ import itertools
 
 from stalwart.config.core import ConfigError, option, section
 from stalwart.config.fault_plan import CHAOS_KINDS, FaultPlanError, parse_plan
+from stalwart.config.profile import ProfileConfig
 
 
 @dataclass
@@ -386,6 +387,7 @@ class JobConfig:
     comm: CommConfig = section(CommConfig, "Collective algorithms for data-parallel (FSDP) communication.")
     observe: ObserveConfig = section(ObserveConfig, "Observability: timings, flight recorder, metric sinks.")
     debug: DebugConfig = section(DebugConfig, "Debugging aids (gradient dumps).")
+    profile: ProfileConfig = section(ProfileConfig, "Kernel profiler trace and memory snapshot of a few steps.")
     fault: FaultConfig = section(FaultConfig, "Fault tolerance: detection bounds, policies, fault injection.")
 
     def __post_init__(self) -> None:
