@@ -11,7 +11,7 @@ const CHARTS = [                 // [element id, fields]; the first field solid,
 ];
 const MARKS = /restart|recover|rollback|resumed|failure|skip|spike|exclu|controller\./;
 const S = {runs: [], picked: null, focus: null, data: {}, panels: null, charts: {}, sigs: {},
-           smooth: 0, log: false, zoomed: false, syncing: false, marks: []};
+           smooth: 0, log: false, zoomed: false, xrange: null, syncing: false, marks: []};
 
 const stepFmt = (v) => v == null ? "-" : Math.abs(v) >= 1e6 ? (v / 1e6).toFixed(2) + "M"
   : Math.abs(v) >= 1e4 ? (v / 1e3).toFixed(0) + "k" : String(Math.round(v));
@@ -46,8 +46,8 @@ function smoothEMA(ys, w) {   // exponential moving average, bias-corrected as T
   }
   return out;
 }
-const shown = (ys) => {
-  const s = smoothEMA(ys, S.smooth);
+const shown = (ys, smooth) => {   // the second field of a chart (eval loss, data wait) is never smoothed
+  const s = smooth ? smoothEMA(ys, S.smooth) : ys;
   return S.log ? s.map((v) => v != null && v > 0 ? v : null) : s;
 };
 
@@ -76,7 +76,7 @@ function tableFor(fields) {
     if (!d) return;
     fields.forEach((f, fi) => {
       const s = d.fields[f];
-      if (s && s.x.length) { parts.push([s.x, shown(s.y)]); meta.push({rid, f, ri, fi}); }
+      if (s && s.x.length) { parts.push([s.x, shown(s.y, fi === 0)]); meta.push({rid, f, ri, fi}); }
     });
   });
   return parts.length ? {data: uPlot.join(parts), meta} : null;
@@ -100,6 +100,7 @@ function drawMarks(u) {
 function syncX(u) {   // zooming one chart zooms all of them to the same steps
   if (S.syncing) return;
   S.syncing = true;
+  S.xrange = S.zoomed ? [u.scales.x.min, u.scales.x.max] : null;
   for (const c of Object.values(S.charts)) {
     if (c !== u) c.setScale("x", {min: u.scales.x.min, max: u.scales.x.max});
   }
@@ -138,12 +139,17 @@ function renderCharts() {
     }
     const sig = JSON.stringify([t.meta, S.log, S.picked]);
     if (S.charts[id] && S.sigs[id] === sig) {
-      S.charts[id].setData(t.data, !S.zoomed);   // keep the zoom while refreshing
+      S.charts[id].setData(t.data, !S.zoomed);
     } else {
       if (S.charts[id]) S.charts[id].destroy();
       box.replaceChildren();
       S.charts[id] = newChart(box, t);
       S.sigs[id] = sig;
+    }
+    if (S.zoomed && S.xrange) {   // keep the zoom (and fit y to it) across refreshes and redraws
+      S.syncing = true;
+      S.charts[id].setScale("x", {min: S.xrange[0], max: S.xrange[1]});
+      S.syncing = false;
     }
     box.dataset.points = String(t.data[0].length);
     box.dataset.series = t.meta.map((m) => m.rid + ":" + m.f).join(",");
