@@ -96,5 +96,5 @@ def test_llama_recipes_train_on_real_data_with_selective_ac_and_profiling(name):
     assert Path(cfg.data.path).is_absolute()  # a prepared dataset, not the bundled corpus
     assert cfg.data.tokenizer.endswith("tokenizer.json")  # Llama 3's tokenizer, given by path
     assert cfg.parallelism.activation_checkpoint == "selective"
-    assert cfg.profile.window is not None and cfg.profile.window[0] > cfg.scheduler.warmup_steps // 2
+    assert cfg.profile.window is not None and cfg.profile.window[0] >= 10  # past the first, unsteady steps
     assert cfg.data.seq_len == 8192 and cfg.checkpoint.interval > 0
