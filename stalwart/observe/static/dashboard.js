@@ -197,7 +197,7 @@ function renderHeader(p) {
   byId("run-status").textContent = s
     ? `finished: ${s.steps} steps, final loss ${fmt(s.final_loss)}, ${fmt(s.tokens_per_s)} tok/s, ` +
       `MFU ${fmt(100 * (s.mfu || 0))}%`
-    : last ? `running: step ${last.step}, loss ${fmt(last.loss)}` : "no metrics yet";
+    : last ? `running: step ${last.step}, loss ${fmt(last.loss)}` : p ? "no metrics yet" : "reading the run...";
   byId("updated").textContent = "updated " + new Date().toLocaleTimeString() + (STATIC ? " (static report)" : " (live)");
 }
 
@@ -250,6 +250,7 @@ async function refresh(force) {
     if (first) document.body.dataset.renderMs = (t1 - t0).toFixed(1);
     else { document.body.dataset.refreshMs = (t1 - t0).toFixed(1); document.body.dataset.refreshBytes = stats.bytes; }
     document.body.dataset.lastStep = S.picked.map((id) => S.data[id] && S.data[id].last_step).join(",");
+    if (first) renderHeader(null);
     if (S.focus) renderPanels(STATIC ? STATIC.panels[S.focus] : await getJSON(`api/run?run=${enc(S.focus)}`));
     byId("err").textContent = "";
   } catch (e) {
