@@ -159,7 +159,8 @@ def test_dashboard_compares_runs_zooms_smooths_and_refreshes_incrementally(brows
         # live refresh: only the new steps travel
         with open(a / "metrics.jsonl", "a") as f:
             for step in range(301, 311):
-                f.write(json.dumps({"step": step, "loss": 2.4, "lr": 3e-4, "grad_norm": 1.0, "time": 2e9 + step}) + "\n")
+                rec = {"step": step, "loss": 2.4, "lr": 3e-4, "grad_norm": 1.0, "time": 2e9 + step}
+                f.write(json.dumps(rec) + "\n")
         browser.execute_script("refresh(true)")
         _wait(browser, "document.body.dataset.lastStep === '310,250'")
         refresh_ms = float(browser.execute_script("return document.body.dataset.refreshMs"))

@@ -100,7 +100,8 @@ def list_profiles(paths: RunPaths) -> list[dict[str, Any]]:
     out = []
     if paths.profile_dir.is_dir():
         for p in sorted(paths.profile_dir.iterdir()):
-            kind = "trace" if p.name.endswith(".trace.json") else "memory" if p.name.endswith(".memory.pickle") else None
+            kind = ("trace" if p.name.endswith(".trace.json") else
+                    "memory" if p.name.endswith(".memory.pickle") else None)
             if kind and p.name.startswith("rank-"):
                 out.append({"name": p.name, "rank": int(p.name.split("-")[1]), "kind": kind,
                             "bytes": p.stat().st_size})
