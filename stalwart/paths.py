@@ -132,6 +132,18 @@ class RunPaths:
         return self.root / "report"
 
     @property
+    def profile_dir(self) -> Path:
+        return self.root / "profile"
+
+    def profile_trace(self, rank: int, first: int, last: int) -> Path:
+        """torch.profiler's Chrome trace of steps ``first..last`` on one rank."""
+        return self.profile_dir / f"rank-{rank}-steps-{first}-{last}.trace.json"
+
+    def memory_snapshot(self, rank: int, first: int, last: int) -> Path:
+        """The CUDA caching allocator's snapshot over the same window (``torch.cuda.memory._dump_snapshot``)."""
+        return self.profile_dir / f"rank-{rank}-steps-{first}-{last}.memory.pickle"
+
+    @property
     def debug_dir(self) -> Path:
         return self.root / "debug"
 

@@ -88,3 +88,13 @@ def test_a_short_run_clamps_the_warmup_with_a_note_and_names_a_config_by_its_spe
     assert load(JobConfig, find_config("default")).notes() == []
     with pytest.raises(ConfigError, match="did you mean 'llama3_8b'"):
         find_config("llama3-8b")
+
+
+@pytest.mark.parametrize("name", ["llama3_1b", "llama3_8b"])
+def test_llama_recipes_train_on_real_data_with_selective_ac_and_profiling(name):
+    cfg = load(JobConfig, REPO / "configs" / f"{name}.toml")
+    assert Path(cfg.data.path).is_absolute()  # a prepared dataset, not the bundled corpus
+    assert cfg.data.tokenizer.endswith("tokenizer.json")  # Llama 3's tokenizer, given by path
+    assert cfg.parallelism.activation_checkpoint == "selective"
+    assert cfg.profile.window is not None and cfg.profile.window[0] >= 10  # past the first, unsteady steps
+    assert cfg.data.seq_len == 8192 and cfg.checkpoint.interval > 0

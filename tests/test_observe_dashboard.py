@@ -52,18 +52,39 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
-def _check_page(driver, run):
-    from selenium.webdriver.common.by import By
+def _wait(driver, js, timeout=30):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(driver, 20).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
-    for chart in ("chart-loss", "chart-tps", "chart-mfu", "chart-step"):
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: d.execute_script("return " + js))
+
+
+def _shot(driver, tmp_path, name):
+    """Screenshots go to the test's directory, and to $STALWART_SCREENSHOTS when set (to look at them)."""
+    import os
+
+    driver.save_screenshot(str(tmp_path / name))
+    if os.environ.get("STALWART_SCREENSHOTS"):
+        driver.save_screenshot(os.path.join(os.environ["STALWART_SCREENSHOTS"], name))
+
+
+def _leave(driver, server):
+    """Off the live page (it polls) before its server stops, so no test sees another's errors."""
+    driver.get("about:blank")
+    driver.get_log("browser")
+    server.shutdown()
+    server.server_close()
+
+
+def _check_page(driver, run, focus="run"):
+    from selenium.webdriver.common.by import By
+
+    _wait(driver, f"document.body.dataset.panels === {focus!r}")
+    for chart in ("chart-loss", "chart-lr", "chart-gnorm", "chart-tps", "chart-mfu", "chart-step"):
         el = driver.find_element(By.ID, chart)
         assert int(el.get_attribute("data-points")) > 10, chart
-        assert el.find_elements(By.CSS_SELECTOR, "path.series"), chart
-    # the loss chart has both train and eval series
-    names = [p.get_attribute("data-name") for p in driver.find_elements(By.CSS_SELECTOR, "#chart-loss path.series")]
-    assert names == ["train loss", "eval loss"]
+        assert el.find_elements(By.CSS_SELECTOR, "canvas"), chart
+    assert driver.find_element(By.ID, "chart-loss").get_attribute("data-series").endswith("loss,run:eval_loss") or \
+        focus != "run"
     rows = driver.find_elements(By.CSS_SELECTOR, "#heatmap g.hm-row")
     assert [r.get_attribute("data-rank") for r in rows] == [str(r) for r in range(RANKS)]
     assert all(r.find_elements(By.CSS_SELECTOR, "rect.hm-cell") for r in rows)
@@ -79,20 +100,127 @@ def _check_page(driver, run):
     events = driver.find_element(By.ID, "events").text
     assert "failure" in events and "checkpoint_saved" in events
     assert driver.find_elements(By.CSS_SELECTOR, "#events tr.fault")
+    # the failure, resume and recovery are marked on the loss chart (every event with a step, by name)
+    assert int(driver.find_element(By.ID, "chart-loss").get_attribute("data-marks")) >= 2
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
 
 
 @pytest.mark.e2e
-def test_dashboard_in_headless_chromium(browser, run):
+def test_dashboard_in_headless_chromium(browser, run, tmp_path):
     server, url = serve_in_thread(run)
     try:
         browser.get(url)
         _check_page(browser, run)
         assert "(live)" in browser.find_element("id", "updated").text
     finally:
-        server.shutdown()
-        server.server_close()
+        _leave(browser, server)
+
+
+@pytest.mark.e2e
+def test_dashboard_compares_runs_zooms_smooths_and_refreshes_incrementally(browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    root = tmp_path / "runs"
+    a = write_synthetic_run(root / "a", ranks=RANKS, steps=300, slow_rank=2)
+    write_synthetic_run(root / "b", ranks=2, steps=250, slow_rank=None, failure_at=None, seed=3)
+    server, url = serve_in_thread(root)
+    try:
+        browser.get(url)
+        _check_page(browser, a, focus="a")
+        picks = [e.get_attribute("value") for e in browser.find_elements(By.CSS_SELECTOR, "#runs input")]
+        assert picks == ["a", "b"]
+        assert browser.find_element(By.ID, "chart-loss").get_attribute("data-series") == \
+            "a:loss,a:eval_loss,b:loss,b:eval_loss"
+        assert browser.find_element(By.ID, "chart-lr").get_attribute("data-series") == "a:lr,b:lr"
+        render_ms = float(browser.execute_script("return document.body.dataset.renderMs"))
+        # hover: the legend shows the values under the cursor
+        over = browser.find_element(By.CSS_SELECTOR, "#chart-loss .u-over")
+        ActionChains(browser).move_to_element_with_offset(over, 40, 20).perform()
+        vals = [v.text for v in browser.find_elements(By.CSS_SELECTOR, "#chart-loss .u-legend .u-value")]
+        assert vals[0] not in ("", "-") and float(vals[1]) > 0, vals
+        _shot(browser, tmp_path, "dashboard-compare.png")
+        # zoom: a drag on one chart narrows every chart to the same steps
+        w = over.size["width"]
+        ActionChains(browser).move_to_element_with_offset(over, -w // 4, 10).click_and_hold() \
+            .move_by_offset(w // 4, 0).release().perform()
+        xs = browser.execute_script("return Object.values(S.charts).map((u) => [u.scales.x.min, u.scales.x.max])")
+        assert all(x == xs[0] for x in xs) and 40 < xs[0][0] < xs[0][1] < 200, xs
+        # log scale and smoothing
+        browser.find_element(By.ID, "logscale").click()
+        assert browser.execute_script("return S.charts['chart-loss'].scales.y.distr") == 3
+        raw = browser.execute_script("return S.charts['chart-gnorm'].data[1].slice(0, 50)")
+        browser.execute_script("const s = byId('smooth'); s.value = 0.9; s.dispatchEvent(new Event('input'))")
+        smooth = browser.execute_script("return S.charts['chart-gnorm'].data[1].slice(0, 50)")
+        spread = lambda v: max(x for x in v if x) - min(x for x in v if x)  # noqa: E731
+        assert spread(smooth) < 0.6 * spread(raw)
+        _shot(browser, tmp_path, "dashboard-zoom-log-smooth.png")
+        # live refresh: only the new steps travel
+        with open(a / "metrics.jsonl", "a") as f:
+            for step in range(301, 311):
+                rec = {"step": step, "loss": 2.4, "lr": 3e-4, "grad_norm": 1.0, "time": 2e9 + step}
+                f.write(json.dumps(rec) + "\n")
+        browser.execute_script("refresh(true)")
+        _wait(browser, "document.body.dataset.lastStep === '310,250'")
+        refresh_ms = float(browser.execute_script("return document.body.dataset.refreshMs"))
+        refresh_bytes = int(browser.execute_script("return document.body.dataset.refreshBytes"))
+        assert refresh_bytes < 8000, refresh_bytes  # 10 new steps of one run, not the whole runs
+        chart_ms = float(browser.execute_script("return document.body.dataset.chartMs"))
+        print(f"\n2 runs: first fetch + draw {render_ms:.0f} ms (last draw {chart_ms:.0f} ms), "
+              f"refresh {refresh_ms:.0f} ms, {refresh_bytes} bytes of curves")
+    finally:
+        _leave(browser, server)
+
+
+@pytest.mark.e2e
+def test_dashboard_renders_a_million_step_run(browser, tmp_path):
+    import time
+
+    from stalwart.observe.synthetic import write_long_run
+
+    run = write_long_run(tmp_path / "long", 1_000_000)
+    server, url = serve_in_thread(run)
+    try:
+        t0 = time.perf_counter()
+        browser.get(url)
+        _wait(browser, "document.body.dataset.ready === '1'", timeout=240)
+        wall = time.perf_counter() - t0
+        render_ms = float(browser.execute_script("return document.body.dataset.renderMs"))
+        chart_ms = float(browser.execute_script("return document.body.dataset.chartMs"))
+        pts = int(browser.find_element("id", "chart-loss").get_attribute("data-points"))
+        assert 1000 < pts <= 4000, pts  # LTTB: 2000 points per curve (train loss and eval loss joined)
+        assert browser.execute_script("return S.charts['chart-loss'].scales.x.max") == 1_000_000
+        _shot(browser, tmp_path, "dashboard-1m.png")
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": 1_000_001, "loss": 2.0, "lr": 3e-4, "time": 2e9}) + "\n")
+        browser.execute_script("refresh(true)")
+        _wait(browser, "document.body.dataset.lastStep === '1000001'")
+        refresh_ms = float(browser.execute_script("return document.body.dataset.refreshMs"))
+        refresh_bytes = int(browser.execute_script("return document.body.dataset.refreshBytes"))
+        assert refresh_bytes < 4000, refresh_bytes
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+        print(f"\n1M steps: page ready {wall:.1f} s after load (the server's first parse included), first "
+              f"fetch + draw {render_ms:.0f} ms, draw alone {chart_ms:.0f} ms, refresh {refresh_ms:.0f} ms, "
+              f"{refresh_bytes} bytes")
+    finally:
+        _leave(browser, server)
+
+
+@pytest.mark.e2e
+def test_dashboard_says_when_the_directory_holds_no_run(browser, tmp_path):
+    (tmp_path / "empty" / "notes").mkdir(parents=True)
+    server, url = serve_in_thread(tmp_path / "empty")
+    try:
+        browser.get(url)
+        _wait(browser, "document.body.dataset.ready === '1'")
+        msg = browser.find_element("id", "message")
+        assert msg.is_displayed() and msg.text.startswith("No run in ") and "stalwart train --run.dir" in msg.text
+        assert not browser.find_element("id", "content").is_displayed()
+        _shot(browser, tmp_path, "dashboard-empty.png")
+    finally:
+        _leave(browser, server)
 
 
 @pytest.mark.e2e
@@ -107,6 +235,7 @@ def test_static_report_in_headless_chromium(browser, run, tmp_path):
     assert {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(40, 50))
     browser.get((tmp_path / "rep" / "report.html").as_uri())
     _check_page(browser, run)
+    assert "(static report)" in browser.find_element("id", "updated").text
 
 
 @pytest.mark.unit
@@ -114,18 +243,24 @@ def test_api_rereads_the_run_directory(run):
     server, url = serve_in_thread(run)
     try:
         data = _get(url + "api/run")
-        assert len(data["train"]) == 60 and data["n_ranks"] == RANKS
+        assert data["last"]["step"] == 60 and data["n_ranks"] == RANKS and "train" not in data
         assert len(data["heatmaps"]["step_time_s"]["ranks"]) == RANKS
         assert _get(url + "api/stragglers")["stragglers"]["suspects"] == [2]
+        assert [r["id"] for r in _get(url + "api/runs")["runs"]] == ["run"]
+        full = _get(url + "api/series?points=20")
+        assert full["full"] and full["last_step"] == 60 and len(full["fields"]["loss"]["x"]) == 20
         with open(run / "metrics.jsonl", "a") as f:  # the job logs another step
             f.write(json.dumps({"step": 61, "loss": 2.0, "tokens_per_s": 1.0, "mfu": 0.1, "time": 2e9}) + "\n")
-        assert _get(url + "api/train")["train"][-1]["step"] == 61
+        new = _get(url + f"api/series?since=60&gen={full['gen']}")
+        assert not new["full"] and new["fields"]["loss"] == {"x": [61], "y": [2.0]}
         assert validate_trace(_get(url + "trace.json?first=5&last=9")) == []
-        with pytest.raises(urllib.error.HTTPError) as bad:  # a bad query is the client's error, said in words
-            urllib.request.urlopen(url + "trace.json?first=abc", timeout=10)
-        assert bad.value.code == 400 and b"integers" in bad.value.read()
+        for bad, code, words in (("trace.json?first=abc", 400, b"integers"), ("api/series?since=x", 400, b"integers"),
+                                 ("api/run?run=../etc", 404, b"no run")):
+            with pytest.raises(urllib.error.HTTPError) as err:  # the client's error, said in words
+                urllib.request.urlopen(url + bad, timeout=10)
+            assert err.value.code == code and words in err.value.read()
         page = urllib.request.urlopen(url, timeout=10).read().decode()
-        assert "<script" in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # no CDN
+        assert "uPlot" in page and "<script src" not in page and "<link rel=\"stylesheet\"" not in page  # no CDN
     finally:
         server.shutdown()
         server.server_close()

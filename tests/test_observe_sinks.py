@@ -11,7 +11,8 @@ import pytest
 
 from stalwart.errors import UserError
 from stalwart.config.job import ObserveConfig
-from stalwart.observe.sinks import JsonlSink, MetricsFanout, PrometheusSink, WandbSink, build_sinks
+from stalwart.observe.prometheus import PrometheusSink
+from stalwart.observe.sinks import JsonlSink, MetricsFanout, WandbSink, build_sinks
 
 RECORDS = [{"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.3, "time": 1.8e9},
            {"step": 2, "loss": 4.5, "lr": 2e-3, "tokens_per_s": 1100.0, "mfu": float("nan"), "time": 1.8e9 + 1},
@@ -53,21 +54,61 @@ def test_tensorboard_sink_writes_readable_event_files(tmp_path):
     assert len(acc.Scalars("mfu")) == 1  # NaN skipped
 
 
+def scrape(port: int) -> dict:
+    """{(sample name, frozen labels): value} of one endpoint, parsed by prometheus_client's own parser;
+    also checks every family has HELP text and a type."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        assert fam.documentation and fam.type in ("gauge", "counter"), fam
+        assert fam.name.startswith("stalwart_train_") and not fam.name.endswith("_s"), fam.name
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
 @pytest.mark.unit
-def test_prometheus_endpoint_scraped_over_loopback():
-    sink = PrometheusSink(port=0, labels={"run": "demo"})
+def test_prometheus_follows_the_conventions_per_rank_and_run_level(tmp_path):
+    from stalwart.observe.timer import PhaseTimer
+
+    lab = {"run": "demo", "run_dir": "/runs/demo"}
+    main, other = PrometheusSink(0, rank=0, main=True, labels=lab), PrometheusSink(0, rank=1, main=False, labels=lab)
     try:
-        assert sink.host == "127.0.0.1"
-        for r in RECORDS:
-            sink.write(r)
-        body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
-        assert '# TYPE stalwart_loss gauge' in body
-        assert 'stalwart_loss{run="demo"} 4.5' in body and 'stalwart_step{run="demo"} 2.0' in body
-        assert 'stalwart_eval_loss{run="demo"} 4.7' in body and 'stalwart_mfu{run="demo"} NaN' in body
-        with pytest.raises(urllib.error.HTTPError):
-            urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/other", timeout=5)
+        assert main.host == "127.0.0.1"
+        for sink in (main, other):
+            timer = PhaseTimer(sink.collector.rank, "cpu", None, flush_every=2, on_flush=sink.write_timings)
+            for step in (1, 2, 3):
+                timer.begin_step(step)
+                with timer.phase("forward"):
+                    pass
+                timer.end_step()
+                sink.write({"step": step, "loss": 5.0 - step, "lr": 1e-3 * step, "grad_norm": 0.5,
+                            "tokens_seen": 64 * step, "step_time_s": 0.25 * (sink.collector.rank + 1),
+                            "mem_bytes": 1000 + step, "mfu": float("nan"), "time": 1.8e9})
+            sink.write({"step": 3, "eval_loss": 4.7, "time": 1.8e9})
+        m, o = scrape(main.port), scrape(other.port)
     finally:
-        sink.close()
+        main.close()
+        other.close()
+    run = frozenset(lab.items())
+
+    def r(rank, **more):
+        return frozenset({**lab, "rank": str(rank), **more}.items())
+
+    assert m[("stalwart_train_tokens_total", run)] == 192.0  # a counter: tokens since the run began
+    assert m[("stalwart_train_loss", run)] == 2.0 and m[("stalwart_train_eval_loss", run)] == 4.7
+    assert m[("stalwart_train_learning_rate", run)] == pytest.approx(3e-3)
+    assert m[("stalwart_train_step", run)] == 3.0 and m[("stalwart_train_grad_norm", run)] == 0.5
+    assert m[("stalwart_train_mfu_ratio", run)] != m[("stalwart_train_mfu_ratio", run)]  # NaN
+    for rank, vals in ((0, m), (1, o)):
+        assert vals[("stalwart_train_step_duration_seconds", r(rank))] == 0.25 * (rank + 1)
+        assert vals[("stalwart_train_step_seconds_total", r(rank))] == pytest.approx(0.75 * (rank + 1))
+        assert vals[("stalwart_train_steps_total", r(rank))] == 3.0
+        assert vals[("stalwart_train_memory_bytes", r(rank))] == 1003.0
+        assert vals[("stalwart_train_phase_seconds_total", r(rank, phase="forward"))] > 0  # 2 flushed steps
+    assert not any(name in ("stalwart_train_loss", "stalwart_train_tokens_total") for name, _ in o)  # rank 0's
 
 
 @pytest.mark.unit
@@ -75,6 +116,11 @@ def test_build_sinks_rank_filtering_and_wandb_absent(tmp_path):
     assert build_sinks(ObserveConfig(), tmp_path, is_main=False).sinks == []
     fan = build_sinks(ObserveConfig(prometheus_port=0), tmp_path)
     assert [type(s).__name__ for s in fan.sinks] == ["JsonlSink"]
+    fan.close()
+    from stalwart.comm.launch import free_port
+
+    fan = build_sinks(ObserveConfig(prometheus_port=free_port()), tmp_path, is_main=False, rank=3)
+    assert [type(s).__name__ for s in fan.sinks] == ["PrometheusSink"]  # per-rank series on every rank
     fan.close()
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(UserError, match="'wandb' package is not installed"):
@@ -143,7 +189,7 @@ def test_prometheus_run_label_names_the_run_directory(tmp_path):
     prom = next(s for s in fan.sinks if isinstance(s, PrometheusSink))
     try:
         prom.write(RECORDS[0])
-        body = prom.render()
-        assert 'run="my \\"run\\""' in body and "default" not in body
+        labels = {dict(k)["run"] for k in (k for _, k in scrape(prom.port))}
+        assert labels == {'my "run"'}
     finally:
         fan.close()

@@ -1,4 +1,4 @@
-"""`stalwart dashboard RUN_DIR`: a live web dashboard of a run (served on localhost)."""
+"""`stalwart dashboard DIR`: a live web dashboard of a run, or of the runs under a directory (localhost)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from stalwart.errors import UserError
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="stalwart dashboard", description=(
-        "Serve a self-contained dashboard of a run directory: loss / eval loss / tokens/s / MFU curves, the "
-        "per-rank heat map, stragglers, goodput, events and flight-recorder findings. The directory is re-read "
-        "on every request, so it follows a running job. JSON API under /api/, a Perfetto trace at /trace.json."))
-    ap.add_argument("run_dir", help="the run directory (e.g. runs/default)")
+        "Serve a self-contained dashboard of a run directory, or of a directory of runs to compare: loss / eval "
+        "loss, learning rate, gradient norm, tokens/s, MFU and step-time curves (zoom, hover, smoothing, log "
+        "scale), the per-rank heat map, stragglers, goodput, events, flight-recorder findings and profiler "
+        "traces. It follows running jobs: the page fetches only new steps. JSON API under /api/, a Perfetto "
+        "trace at /trace.json."))
+    ap.add_argument("run_dir", help="a run directory (e.g. runs/default) or a directory of runs (e.g. runs)")
     ap.add_argument("--port", type=int, default=8765, help="port (0 = any free port; default 8765)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     args = ap.parse_args(argv)
     if not Path(args.run_dir).is_dir():
-        raise UserError(f"no run directory at {args.run_dir}")
+        raise UserError(f"no directory at {args.run_dir}: give a run directory or a directory of runs")
     from stalwart.observe.server import make_server
 
     server = make_server(args.run_dir, args.host, args.port)

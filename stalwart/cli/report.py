@@ -36,6 +36,12 @@ def main(argv: list[str]) -> int:
                        plots=not args.no_plots)
     for f in res["files"]:
         print(f)
+    from stalwart.observe.profiler import list_profiles
+    from stalwart.paths import RunPaths
+
+    paths = RunPaths(args.run_dir)
+    for p in list_profiles(paths):
+        print(f"profiler {p['kind']} (rank {p['rank']}, linked from the report): {paths.profile_dir / p['name']}")
     st = res["data"]["stragglers"]
     if st and st["suspects"]:
         print(f"suspected straggler rank(s): {st['suspects']}")

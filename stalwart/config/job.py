@@ -14,6 +14,7 @@ import itertools
 
 from stalwart.config.core import ConfigError, option, section
 from stalwart.config.fault_plan import CHAOS_KINDS, FaultPlanError, parse_plan
+from stalwart.config.profile import ProfileConfig
 
 
 @dataclass
@@ -359,8 +360,10 @@ class ObserveConfig:
         "made, for this many seconds (0 = no watchdog thread).", 300.0, min=0.0)
     tensorboard: bool = option("Also write metrics as TensorBoard event files under <run_dir>/tensorboard.",
                                False)
-    prometheus_port: int = option("Serve Prometheus text metrics at http://<host>:<port>/metrics from rank 0 "
-                                  "(0 = off).", 0, min=0, max=65535)
+    prometheus_port: int = option(
+        "Serve Prometheus metrics (prometheus_client) at http://<host>:<port + local rank>/metrics from every "
+        "rank: per-rank step, phase and memory series on each, the run's loss, lr, tokens on rank 0 "
+        "(0 = off).", 0, min=0, max=65535)
     prometheus_host: str = option("Address the Prometheus endpoint binds to (loopback by default).",
                                   "127.0.0.1")
     wandb: bool = option("Also log metrics to Weights & Biases (needs the wandb package).", False)
@@ -384,6 +387,7 @@ class JobConfig:
     comm: CommConfig = section(CommConfig, "Collective algorithms for data-parallel (FSDP) communication.")
     observe: ObserveConfig = section(ObserveConfig, "Observability: timings, flight recorder, metric sinks.")
     debug: DebugConfig = section(DebugConfig, "Debugging aids (gradient dumps).")
+    profile: ProfileConfig = section(ProfileConfig, "Kernel profiler trace and memory snapshot of a few steps.")
     fault: FaultConfig = section(FaultConfig, "Fault tolerance: detection bounds, policies, fault injection.")
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ See docs/observability.md.
 
 from stalwart.config.job import ObserveConfig
 from stalwart.observe.flight import FlightRecorder
-from stalwart.observe.sinks import (JsonlSink, MetricsFanout, PrometheusSink, Sink, TensorBoardSink,
-                                    WandbSink, build_sinks)
+from stalwart.observe.prometheus import PrometheusSink
+from stalwart.observe.sinks import JsonlSink, MetricsFanout, Sink, TensorBoardSink, WandbSink, build_sinks
 from stalwart.observe.timer import PhaseTimer, TimingsWriter
 
 __all__ = ["ObserveConfig", "FlightRecorder", "PhaseTimer", "TimingsWriter", "Sink", "JsonlSink",

@@ -12,6 +12,7 @@ from stalwart.observe.aggregate import heatmap, load_timings, phase_names, strag
 from stalwart.observe.diagnose import analyze, format_diagnosis, load_dumps
 from stalwart.observe.experts import expert_view
 from stalwart.observe.goodput import account
+from stalwart.observe.profiler import list_profiles
 from stalwart.paths import RunPaths
 
 TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_bytes")
@@ -68,6 +69,16 @@ def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 50
         "experts": expert_view([m for _, m in sorted(newest.items())], heatmap_steps),
     }
     return _clean(data)
+
+
+def panels(data: dict[str, Any], run_dir: str | Path, profile_href: str) -> dict[str, Any]:
+    """What the page shows for one run besides its curves (which come downsampled from the series
+    reader): ``data`` (from :func:`load_run`) without ``train``/``eval``, plus the newest training record
+    and the profiler outputs (``profile_href`` formats each file's link from its ``{name}``)."""
+    out = {k: v for k, v in data.items() if k not in ("train", "eval")}
+    out["last"] = data["train"][-1] if data["train"] else None
+    out["profiles"] = [{**p, "href": profile_href.format(name=p["name"])} for p in list_profiles(RunPaths(run_dir))]
+    return out
 
 
 def to_json(data: dict[str, Any]) -> str:

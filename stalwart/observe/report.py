@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from stalwart.observe.aggregate import load_timings
 from stalwart.observe.page import render_page
-from stalwart.observe.reader import load_run, to_json
+from stalwart.observe.reader import load_run, panels, to_json
+from stalwart.observe.series import RunSeries
 from stalwart.observe.trace import build_trace
 from stalwart.paths import RunPaths
 
@@ -90,6 +92,9 @@ def _plots(data: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
+POINTS = 4000  # per curve in the static report
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None, trace: bool = True,
                  trace_steps: tuple[int | None, int | None] = (None, None), plots: bool = True) -> dict[str, Any]:
     """Write ``report.html`` (+ PNGs, ``trace.json``) into ``out`` (default ``<run_dir>/report``)."""
@@ -97,7 +102,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, trace: bool
     out = Path(out) if out else RunPaths(run_dir).report_dir
     out.mkdir(parents=True, exist_ok=True)
     data = load_run(run_dir)
-    (out / "report.html").write_text(render_page(run_dir.name, to_json(data)), encoding="utf-8")
+    rid = run_dir.resolve().name
+    href = Path(os.path.relpath(RunPaths(run_dir).profile_dir, out.resolve())).as_posix() + "/{name}"
+    page = {"root": str(run_dir), "runs": [{"id": rid, "path": str(run_dir)}], "message": None,
+            "series": {rid: RunSeries(run_dir).query(points=POINTS)}, "panels": {rid: panels(data, run_dir, href)}}
+    (out / "report.html").write_text(render_page(run_dir.name, to_json(page)), encoding="utf-8")
     files = [out / "report.html"]
     if plots:
         files += _plots(data, out)

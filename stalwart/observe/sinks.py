@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
 
 from stalwart.errors import UserError
 from stalwart.metrics.records import JsonlWriter
+from stalwart.observe.prometheus import PrometheusSink
 from stalwart.paths import RunPaths
 
 
@@ -65,70 +64,6 @@ class TensorBoardSink:
         self._w.close()
 
 
-def _label_value(v: str) -> str:
-    """Prometheus text format: backslash, double quote and newline escaped."""
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-class PrometheusSink:
-    """Serves the newest value of every numeric metric at ``http://host:port/metrics`` (text format).
-
-    A stdlib HTTP server in a daemon thread; ``port=0`` picks a free port (see ``.port``). Bound to
-    loopback unless ``host`` says otherwise.
-    """
-
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", prefix: str = "stalwart",
-                 labels: dict[str, str] | None = None) -> None:
-        self.prefix = prefix
-        self._labels = ",".join(f'{k}="{_label_value(v)}"' for k, v in (labels or {}).items())
-        self._values: dict[str, float] = {}
-        self._lock = threading.Lock()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404)
-                    return
-                body = sink.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.host, self.port = self._server.server_address[:2]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="stalwart-prometheus",
-                                        daemon=True)
-        self._thread.start()
-
-    def write(self, record: dict[str, Any]) -> None:
-        vals = _scalars(record)
-        if "step" in record:
-            vals["step"] = float(record["step"])
-        with self._lock:
-            self._values.update(vals)
-
-    def render(self) -> str:
-        with self._lock:
-            items = sorted(self._values.items())
-        lab = "{" + self._labels + "}" if self._labels else ""
-        lines = []
-        for k, v in items:
-            name = f"{self.prefix}_{''.join(c if c.isalnum() else '_' for c in k)}"
-            lines += [f"# TYPE {name} gauge", f"{name}{lab} {v!r}" if math.isfinite(v) else f"{name}{lab} NaN"]
-        return "\n".join(lines) + "\n"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 class WandbSink:
     """Weights & Biases (``pip install wandb``); imported only when enabled."""
 
@@ -162,6 +97,12 @@ class MetricsFanout:
                 print(f"stalwart: metrics sink {type(s).__name__} failed and is disabled: {e}", file=sys.stderr)
                 self.sinks.remove(s)
 
+    def write_timings(self, records: list[dict[str, Any]]) -> None:
+        """A rank's flushed timings records, for the sinks that export per-rank phase times."""
+        for s in self.sinks:
+            if hasattr(s, "write_timings"):
+                s.write_timings(records)
+
     def close(self) -> None:
         for s in self.sinks:
             try:
@@ -172,18 +113,23 @@ class MetricsFanout:
 
 
 def build_sinks(cfg: Any, run_dir: str | Path, run_name: str = "run", is_main: bool = True,
-                config_dict: dict[str, Any] | None = None) -> MetricsFanout:
-    """The fan-out for ``cfg`` (an :class:`~stalwart.config.job.ObserveConfig`); empty off rank 0."""
-    if not is_main:
-        return MetricsFanout([])
+                config_dict: dict[str, Any] | None = None, rank: int = 0, local_rank: int = 0) -> MetricsFanout:
+    """The fan-out for ``cfg`` (an :class:`~stalwart.config.job.ObserveConfig`).
+
+    Rank 0 gets every configured sink; the other ranks only their Prometheus endpoint (per-rank series
+    at ``prometheus_port + local_rank``), or nothing.
+    """
     paths = RunPaths(run_dir)
-    sinks: list[Sink] = [JsonlSink(paths.metrics)]
+    sinks: list[Sink] = []
+    if cfg.prometheus_port:
+        root = paths.root.resolve()
+        sinks.append(PrometheusSink(cfg.prometheus_port + local_rank, cfg.prometheus_host, rank=rank, main=is_main,
+                                    labels={"run": root.name, "run_dir": str(root)}))
+    if not is_main:
+        return MetricsFanout(sinks)
+    sinks.insert(0, JsonlSink(paths.metrics))
     if cfg.tensorboard:
         sinks.append(TensorBoardSink(paths.tensorboard))
-    if cfg.prometheus_port:
-        # `run` names the run directory (run.name stays "default" when only run.dir is given).
-        sinks.append(PrometheusSink(cfg.prometheus_port, cfg.prometheus_host,
-                                    labels={"run": paths.root.resolve().name, "run_dir": str(paths.root.resolve())}))
     if cfg.wandb:
         sinks.append(WandbSink(cfg.wandb_project, run_name, config_dict, paths.root))
     return MetricsFanout(sinks)

@@ -102,3 +102,25 @@ def write_synthetic_run(run_dir: str | Path, ranks: int = 4, steps: int = 60, sl
     paths.summary.write_text(json.dumps({"steps": steps, "final_loss": final_loss,
                                          "tokens_per_s": 4096 * ranks / 0.15, "mfu": 0.22, "world_size": ranks}))
     return paths.root
+
+
+def write_long_run(run_dir: str | Path, steps: int = 1_000_000, t0: float = 1.8e9) -> Path:
+    """A run with ``steps`` logged training steps (metrics.jsonl and a few events; no timings): what a
+    long pre-training run leaves behind, for the dashboard's downsampling. One eval every 10k steps."""
+    paths = RunPaths(run_dir)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    line = '{"step": %d, "loss": %.5f, "lr": %.4e, "grad_norm": %.4f, "tokens_per_s": %.1f, "time": %.2f}\n'
+    with open(paths.metrics, "w") as f:
+        for lo in range(1, steps + 1, 100_000):
+            f.write("".join(line % (s, 2.0 + 6.0 * math.exp(-s / 50_000) + 0.05 * math.sin(s * 0.7),
+                                    3e-4 * min(1.0, s / 2000), 1.0 + 0.3 * math.sin(s * 1.3), 5e5 + 1e4 * math.sin(s),
+                                    t0 + 0.5 * s)
+                            for s in range(lo, min(lo + 100_000, steps + 1))))
+            f.write("".join('{"step": %d, "eval_loss": %.5f, "time": %.2f}\n'
+                            % (s, 2.1 + 6.0 * math.exp(-s / 50_000), t0 + 0.5 * s)
+                            for s in range(lo - 1 + 10_000, min(lo + 100_000, steps + 1), 10_000)))
+    events = [{"time": t0, "event": "start", "step": 0, "world_size": 8},
+              {"time": t0 + 0.5 * steps / 2, "event": "restart", "step": steps // 2, "attempt": 1},
+              {"time": t0 + 0.5 * steps, "event": "finished", "step": steps}]
+    paths.events.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return paths.root

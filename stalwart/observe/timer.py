@@ -74,8 +74,9 @@ class PhaseTimer:
 
     ``sink`` receives lists of finished records (a :class:`TimingsWriter`, or any callable taking a
     list); ``on_phase`` (optional) is told the phase a rank enters, e.g. ``FlightRecorder.set_phase``,
-    so a hang dump says what the rank was doing. A phase entered several times in one step (gradient
-    accumulation) accumulates. Nested phases are each timed in full (their times overlap).
+    so a hang dump says what the rank was doing; ``on_flush`` (optional) also receives each batch of
+    finished records, e.g. a Prometheus exporter's per-rank phase counters. A phase entered several
+    times in one step (gradient accumulation) accumulates. Nested phases are each timed in full (their times overlap).
 
     ``comm_clock`` (optional, CPU only), e.g. ``FlightRecorder.blocked_seconds``: a counter of seconds
     spent blocked in collectives. Collective time inside another phase (FSDP's all-gather in
@@ -86,11 +87,13 @@ class PhaseTimer:
     def __init__(self, rank: int = 0, device: Any = "cpu", sink: TimingsWriter | Callable | None = None,
                  flush_every: int = 10, enabled: bool = True,
                  on_phase: Callable[[str | None, int | None], None] | None = None,
-                 comm_clock: Callable[[], float] | None = None) -> None:
+                 comm_clock: Callable[[], float] | None = None,
+                 on_flush: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.rank, self.enabled, self.flush_every = rank, enabled, max(1, flush_every)
         self.cuda = str(device).startswith("cuda")
         self._sink = sink
         self._on_phase = on_phase
+        self._on_flush = on_flush
         self._comm_clock = None if self.cuda else comm_clock
         self._comm_open: dict[str, float] = {}
         self._phases: dict[str, _Phase] = {}
@@ -187,6 +190,8 @@ class PhaseTimer:
             self.last = self._pending[-1][0]
             self._pending = []
         if self._done:
+            if self._on_flush is not None:
+                self._on_flush(self._done)
             if isinstance(self._sink, TimingsWriter):
                 self._sink.write_many(self._done)
             elif self._sink is not None:

@@ -2,7 +2,8 @@
 
 The observer owns the run's records (``events.jsonl``, the metrics fan-out: ``metrics.jsonl`` plus the
 configured TensorBoard / Prometheus / W&B sinks), the per-rank phase timer (``timings/``), the
-collective flight recorder (``flight/``) and the progress display. Entering it installs the flight
+collective flight recorder (``flight/``), the progress display and the step profiler
+(``profile/``, with ``profile.steps``). Entering it installs the flight
 recorder's patches and handlers; leaving it, on any exit, undoes them and closes every file.
 
     with observer:
@@ -28,13 +29,15 @@ from typing import Any
 import torch
 
 from stalwart.errors import UserError
-from stalwart.metrics.progress import Progress
+from stalwart.metrics.progress import Progress, RateWindow
 from stalwart.metrics.records import EventLog
 from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
+from stalwart.observe.profiler import StepProfiler
 from stalwart.paths import RunPaths
 from stalwart.train.dist_env import DistEnv
 
 WARMUP_STEPS = 3  # steady-state throughput excludes this session's first steps
+PROGRESS_WINDOW = 20  # the progress display's tokens/s is over this many recent steps
 
 
 class TimedLoader:
@@ -57,18 +60,21 @@ class TimedLoader:
 class Observer:
     def __init__(self, observe_cfg, metrics_cfg, paths: RunPaths, run_name: str, env: DistEnv,
                  flops_per_token: float, peak_flops: float, tokens_per_step: int,
-                 config_dict: dict | None = None) -> None:
+                 config_dict: dict | None = None, profile_cfg=None) -> None:
         self.cfg, self.metrics_cfg, self.env = observe_cfg, metrics_cfg, env
+        self.profiler = StepProfiler(profile_cfg, paths, env.rank, env.device) if profile_cfg is not None else None
         self.flops_per_token, self.peak_flops, self.tokens_per_step = flops_per_token, peak_flops, tokens_per_step
         self.events = EventLog(paths.events, enabled=env.is_main)
-        self.metrics = build_sinks(observe_cfg, paths.root, run_name, is_main=env.is_main, config_dict=config_dict)
+        self.metrics = build_sinks(observe_cfg, paths.root, run_name, is_main=env.is_main, config_dict=config_dict,
+                                   rank=env.rank, local_rank=env.local_rank)
         self.recorder = (FlightRecorder(env.rank, env.world_size, paths.root, observe_cfg.flight_entries,
                                         observe_cfg.hang_timeout_s)
                          if env.is_distributed and observe_cfg.flight_recorder else None)
         self.timer = PhaseTimer(env.rank, env.device, TimingsWriter(paths.root, env.rank),
                                 observe_cfg.timings_flush_every, enabled=observe_cfg.timings,
                                 on_phase=self.recorder.set_phase if self.recorder else None,
-                                comm_clock=self.recorder.blocked_seconds if self.recorder else None)
+                                comm_clock=self.recorder.blocked_seconds if self.recorder else None,
+                                on_flush=self.metrics.write_timings if self.metrics.sinks else None)
         self.progress: Progress | None = None
         self._end = 0
         self.last: dict[str, Any] = {}  # the newest step record of this session
@@ -79,6 +85,7 @@ class Observer:
         self._steps = 0               # steps logged this session
         self._steady: tuple[float, int] | None = None  # (time, tokens) after the warm-up steps
         self._tokens = 0
+        self._rate = RateWindow(PROGRESS_WINDOW)  # the progress display's smoothed tokens/s
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Observer":
@@ -91,6 +98,8 @@ class Observer:
             self.recorder.dump(f"exception {exc_type.__name__}: {exc}"[:300])  # what each rank was doing
         try:
             self.close_step()
+            if self.profiler is not None:
+                self.profiler.close()
             self.timer.close()
             if self.progress is not None:
                 self.progress.close()
@@ -125,12 +134,18 @@ class Observer:
         self.close_step()
         self._open_step = step
         self.timer.begin_step(step)
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
         t0 = time.perf_counter()
         self.data_wait_s = 0.0
         yield
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         self._step_time = time.perf_counter() - t0
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.end_step(step)
+            if not self.profiler.active:
+                self.say("profile: wrote " + ", ".join(str(p) for p in self.profiler.written))
 
     def phase(self, name: str):
         return self.timer.phase(name)
@@ -149,7 +164,9 @@ class Observer:
         if step % self.metrics_cfg.log_interval == 0 or step == self._end:
             self.metrics.write({**record, "time": time.time()})
         if self.progress is not None:
-            self.progress.update(step, f"loss {record['loss']:.3f}  {tps:.0f} tok/s  mfu {100 * record['mfu']:.1f}%")
+            smooth = self._rate.add(self.tokens_per_step, self._step_time)
+            self.progress.update(step, f"loss {record['loss']:.3f}  {smooth:.0f} tok/s  "
+                                       f"mfu {100 * self.mfu(smooth):.1f}%")
         self.last = record
         return record
 

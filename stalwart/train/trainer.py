@@ -80,7 +80,8 @@ class Trainer:
                         cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic)
         peak, self.peak_source = peak_tflops(env.device, spec.param_dtype(env.device), cfg.metrics.peak_tflops)
         self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
-                                 peak * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg))
+                                 peak * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg),
+                                 profile_cfg=cfg.profile)
         self.core = TrainCore(spec, env, dims, self.observer.timer)
         self.loader = TimedLoader(data, self.observer)
         self.evaluator = Evaluator(cfg.eval, self.core, val_batches, self.observer)
