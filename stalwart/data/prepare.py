@@ -119,10 +119,10 @@ def _size_hints(corpus: Corpus, docs: list[DocRef]) -> list[int]:
 def prepare(sources: list[Source], out: Path, tok, eos: int, *, workers: int = 1, fmt: str = "auto",
             text_field: str = "text", val_fraction: float = 0.02, decode_errors: str = "auto",
             shard_mb: float = 8.0, progress: Callable[[dict], None] | None = None,
-            corpora: list[Corpus] | None = None) -> dict:
+            corpora: list[Corpus] | None = None, out_name: str = "--out") -> dict:
     """Prepare ``sources`` into ``out``; returns the index. A finished directory of the same inputs and
     tokenizer is returned as it is; one of other inputs is refused. ``corpora``: the sources already
-    opened with these settings (saves a second scan)."""
+    opened with these settings (saves a second scan); ``out_name`` names ``out`` in errors."""
     corpora = corpora or [Corpus(s.path, fmt, text_field, val_fraction, decode_errors) for s in sources]
     jobs: list[ShardJob] = []
     for i, (src, corpus) in enumerate(zip(sources, corpora)):
@@ -138,8 +138,8 @@ def prepare(sources: list[Source], out: Path, tok, eos: int, *, workers: int = 1
     out.mkdir(parents=True, exist_ok=True)
     if (out / PLAN).is_file():
         if json.loads((out / PLAN).read_text()) != plan:
-            raise DataError(f"--out: {out} holds a prepared dataset of other inputs, tokenizer or settings; "
-                            "choose another --out or delete that directory")
+            raise DataError(f"{out_name}: {out} holds a prepared dataset of other inputs, tokenizer or settings; "
+                            f"choose another {out_name} or delete that directory")
         if (out / INDEX).is_file():
             return json.loads((out / INDEX).read_text())
     for stale in out.glob(".*.tmp"):  # a write that was killed midway

@@ -60,7 +60,7 @@ def build_run_data(cfg, paths: RunPaths, is_main: bool) -> RunData:
             source = parse_inputs([cfg.path])[0]
             prepare([Source(source.name, cfg.path)], paths.prepared_data, tok, eos_id(tok), workers=1,
                     fmt=cfg.format, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
-                    decode_errors=cfg.decode_errors, corpora=[corpus])
+                    decode_errors=cfg.decode_errors, corpora=[corpus], out_name="run.dir (its data/ folder)")
         data = open_prepared(prepared_path)
         data.verify(full=cfg.verify == "full")
     _barrier()
