@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_CORPUS, TINY_RUN, read_metrics, run_cli
+from stalwart.data.tokenizer import train_bpe
 
 pytestmark = pytest.mark.e2e
 
@@ -42,11 +43,10 @@ def test_prepare_train_resume_from_a_mixed_prepared_dataset(tmp_path):
     last = [m for m in read_metrics(straight) if "loss" in m][-1]
     assert last["data_tokens/json"] == last["data_tokens/mime"] == 4 * 2 * 32  # 4 steps x 2 of 4 sequences x 32
 
-    bad_tok = tmp_path / "other-tokenizer"
-    run_cli("data", "prepare", "--input", SMALL_CORPUS, "--vocab-size", "300", "--tokenizer-train-mb", "0.05",
-            "--out", str(bad_tok), "--no-progress")
+    other = tmp_path / "other-tokenizer.json"
+    other.write_text(train_bpe(["another text entirely"] * 20, 280).to_str())
     one_line_error(run_cli("train", *TINY_RUN, "--data.path", str(data), "--run.dir", str(tmp_path / "r2"),
-                           "--data.tokenizer", str(bad_tok / "tokenizer.json"), check=False),
+                           "--data.tokenizer", str(other), check=False),
                    "data.tokenizer", "differs from the one")
     shard = data / "json.train.00000.bin"
     raw = bytearray(shard.read_bytes())
