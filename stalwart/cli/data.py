@@ -1,4 +1,4 @@
-"""`stalwart data prepare|inspect`: tokenize a corpus once into memory-mapped shards; describe one."""
+"""`stalwart data prepare|inspect`: tokenize a corpus once into memory-mappable shards; describe one."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each source's training split is one token stream (documents each ending in end-o
 no padding); its sequence k is tokens [k*L, k*L + L + 1) (inputs and shifted targets). Which
 sequences global batch b holds is a pure function of (seed, b) (``mixture.batch_plan``): a seeded
 permutation per source and epoch, mixed by weight. Data-parallel rank r reads only its slots
-[r*G/dp, (r+1)*G/dp), through memory maps, so memory does not grow with the corpus and the step's data
+[r*G/dp, (r+1)*G/dp), by positioned reads, so memory does not grow with the corpus and the step's data
 does not depend on the number of ranks. The state is the number of batches served. Batches are built
 ahead of the step on a background thread (``Prefetcher``), stopped by ``close``.
 """

@@ -1,4 +1,4 @@
-"""Read a prepared dataset: its index, checksums, tokenizer identity and memory-mapped token streams."""
+"""Read a prepared dataset: its index, checksums, tokenizer identity and token streams (positioned reads)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from stalwart.data.corpus import DataError
 from stalwart.data.prepare import FORMAT, INDEX, TOKENIZER, tokenizer_sha256
-from stalwart.data.shards import file_sha256, open_tokens, read_index
+from stalwart.data.shards import TokenFile, file_sha256, open_tokens, read_index
 
 
 def is_prepared(path: str) -> bool:
@@ -19,7 +19,7 @@ def is_prepared(path: str) -> bool:
 
 
 class TokenArray:
-    """A split of one source: its shards' tokens as one stream, read through memory maps.
+    """A split of one source: its shards' tokens as one stream, read by positioned reads.
 
     ``read`` wraps around the end, so a stream shorter than one sequence still serves sequences.
     """
@@ -30,12 +30,13 @@ class TokenArray:
         self.ends = np.cumsum([s["tokens"] for s in shards], dtype=np.int64)
         self.first = first
         self.tokens = tokens if tokens >= 0 else int(self.ends[-1]) - first
-        self._maps: dict[int, np.ndarray] = {}
+        self._files: dict[int, TokenFile] = {}
 
-    def _map(self, i: int) -> np.ndarray:
-        if i not in self._maps:
-            self._maps[i] = open_tokens(self.root / f"{self.shards[i]['name']}.bin", self.dtype, self.shards[i]["tokens"])
-        return self._maps[i]
+    def _file(self, i: int) -> TokenFile:
+        if i not in self._files:
+            self._files[i] = open_tokens(self.root / f"{self.shards[i]['name']}.bin", self.dtype,
+                                         self.shards[i]["tokens"])
+        return self._files[i]
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream (modulo its length), as int64."""
@@ -45,7 +46,7 @@ class TokenArray:
             at = self.first + pos
             i = int(np.searchsorted(self.ends, at, side="right"))
             lo = at - (int(self.ends[i - 1]) if i else 0)
-            chunk = self._map(i)[lo:lo + min(length - filled, self.tokens - pos)]
+            chunk = self._file(i).read(lo, min(length - filled, self.tokens - pos))
             out[filled:filled + len(chunk)] = chunk
             filled += len(chunk)
             pos = (pos + len(chunk)) % self.tokens
@@ -94,7 +95,7 @@ class Prepared:
             for split in ("train", "val"):
                 for shard in src[split]["shards"]:
                     bin_path, idx_path = self.root / f"{shard['name']}.bin", self.root / f"{shard['name']}.idx"
-                    open_tokens(bin_path, dtype, shard["tokens"])  # exists, readable, right size
+                    open_tokens(bin_path, dtype, shard["tokens"]).close()  # exists, readable, right size
                     read_index(idx_path)
                     if full:
                         for path, key in ((bin_path, "bin_sha256"), (idx_path, "idx_sha256")):

@@ -13,6 +13,7 @@ the tools built on them read these files as they are; ``numpy.memmap`` reads the
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from pathlib import Path
 
@@ -76,15 +77,42 @@ def read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray]:
     return CODE_DTYPES[code], lengths
 
 
-def open_tokens(bin_path: Path, dtype: np.dtype, tokens: int) -> np.ndarray:
-    """A read-only memory map of a shard's tokens (pages are read only when touched)."""
-    try:
-        size = bin_path.stat().st_size
-    except OSError as e:
-        raise DataError(f"data.path: cannot read shard {bin_path}: {e.strerror}") from None
-    if size != tokens * dtype.itemsize:
-        raise DataError(f"data.path: shard {bin_path} holds {size} bytes, its index says {tokens} tokens "
-                        f"({tokens * dtype.itemsize} bytes); the shard is damaged: prepare the data again")
-    if tokens == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(tokens,))
+class TokenFile:
+    """A shard's tokens, read by positioned reads (``os.pread``): only the bytes asked for enter the process.
+
+    A memory map would do the same reads, but every page it touches (and the kernel maps up to 16
+    cached neighbours per fault) counts toward the process's resident memory, which then grows with
+    the corpus a long run has visited. The file stays in the OS page cache, shared by all ranks.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
+        self.path, self.dtype, self.tokens = path, dtype, tokens
+        self._fd = -1
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+            size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise DataError(f"data.path: cannot read shard {path}: {e.strerror}") from None
+        if size != tokens * dtype.itemsize:
+            self.close()
+            raise DataError(f"data.path: shard {path} holds {size} bytes, its index says {tokens} tokens "
+                            f"({tokens * dtype.itemsize} bytes); the shard is damaged: prepare the data again")
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count), clipped to the shard."""
+        count = max(0, min(count, self.tokens - start))
+        raw = os.pread(self._fd, count * self.dtype.itemsize, start * self.dtype.itemsize)
+        return np.frombuffer(raw, dtype=self.dtype)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def open_tokens(bin_path: Path, dtype: np.dtype, tokens: int) -> TokenFile:
+    """A shard's token file, checked to be readable and of the size its index says."""
+    return TokenFile(bin_path, dtype, tokens)

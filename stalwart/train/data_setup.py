@@ -2,7 +2,7 @@
 
 ``data.path`` is either a prepared dataset (``stalwart data prepare``) or text, which the first rank
 tokenizes once into ``<run>/data`` in the same layout (kept for resumes). Either way every rank then
-reads only its own sequences from memory-mapped shards.
+reads only its own sequences from the shards.
 """
 
 from __future__ import annotations
