@@ -81,7 +81,22 @@ def _tokenizer(args, sources, out: Path):
     return train_on(corpora, args.vocab_size, args.tokenizer_train_mb)
 
 
+_FLAGS = {"data.path": "--input", "data.text_field": "--text-field", "data.decode_errors": "--decode-errors",
+          "data.val_fraction": "--val-fraction", "data.tokenizer": "--tokenizer"}
+
+
 def prepare_main(argv: list[str]) -> int:
+    """Errors from the shared readers name the config fields; here they name this command's flags."""
+    try:
+        return _prepare(argv)
+    except DataError as e:
+        msg = str(e)
+        for field, flag in _FLAGS.items():
+            msg = msg.replace(field, flag)
+        raise DataError(msg) from None
+
+
+def _prepare(argv: list[str]) -> int:
     args = _prepare_parser().parse_args(argv)
     if args.workers < 1:
         raise DataError(f"--workers must be at least 1 (got {args.workers})")
