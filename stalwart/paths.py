@@ -92,6 +92,11 @@ class RunPaths:
     def tokenizer(self) -> Path:
         return self.root / "tokenizer.json"
 
+    @property
+    def prepared_data(self) -> Path:
+        """Text data given as data.path, tokenized once into shards (``stalwart data prepare``'s layout)."""
+        return self.root / "data"
+
     # -- records ----------------------------------------------------------------------------------
     @property
     def metrics(self) -> Path:

@@ -1,4 +1,5 @@
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -6,7 +7,9 @@ import torch
 
 from conftest import SMALL_CORPUS
 from stalwart.data.corpus import Corpus, DataError
-from stalwart.data.loader import DataLoader, TokenStream
+from stalwart.data.loader import DataLoader, validation_batches
+from stalwart.data.prepare import Source, prepare
+from stalwart.data.prepared import open_prepared
 from stalwart.data.tokenizer import eos_id, train_bpe
 
 pytestmark = pytest.mark.unit
@@ -22,9 +25,16 @@ def tok(corpus):
     return train_bpe(corpus.sample_text(100_000), 384)
 
 
-def make_loader(corpus, tok, rank=0, world=1, seed=0, global_batch=8, micro=2, seq=32, window=16):
-    stream = TokenStream(corpus, corpus.train, tok, eos_id(tok), seed, shuffle=True)
-    return DataLoader(stream, seq, global_batch, micro, rank, world, shuffle_window=window, seed=seed)
+@pytest.fixture(scope="module")
+def data(corpus, tok, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared")
+    prepare([Source("json", SMALL_CORPUS)], out, tok, eos_id(tok), val_fraction=0.2, corpora=[corpus])
+    return open_prepared(out)
+
+
+def make_loader(data, rank=0, world=1, seed=0, global_batch=8, micro=2, seq=32, prefetch=0):
+    return DataLoader(data.split("train"), data.names, [1.0], seq, global_batch, micro, rank, world, seed,
+                      prefetch=prefetch)
 
 
 def flat(batches):
@@ -38,30 +48,35 @@ def test_splits_are_disjoint_and_deterministic(corpus):
     assert corpus.val
 
 
-def test_order_is_deterministic_and_seeded(corpus, tok):
-    a, b, c = make_loader(corpus, tok), make_loader(corpus, tok), make_loader(corpus, tok, seed=1)
+def test_order_is_deterministic_and_seeded(data):
+    a, b, c = make_loader(data), make_loader(data), make_loader(data, seed=1)
     for _ in range(3):
         xa, xb, xc = flat(a.next()), flat(b.next()), flat(c.next())
         assert torch.equal(xa, xb)
     assert not torch.equal(xa, xc)
 
 
-def test_shuffle_window_is_a_permutation_of_stream_order(corpus, tok):
-    plain = make_loader(corpus, tok, global_batch=16, micro=16, window=1)
-    mixed = make_loader(corpus, tok, global_batch=16, micro=16, window=16)
-    a, b = flat(plain.next()), flat(mixed.next())
-    assert not torch.equal(a, b)
-    assert sorted(map(tuple, a.tolist())) == sorted(map(tuple, b.tolist()))
+def test_global_shuffle_serves_every_sequence_once_per_epoch(data):
+    seq = 32
+    loader = make_loader(data, global_batch=1, micro=1, seq=seq)
+    stream = data.split("train")[0]
+    n = stream.tokens // seq
+    in_order = [tuple(stream.read(k * seq, seq + 1)[:-1].tolist()) for k in range(n)]
+    served = [tuple(r.tolist()) for _ in range(n) for r in flat(loader.next())]
+    assert sorted(served[:n]) == sorted(in_order)  # a permutation of the epoch's sequences ...
+    assert served[:n] != in_order  # ... not stream order
+    neighbours = sum(in_order.index(served[i + 1]) - in_order.index(served[i]) == 1 for i in range(n - 1))
+    assert neighbours < n // 10  # and without window locality
 
 
-def test_targets_are_inputs_shifted(corpus, tok):
-    batch = make_loader(corpus, tok).next()[0]
+def test_targets_are_inputs_shifted(data):
+    batch = make_loader(data).next()[0]
     assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
 
 
-def test_rank_shards_are_disjoint_and_cover_the_global_batch(corpus, tok):
-    single = make_loader(corpus, tok, global_batch=8, micro=2)
-    shards = [make_loader(corpus, tok, rank=r, world=4, global_batch=8, micro=2) for r in range(4)]
+def test_rank_shards_are_disjoint_and_cover_the_global_batch(data):
+    single = make_loader(data, global_batch=8, micro=2)
+    shards = [make_loader(data, rank=r, world=4, global_batch=8, micro=2) for r in range(4)]
     for _ in range(3):
         whole = flat(single.next())
         parts = [flat(s.next()) for s in shards]
@@ -70,38 +85,25 @@ def test_rank_shards_are_disjoint_and_cover_the_global_batch(corpus, tok):
         assert len(rows) == whole.shape[0]  # no sequence served to two ranks
 
 
-@pytest.mark.parametrize("window", [1, 16, 24])
-def test_exact_resume_position(corpus, tok, window):
-    straight = make_loader(corpus, tok, window=window)
-    for _ in range(7):
+@pytest.mark.parametrize("skip", [7, 64])  # mid-epoch, and across the epoch boundary (66 batches)
+def test_exact_resume_position(data, skip):
+    straight = make_loader(data)
+    assert (skip + 5 < straight.n_sequences[0] // 8) == (skip == 7)  # the 5 batches after 64 pass the end of epoch 0
+    for _ in range(skip):
         straight.next()
     state = json.loads(json.dumps(straight.state_dict()))  # must survive JSON (the checkpoint format)
     expected = [flat(straight.next()) for _ in range(5)]
-    resumed = make_loader(corpus, tok, window=window)
-    resumed.load_state_dict(state)
-    for want in expected:
-        assert torch.equal(flat(resumed.next()), want)
+    with make_loader(data, prefetch=2) as resumed:  # the background thread gives the same batches
+        resumed.load_state_dict(state)
+        for want in expected:
+            assert torch.equal(flat(resumed.next()), want)
+    assert not any(t.name == "stalwart-data-prefetch" for t in threading.enumerate())  # closed
 
 
-def test_memory_stays_bounded(corpus, tok):
-    loader = make_loader(corpus, tok, global_batch=4, micro=4, seq=64)
-    for _ in range(200):
-        loader.next()
-    consumed = 200 * 4 * 64
-    assert loader.stream.base > 0  # consumed documents were released
-    assert len(loader.stream.buffer) < consumed / 2
-
-
-def test_packing_crosses_epochs(tok, tmp_path):
-    d = tmp_path / "c"
-    d.mkdir()
-    for i in range(3):
-        (d / f"{i}.txt").write_text(f"document number {i} " * 5)
-    c = Corpus(str(d), val_fraction=0.0)
-    loader = DataLoader(TokenStream(c, c.train, tok, eos_id(tok), 0, True), 16, 4, 4, 0, 1)
-    for _ in range(20):
-        loader.next()
-    assert loader.stream.epoch >= 2
+def test_resume_refuses_other_settings(data):
+    state = make_loader(data).state_dict()
+    with pytest.raises(DataError, match="global_batch 8 -> 4"):
+        make_loader(data, global_batch=4).load_state_dict(state)
 
 
 def test_bad_data_inputs(tmp_path):
@@ -133,25 +135,21 @@ def test_jsonl_and_parquet_sources(tmp_path, tok):
         bad.read(bad.train[0])
 
 
-def test_global_batch_must_split_over_ranks(corpus, tok):
+def test_global_batch_must_split_over_ranks(data):
     with pytest.raises(DataError, match="not divisible by the data-parallel size"):
-        make_loader(corpus, tok, world=3, global_batch=8)
+        make_loader(data, world=3, global_batch=8)
     with pytest.raises(DataError, match="not a multiple of training.micro_batch"):
-        make_loader(corpus, tok, world=2, global_batch=8, micro=3)
+        make_loader(data, world=2, global_batch=8, micro=3)
 
 
-def test_validation_set_spans_the_split_and_is_layout_independent(corpus, tok):
-    from stalwart.data.loader import validation_batches
-
+def test_validation_set_spans_the_split_and_is_layout_independent(data):
     def val(rank, world):
-        stream = TokenStream(corpus, corpus.val, tok, eos_id(tok), 0, shuffle=True)
-        return flat(validation_batches(stream, 32, 8, 2, rank, world))
+        return flat(validation_batches(data.split("val"), [1.0], 32, 8, 2, rank, world))
 
     whole = val(0, 1)
     assert torch.equal(torch.cat([val(0, 2), val(1, 2)]), whole)
-    stream = TokenStream(corpus, corpus.val, tok, eos_id(tok), 0, shuffle=True)
-    span = stream.epoch_tokens()
-    assert span > 8 * 33 * 4  # the split is much longer than the set: sequences are spread out
+    stream = data.split("val")[0]
+    assert stream.tokens > 8 * 33 * 4  # the split is much longer than the set: sequences are spread out
     contiguous = torch.stack([torch.from_numpy(stream.read(i * 32, 33)[:-1].copy()) for i in range(8)])
     assert not torch.equal(contiguous, whole)  # not simply the first sequences of the split
 
@@ -169,7 +167,7 @@ def test_text_is_strict_utf8_by_default_or_replaced_and_counted(tmp_path, capsys
     assert capsys.readouterr().err.count("20 byte(s) replaced by U+FFFD") == 1  # once per file
     (tmp_path / "rows.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     rows = Corpus(str(tmp_path / "rows.jsonl"), val_fraction=0.0)
-    with pytest.raises(DataError, match="rows.jsonl line 1 is not valid UTF-8"):
+    with pytest.raises(DataError, match="rows.jsonl record 1 is not valid UTF-8"):
         rows.read(rows.train[0])
 
 
@@ -188,5 +186,5 @@ def test_binary_data_is_refused_by_name(tmp_path):
     for name in ("state.json", "dataset_info.json"):
         (hf / name).write_text("{}")
     (hf / "data-00000-of-00001.arrow").write_bytes(b"ARROW1\x00\x00")
-    with pytest.raises(DataError, match=r"datasets.save_to_disk.*to_parquet"):
+    with pytest.raises(DataError, match=r"state.json is not a readable `datasets` state file"):
         Corpus(str(hf))

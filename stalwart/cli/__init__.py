@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
     "serve": ("stalwart.serve.cli", "serve a model over an OpenAI-compatible API (batched, KV-cached, --tp/--replicas)"),
     "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),
+    "data": ("stalwart.cli.data", "tokenize a corpus once into token shards (prepare); describe them (inspect)"),
     "bench": ("stalwart.cli.bench", "benchmarks: throughput, collectives"),
     "simulate": ("stalwart.sim.cli", "simulate failures and recovery of a large job (ETTR)"),
     "plan": ("stalwart.planner.cli", "rank parallel layouts for a model on a cluster (MFU, memory)"),

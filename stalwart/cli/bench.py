@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "inference": ("stalwart.bench.inference", "inference engine vs transformers generate: tokens/s, TTFT, TPOT"),
     "layouts": ("stalwart.bench.layouts", "parallel layouts: tokens/s vs one process, per-rank state bytes"),
     "moe": ("stalwart.bench.moe", "mixture of experts: grouped matmul vs expert loop, bias balancing"),
+    "data": ("stalwart.bench.data", "data prepare MB/s and tokens/s vs tokenizers, loader tokens/s, RSS, first batch"),
 }
 
 

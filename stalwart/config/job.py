@@ -103,8 +103,18 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = option("Training text: a file, a directory, or a glob of .txt/.py/.md/.jsonl/.parquet files. "
-                       "Empty = the bundled default corpus (this Python's standard library sources).", "")
+    path: str = option("Training data: a dataset made by `stalwart data prepare` (a directory with index.json), "
+                       "or text: a file, a directory, a glob of .txt/.py/.md/.jsonl/.parquet files, or a Hugging "
+                       "Face `datasets.save_to_disk` directory, tokenized once into <run>/data. Empty = the bundled "
+                       "default corpus (this Python's standard library sources).", "")
+    mix: str = option("Weights of the prepared dataset's sources, 'NAME:WEIGHT,NAME:WEIGHT' (normalised; a "
+                      "source left out gets none). Each global batch holds each source's share to within one "
+                      "sequence. Empty = every source by its token count.", "")
+    verify: Literal["full", "size"] = option("Checks of a prepared dataset at start (on the first rank): "
+                                             "'full' = every shard's sha256, 'size' = presence and sizes only.",
+                                             "full")
+    prefetch: int = option("Global batches built ahead of the step on a background thread (0 = build in "
+                           "the step).", 2, min=0)
     format: Literal["auto", "text", "jsonl", "parquet"] = option(
         "How to read data.path; 'auto' picks by file extension.", "auto")
     text_field: str = option("Field holding the text in JSONL/Parquet records.", "text")
@@ -120,8 +130,6 @@ class DataConfig:
                                        min=0.01)
     seq_len: int = option("Tokens per training sequence (documents are packed, no padding).", 256, min=8)
     val_fraction: float = option("Fraction of documents held out for evaluation.", 0.02, min=0.0, max=0.5)
-    shuffle_window: int = option("Serve packed sequences in a seeded random order within windows of this many "
-                                 "(1 = stream order). Decorrelates a batch from one long document.", 512, min=1)
 
 
 @dataclass

@@ -16,6 +16,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from stalwart.errors import UserError
 
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".c", ".h", ".json", ".toml", ".cfg", ".ini", ".html", ".js"}
@@ -53,6 +55,8 @@ def _kind_for(path: Path, fmt: str) -> str:
         return "jsonl"
     if path.suffix == ".parquet":
         return "parquet"
+    if path.suffix == ".arrow":
+        return "arrow"
     return "text"
 
 
@@ -63,11 +67,28 @@ def _refuse_binary(paths: list[Path], where: str) -> None:
                         "to text, JSONL or Parquet, or point data.path at the text files only")
 
 
-def _files_under(root: Path) -> list[Path]:
+def _arrow_files(root: Path) -> list[Path]:
+    """The Arrow files of a `datasets.Dataset.save_to_disk` directory, in the order its state lists them."""
+    try:
+        state = json.loads((root / "state.json").read_text())
+        files = [root / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"data.path: {root}/state.json is not a readable `datasets` state file ({e})") from None
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise DataError(f"data.path: the Hugging Face dataset at {root} lacks its Arrow files "
+                        f"({', '.join(missing[:3]) or 'none listed'})")
+    return files
+
+
+def _files_under(root: Path, skip_binary: bool = False) -> list[Path]:
+    if (root / "dataset_dict.json").is_file():  # a DatasetDict: its train split
+        if not (root / "train" / "state.json").is_file():
+            raise DataError(f"data.path: the Hugging Face DatasetDict at {root} has no 'train' split; point "
+                            "data.path at the split directory to read")
+        root = root / "train"
     if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
-        raise DataError(f"data.path: {root} is a Hugging Face `datasets.save_to_disk` directory (Arrow files); "
-                        "write it as Parquet or JSONL (`ds.to_parquet(...)`, `ds.to_json(...)`) and point "
-                        "data.path there")
+        return _arrow_files(root)
     out, binary = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
@@ -77,7 +98,8 @@ def _files_under(root: Path) -> list[Path]:
                 out.append(p)
             elif p.suffix in BINARY_SUFFIXES:
                 binary.append(p)
-    _refuse_binary(binary, str(root))
+    if not skip_binary:
+        _refuse_binary(binary, str(root))
     return out
 
 
@@ -113,7 +135,7 @@ def decode_utf8(data: bytes, replace: bool, where: str) -> tuple[str, int]:
 def _expand(path: str) -> list[Path]:
     if path == "":
         root = default_corpus_root()
-        return [p for p in _files_under(root) if p.suffix == ".py"]
+        return [p for p in _files_under(root, skip_binary=True) if p.suffix == ".py"]
     if any(ch in path for ch in "*?["):
         matches = sorted(Path(p) for p in glob.glob(path, recursive=True))
         files: list[Path] = []
@@ -130,15 +152,48 @@ def _expand(path: str) -> list[Path]:
 
 
 def _check_files(files: list[Path], fmt: str) -> None:
-    """A file given by name or glob is read as what its name says; binary content is refused."""
-    _refuse_binary([f for f in files if f.suffix in BINARY_SUFFIXES], "it")
+    """A file given by name or glob is read as what its name says; binary content is refused (Arrow
+    files only inside a `datasets` directory, whose state.json says what they hold)."""
+    _refuse_binary([f for f in files if f.suffix in BINARY_SUFFIXES and not _in_hf_dir(f)], "it")
     _refuse_binary([f for f in files if _kind_for(f, fmt) == "text" and looks_binary(f)], "it")
 
 
+def _in_hf_dir(path: Path) -> bool:
+    return path.suffix == ".arrow" and (path.parent / "state.json").is_file()
+
+
+def jsonl_offsets(path: Path) -> np.ndarray:
+    """Byte offset of every non-blank line: one sequential read, then random access by seek."""
+    offsets, pos = [], 0
+    with path.open("rb") as fh:
+        for line in fh:
+            if line.strip():
+                offsets.append(pos)
+            pos += len(line)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def read_arrow_column(path: Path, field: str):
+    """A `datasets` Arrow file's text column, memory-mapped (no copy of the file into memory)."""
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(str(path))
+        try:
+            table = pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid:
+            table = pa.ipc.open_file(source).read_all()
+    except Exception as e:  # pyarrow raises several types for bad files
+        raise DataError(f"data.path: cannot read Arrow file {path}: {e}") from None
+    if field not in table.schema.names:
+        raise DataError(f"data.text_field: the dataset file {path} has no column '{field}' "
+                        f"(columns: {', '.join(table.schema.names)})")
+    return table.column(field)
+
+
 def _rows(path: Path, kind: str, text_field: str) -> int:
-    if kind == "jsonl":
-        with path.open("rb") as fh:
-            return sum(1 for line in fh if line.strip())
+    if kind == "arrow":
+        return len(read_arrow_column(path, text_field))
     import pyarrow.parquet as pq
 
     try:
@@ -167,12 +222,27 @@ class Corpus:
         files = _expand(path)
         if path:
             _check_files(files, fmt)
+        self._jsonl: dict[str, np.ndarray] = {}  # file -> byte offset of each record
+        self._row_groups: dict[str, np.ndarray] = {}  # Parquet file -> first row of each row group
+        self._cache: tuple[str, int, list[str] | object] | None = None  # (file, first row, rows)
+        self._rows_of: dict[str, int] = {}
         for f in files:
             kind = _kind_for(f, fmt)
             if kind == "text":
                 docs.append(DocRef(str(f), "text"))
+                continue
+            if kind == "jsonl":
+                self._jsonl[str(f)] = jsonl_offsets(f)
+                n = len(self._jsonl[str(f)])
             else:
-                docs.extend(DocRef(str(f), kind, r) for r in range(_rows(f, kind, text_field)))
+                n = self._rows_of[str(f)] = _rows(f, kind, text_field)
+            if kind == "parquet":
+                import pyarrow.parquet as pq
+
+                meta = pq.ParquetFile(f).metadata
+                self._row_groups[str(f)] = np.cumsum([0] + [meta.row_group(i).num_rows
+                                                            for i in range(meta.num_row_groups)])
+            docs.extend(DocRef(str(f), kind, r) for r in range(n))
         if not docs:
             raise DataError(f"data.path: no documents found in {self.source}")
         threshold = int(val_fraction * 10_000)
@@ -183,7 +253,6 @@ class Corpus:
                             "lower data.val_fraction or add data")
         if not self.val and val_fraction > 0:
             self.val = self.train[-1:]  # tiny corpora: evaluate on one training document
-        self._parquet_cache: dict[str, list[str]] = {}
 
     def read(self, doc: DocRef) -> str:
         try:
@@ -191,30 +260,45 @@ class Corpus:
                 return self._decode(Path(doc.path).read_bytes(), doc.path)
             if doc.kind == "jsonl":
                 return self._jsonl_row(doc)
-            return self._parquet_rows(doc.path)[doc.row]
+            if doc.kind == "parquet":
+                return self._parquet_row(doc)
+            return self._arrow_row(doc)
         except OSError as e:
             raise DataError(f"cannot read {doc.path}: {e.strerror}") from None
 
     def _jsonl_row(self, doc: DocRef) -> str:
-        # NOTE: linear scan per record keeps memory flat; fine for the sizes CPU runs use. Large JSONL
-        # corpora should be pre-tokenized instead.
+        """One record by its byte offset (found by the one sequential scan at construction)."""
         with open(doc.path, "rb") as fh:
-            i = -1
-            for raw in fh:
-                if not raw.strip():
-                    continue
-                i += 1
-                if i == doc.row:
-                    line = self._decode(raw, doc.path, f"{doc.path} line {i + 1}")
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{doc.path}: line {i + 1} is not valid JSON ({e.msg})") from None
-                    if not isinstance(rec, dict) or self.text_field not in rec:
-                        raise DataError(f"{doc.path}: record {i + 1} has no '{self.text_field}' field "
-                                        "(set data.text_field)")
-                    return str(rec[self.text_field])
-        raise DataError(f"{doc.path}: record {doc.row + 1} is missing (file changed during the run?)")
+            fh.seek(int(self._jsonl[doc.path][doc.row]))
+            raw = fh.readline()
+        where = f"{doc.path} record {doc.row + 1}"
+        if not raw.strip():
+            raise DataError(f"{where} is missing (file changed during the run?)")
+        try:
+            rec = json.loads(self._decode(raw, doc.path, where))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where} is not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or self.text_field not in rec:
+            raise DataError(f"{where} has no '{self.text_field}' field (set data.text_field)")
+        return str(rec[self.text_field])
+
+    def _parquet_row(self, doc: DocRef) -> str:
+        """Rows come one row group at a time (the one holding the row is kept until another is read)."""
+        starts = self._row_groups[doc.path]
+        group = int(np.searchsorted(starts, doc.row, side="right")) - 1
+        if self._cache is None or self._cache[:2] != (doc.path, int(starts[group])):
+            import pyarrow.parquet as pq
+
+            col = pq.ParquetFile(doc.path).read_row_group(group, columns=[self.text_field]).column(0)
+            self._cache = (doc.path, int(starts[group]), ["" if t is None else str(t) for t in col.to_pylist()])
+        return self._cache[2][doc.row - self._cache[1]]
+
+    def _arrow_row(self, doc: DocRef) -> str:
+        """A `datasets` Arrow file is memory-mapped; one row is read without copying the rest."""
+        if self._cache is None or self._cache[:2] != (doc.path, 0):
+            self._cache = (doc.path, 0, read_arrow_column(Path(doc.path), self.text_field))
+        value = self._cache[2][doc.row].as_py()
+        return "" if value is None else str(value)
 
     def _decode(self, data: bytes, path: str, where: str = "") -> str:
         text, bad = decode_utf8(data, self.replace, where or path)
@@ -225,14 +309,15 @@ class Corpus:
             self.replaced[path] = self.replaced.get(path, 0) + bad
         return text
 
-    def _parquet_rows(self, path: str) -> list[str]:
-        if path not in self._parquet_cache:
-            import pyarrow.parquet as pq
-
-            self._parquet_cache.clear()  # keep one file's column in memory at a time
-            col = pq.read_table(path, columns=[self.text_field]).column(0).to_pylist()
-            self._parquet_cache[path] = ["" if t is None else str(t) for t in col]
-        return self._parquet_cache[path]
+    def size_hint(self, doc: DocRef) -> int:
+        """Bytes of text a document holds, known without reading it (estimated for columnar files)."""
+        if doc.kind == "text":
+            return os.path.getsize(doc.path)
+        if doc.kind == "jsonl":
+            offsets = self._jsonl[doc.path]
+            end = offsets[doc.row + 1] if doc.row + 1 < len(offsets) else os.path.getsize(doc.path)
+            return int(end - offsets[doc.row])
+        return max(1, os.path.getsize(doc.path) // max(1, self._rows_of[doc.path]))
 
     def sample_text(self, max_bytes: int) -> list[str]:
         """The first `max_bytes` of training text in file order (for tokenizer training)."""

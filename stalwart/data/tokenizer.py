@@ -39,6 +39,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tok
 
 
+def train_on(corpora: list[Corpus], vocab_size: int, train_mb: float) -> Tokenizer:
+    """A BPE trained on the first ``train_mb`` megabytes of text, shared evenly among the corpora."""
+    share = int(train_mb * 1e6 / len(corpora))
+    return train_bpe([t for c in corpora for t in c.sample_text(share)], vocab_size)
+
+
 def build_tokenizer(cfg, corpus: Corpus, cache: Path) -> Tokenizer:
     """Return the run's tokenizer, training it once and caching it at `cache` (the run directory).
 
@@ -49,7 +55,7 @@ def build_tokenizer(cfg, corpus: Corpus, cache: Path) -> Tokenizer:
         return load_tokenizer(cache)
     if cfg.tokenizer in ("bpe", "byte"):
         vocab = cfg.vocab_size if cfg.tokenizer == "bpe" else 257
-        tok = train_bpe(corpus.sample_text(int(cfg.tokenizer_train_mb * 1e6)), vocab)
+        tok = train_on([corpus], vocab, cfg.tokenizer_train_mb)
     else:
         tok = load_tokenizer(cfg.tokenizer)
     cache.parent.mkdir(parents=True, exist_ok=True)

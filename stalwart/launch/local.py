@@ -18,6 +18,8 @@ from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
 def preflight(cfg: JobConfig, nproc: int) -> None:
     """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
     from stalwart.data.corpus import Corpus
+    from stalwart.data.mixture import parse_mix
+    from stalwart.data.prepared import is_prepared, open_prepared
     from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args
     from stalwart.train.checkpointer import Checkpointer
@@ -31,7 +33,13 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
         Checkpointer.refuse_other_shape(cfg.checkpoint, paths, args)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
                      virtual_stages(cfg.parallelism, dims), args.moe.n_experts if args.moe else 0)
-    Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
+    if is_prepared(cfg.data.path):
+        data = open_prepared(cfg.data.path)
+        data.verify(full=False)
+        if cfg.data.mix:
+            parse_mix(cfg.data.mix, data.names)
+    else:
+        Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:
         raise LayoutError(

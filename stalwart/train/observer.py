@@ -51,6 +51,7 @@ class TimedLoader:
         with self._observer.timer.phase("data"):
             batch = self._loader.next()
         self._observer.data_wait_s = time.perf_counter() - t0
+        self._observer.data_tokens = self._loader.source_tokens()
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -80,6 +81,7 @@ class Observer:
         self.last: dict[str, Any] = {}  # the newest step record of this session
         self._open_step: int | None = None
         self.data_wait_s = 0.0
+        self.data_tokens: dict[str, int] = {}  # training tokens served per data source, all ranks
         self._step_time = 0.0
         self._t_start = self._t_end = time.perf_counter()
         self._steps = 0               # steps logged this session
@@ -155,7 +157,7 @@ class Observer:
         step = record["step"]
         tps = self.tokens_per_step / self._step_time if self._step_time > 0 else 0.0
         record.update(step_time_s=self._step_time, data_wait_s=self.data_wait_s, tokens_per_s=tps,
-                      mfu=self.mfu(tps), mem_bytes=self.memory())
+                      mfu=self.mfu(tps), mem_bytes=self.memory(), **self.data_tokens)
         self._steps += 1
         self._tokens += self.tokens_per_step
         self._t_end = time.perf_counter()

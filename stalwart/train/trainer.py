@@ -15,15 +15,11 @@ import hashlib
 import json
 
 import torch
-import torch.distributed as dist
 
 from stalwart import __version__
 from stalwart.atomic import write_text_atomic
 from stalwart.config import to_dict, to_toml
 from stalwart.config.job import JobConfig
-from stalwart.data.corpus import Corpus
-from stalwart.data.loader import DataLoader, TokenStream, validation_batches
-from stalwart.data.tokenizer import build_tokenizer, eos_id, load_tokenizer
 from stalwart.ft.guard import Guard
 from stalwart.ft.inject import FaultInjector
 from stalwart.metrics.mfu import peak_tflops
@@ -33,14 +29,10 @@ from stalwart.parallel.dims import ParallelDims
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
 from stalwart.train.core import CoreSpec, TrainCore
+from stalwart.train.data_setup import build_run_data
 from stalwart.train.dist_env import DistEnv
 from stalwart.train.evaluator import Evaluator
 from stalwart.train.observer import Observer, TimedLoader
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 class Trainer:
@@ -53,27 +45,19 @@ class Trainer:
                   "tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
         Checkpointer.refuse_overwrite(cfg.checkpoint, self.paths)  # before anything in the run is written
 
-        # Data and tokenizer: rank 0 trains/caches the tokenizer, the others read the cached file.
-        self.corpus = Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction,
-                             cfg.data.decode_errors)
-        if env.is_main:
-            self.paths.root.mkdir(parents=True, exist_ok=True)
-            self.tokenizer = build_tokenizer(cfg.data, self.corpus, self.paths.tokenizer)
-        _barrier()
-        if not env.is_main:
-            self.tokenizer = load_tokenizer(self.paths.tokenizer)
-        self.eos = eos_id(self.tokenizer)
+        # Data and tokenizer: rank 0 prepares (or checks) the data and caches the tokenizer, then all ranks
+        # open the memory-mapped shards.
+        self.data = build_run_data(cfg.data, self.paths, env.is_main)
+        self.tokenizer, self.eos = self.data.tokenizer, self.data.eos
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
         Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
         if env.is_main:
             write_text_atomic(self.paths.config, to_toml(cfg))
         dp_rank = dims.dp_rank(env.rank)
-        stream = TokenStream(self.corpus, self.corpus.train, self.tokenizer, self.eos, cfg.run.seed, True)
-        data = DataLoader(stream, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
-                          dp_rank, dims.dp, cfg.data.shuffle_window, cfg.run.seed)
-        val = TokenStream(self.corpus, self.corpus.val, self.tokenizer, self.eos, cfg.run.seed, True)
-        val_batches = validation_batches(val, cfg.data.seq_len, cfg.eval.batches * cfg.training.global_batch,
-                                         cfg.training.micro_batch, dp_rank, dims.dp)
+        data = self.data.loader(cfg.data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
+                                dp_rank, dims.dp, cfg.run.seed)
+        val_batches = self.data.validation(data, cfg.eval.batches * cfg.training.global_batch,
+                                           cfg.training.micro_batch, dp_rank, dims.dp)
 
         # The observer comes first: the core's phases are timed by its timer.
         spec = CoreSpec(model_args, cfg.parallelism, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
@@ -83,6 +67,7 @@ class Trainer:
                                  peak * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg),
                                  profile_cfg=cfg.profile)
         self.core = TrainCore(spec, env, dims, self.observer.timer)
+        self.data_loader = data
         self.loader = TimedLoader(data, self.observer)
         self.evaluator = Evaluator(cfg.eval, self.core, val_batches, self.observer)
         describe = {"layout": dims.degrees(), "stalwart": __version__, "torch": torch.__version__,
@@ -104,7 +89,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        with self.observer, self.guard, self.injector or contextlib.nullcontext():
+        with self.observer, self.guard, self.injector or contextlib.nullcontext(), self.data_loader:
             self.begin()
             while self.state.step < self.end:
                 with self.observer.step(self.state.step + 1), self.guard.step(self.state.step + 1):
@@ -166,7 +151,7 @@ class Trainer:
                f"initialised from Hugging Face {hf}" if hf else "fresh start")
         return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
                 f"vocab {a.vocab_size}), {env.world_size} process(es) [{self.core.dims.describe()}] on "
-                f"{env.device}, {self.core.param_dtype}; data: {self.corpus.source}; {src}; peak "
+                f"{env.device}, {self.core.param_dtype}; data: {self.data.source}; {src}; peak "
                 f"{self.observer.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
 
     def _sample(self) -> str | None:
