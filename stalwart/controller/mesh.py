@@ -1,0 +1,147 @@
+"""A small API over Monarch actor meshes: spawn a mesh of actor processes, call an endpoint on all of
+them or a slice, get one future per actor back, wait with a bound, and replace one actor.
+
+    mesh = ActorMesh.spawn(TrainerActor, "trainer", n=2)
+    futures = mesh.call("join", lambda r: (cfg, r, 2, port, 0))   # per-rank arguments
+    replies = mesh.wait(futures, timeout_s=60)                    # {rank: value}, or ActorsFailed
+    mesh.call("step", args, ranks=[1])                            # a slice
+    mesh.replace(1)                                               # a fresh process for rank 1
+
+Every call is sent to each actor separately (a slice of one), so every reply and every failure is
+known by rank. A failure is reported, never lost: an endpoint that raised (its traceback), a process
+that died (Monarch's supervision event, with the signal), and a command still running past the bound
+(a hang) all end ``wait`` with :class:`ActorsFailed`. Monarch's supervision is polled every
+``poll_s`` (``HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY``; its default of about 10 s would leave a
+killed actor's call waiting that long).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.controller.recovery import Failure, classify_error
+from stalwart.errors import UserError
+
+
+def configure_monarch(poll_s: float) -> None:
+    """Set before the first mesh is spawned: how often actor processes are polled for deaths."""
+    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{max(1, int(poll_s * 1000))}ms"
+
+
+class ActorsFailed(Exception):
+    """One or more actors failed; ``failures`` names each, ``replies`` holds the actors that answered,
+    ``pending`` the futures of those still running."""
+
+    def __init__(self, failures: list[Failure], replies: dict[int, Any], pending: dict[int, Any]) -> None:
+        self.failures, self.replies, self.pending = failures, replies, pending
+        super().__init__("; ".join(f.describe() for f in failures))
+
+
+class ActorMesh:
+    def __init__(self, actor_cls: type, name: str, n: int) -> None:
+        self.actor_cls, self.name, self.n = actor_cls, name, n
+        self._procs: list[Any] = []           # proc meshes (the first holds all ranks; replacements one each)
+        self.handles: list[Any] = [None] * n  # rank -> a mesh of one actor
+        self.pids: dict[int, int] = {}
+        self.deaths: list[tuple[float, str]] = []  # (time, Monarch's report) of supervision events
+        self._lock = threading.Lock()
+
+    @classmethod
+    def spawn(cls, actor_cls: type, name: str, n: int) -> "ActorMesh":
+        import monarch.actor as monarch_actor
+        from monarch.actor import this_host
+
+        mesh = cls(actor_cls, name, n)
+        # An actor's death arrives here as well as at its pending calls: keep it, never exit the controller.
+        monarch_actor.unhandled_fault_hook = mesh._on_fault
+        procs = this_host().spawn_procs(per_host={"procs": n})
+        actors = procs.spawn(name, actor_cls)
+        mesh._procs.append(procs)
+        mesh.handles = [actors.slice(procs=r) for r in range(n)]
+        return mesh
+
+    def _on_fault(self, failure: Any) -> None:
+        with self._lock:
+            self.deaths.append((time.time(), str(failure)))
+
+    # ------------------------------------------------------------------ calls
+    def call(self, endpoint: str, args: tuple | Callable[[int], tuple] = (),
+             ranks: list[int] | None = None) -> dict[int, Any]:
+        """Send ``endpoint`` to each rank in ``ranks`` (all by default); ``args`` is one tuple for all, or
+        a function of the rank. Returns {rank: future}."""
+        out = {}
+        for r in (range(self.n) if ranks is None else ranks):
+            a = args(r) if callable(args) else args
+            out[r] = getattr(self.handles[r], endpoint).call_one(*a)
+        return out
+
+    def wait(self, futures: dict[int, Any], timeout_s: float, what: str = "") -> dict[int, Any]:
+        """Every future's value, or :class:`ActorsFailed` as soon as one actor raised or died (the
+        actors blocked in a collective with it are left pending), or naming each actor still running
+        ``timeout_s`` after the call (a hang)."""
+        deadline = time.monotonic() + timeout_s
+        replies: dict[int, Any] = {}
+        failures: list[Failure] = []
+        pending = dict(futures)
+        while pending and not any(f.root for f in failures):
+            for r, fut in list(pending.items()):
+                try:  # a short wait per future while others are pending: a failure anywhere is seen soon
+                    replies[r] = fut.get(timeout=max(0.0, min(0.05 if len(pending) > 1 else 1.0,
+                                                              deadline - time.monotonic())))
+                except TimeoutError:
+                    continue
+                except Exception as e:  # noqa: BLE001 - every remote failure is reported by rank
+                    if isinstance(getattr(e, "exception", None), UserError):
+                        raise e.exception from None  # a config or data mistake: the user's one line
+                    failures.append(classify_error(r, e, time.time(), what))
+                del pending[r]
+            if pending and time.monotonic() >= deadline:
+                now = time.time()
+                failures += [Failure(r, "hang", f"{what or 'command'} still running after {timeout_s:g} s", now,
+                                     now - timeout_s) for r in sorted(pending)]
+                break
+        if failures:
+            raise ActorsFailed(failures, replies, pending)
+        return replies
+
+    def call_all(self, endpoint: str, args: tuple | Callable[[int], tuple] = (), timeout_s: float = 600.0,
+                 ranks: list[int] | None = None) -> dict[int, Any]:
+        return self.wait(self.call(endpoint, args, ranks), timeout_s, endpoint)
+
+    # ------------------------------------------------------------------ membership
+    def kill(self, rank: int) -> None:
+        """SIGKILL rank's process (a hung or failed actor is not trusted to stop by itself)."""
+        pid = self.pids.get(rank)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def replace(self, rank: int) -> None:
+        """A fresh process and actor for ``rank`` (the old one is killed first)."""
+        from monarch.actor import this_host
+
+        self.kill(rank)
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        self._procs.append(procs)
+        self.handles[rank] = procs.spawn(self.name, self.actor_cls)
+        self.pids.pop(rank, None)
+
+    def replace_all(self) -> None:
+        for r in range(self.n):
+            self.replace(r)
+
+    def stop(self) -> None:
+        for procs in self._procs:
+            try:
+                procs.stop().get(timeout=30)
+            except Exception:  # noqa: BLE001 - a mesh with a dead member may refuse a clean stop
+                pass
+        for r in range(self.n):
+            self.kill(r)

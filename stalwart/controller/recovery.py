@@ -1,0 +1,79 @@
+"""Recovery decisions of the single controller, as pure functions (no processes, clocks passed in).
+
+A failure is attributed to an actor and a cause:
+
+- ``killed``     the actor's process died (Monarch's supervision names the signal, e.g. ``Killed(sig=9)``)
+- ``exception``  the endpoint raised; the detail is the remote traceback
+- ``hang``       the command was still running after ``controller.step_timeout_s``
+- ``peer``       the endpoint failed only because another actor left its collective (gloo reports the
+                 lost connection or its own timeout): a consequence, not a cause
+
+:func:`root_causes` picks the actors to replace; :func:`recovery_source` what state to restore.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from stalwart.ft.detect import PEER_LOST, PEER_TIMEOUT
+
+_SIGNAL = re.compile(r"(Killed\(sig=\d+\)|Signaled\([^)]*\)|signal \d+|exited with[^\n]*)")
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    cause: str          # killed | exception | hang | peer
+    detail: str         # the signal, the traceback, or what was still running
+    detect_time: float  # unix time the controller learned of it
+    fault_time: float   # the latest time the fault can have struck (the detection, or the hang's start)
+
+    @property
+    def root(self) -> bool:
+        return self.cause != "peer"
+
+    def describe(self) -> str:
+        head = self.detail.strip().splitlines()[-1] if self.detail.strip() else ""
+        return f"actor {self.rank}: {self.cause} ({head[:200]})"
+
+    def as_event(self) -> dict:
+        return {"rank": self.rank, "cause": self.cause, "detail": self.detail[-4000:],
+                "detect_time": self.detect_time, "fault_time": self.fault_time}
+
+
+def classify(rank: int, kind: str, text: str, now: float) -> Failure:
+    """A failure from what the call raised: ``kind`` the exception's class name, ``text`` its message."""
+    if kind == "SupervisionError" or "process this actor was running on failed" in text:
+        m = _SIGNAL.search(text)
+        return Failure(rank, "killed", m.group(1) if m else text.strip()[-500:], now, now)
+    if PEER_LOST.search(text) or PEER_TIMEOUT.search(text):
+        return Failure(rank, "peer", text.strip()[-2000:], now, now)
+    return Failure(rank, "exception", text, now, now)
+
+
+def classify_error(rank: int, exc: BaseException, now: float, what: str = "") -> Failure:
+    """:func:`classify` of an exception from a Monarch future (an ``ActorError`` carries the remote
+    traceback as text)."""
+    text = getattr(exc, "exception_formatted", None) or str(exc)
+    return classify(rank, type(exc).__name__, text, now)
+
+
+def root_causes(failures: list[Failure]) -> list[Failure]:
+    """The actors whose failure started it: every non-peer failure; if all are peer failures (each
+    saw the other go), all of them."""
+    roots = [f for f in failures if f.root]
+    return roots or list(failures)
+
+
+def recovery_source(recover_from: str, memory_interval: int) -> str:
+    """What a recovery restores before replaying the journal: the in-memory snapshots when they are
+    kept and wanted, else the newest disk checkpoint (``disk``); an actor with neither keeps its
+    seeded initialisation and the journal is replayed from the session's start."""
+    return "memory" if recover_from == "memory" and memory_interval > 0 else "disk"
+
+
+def keeps_survivors(source: str) -> bool:
+    """Whether survivors keep their processes: with in-memory snapshots they do (and rebuild only
+    their process group); a disk restore respawns every actor, as an SPMD restart does."""
+    return source == "memory"
