@@ -92,11 +92,15 @@ class TrainerActor(Actor):
         return self._reply(step=t.state.step, data=t.loader.state_dict(), end=t.end)
 
     @endpoint
-    def restore(self, source: str) -> dict[str, Any]:
-        """Recovery: load the newest ``source`` state ("memory" or "disk"); ``init`` keeps the seeded
-        initialisation (the journal is then replayed from step 0)."""
+    def restore(self, source: str, session_start: int) -> dict[str, Any]:
+        """Recovery: load the newest ``source`` state ("memory" or "disk"); without one the seeded
+        initialisation stays (the journal is then replayed from the session's start)."""
         t = self.trainer
-        step = t.checkpointer.restore_from(source) if source != "init" else None
+        t.start_step = session_start
+        step = t.checkpointer.restore_from(source)
+        if step is None and source == "memory":  # no complete snapshot yet: the newest checkpoint, if any
+            source = "disk"
+            step = t.checkpointer.restore_from(source)
         if step is None:
             source = "init"
         t.guard.resumed(t.state.step)

@@ -30,7 +30,8 @@ from stalwart.controller.actor import TrainerActor
 from stalwart.controller.feed import Feed
 from stalwart.controller.journal import Journal, applied_records, replay_plan
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
-from stalwart.controller.recovery import Failure, keeps_survivors, recovery_source, root_causes
+from stalwart.controller.recovery import Failure, fault_origin, keeps_survivors, recovery_source, root_causes
+from stalwart.ft.plan import read_fired
 from stalwart.ft.detect import EXIT_RESTART_BUDGET
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import ParallelDims
@@ -73,6 +74,8 @@ class Controller:
         self.feed: Feed | None = None
         self.journal: Journal | None = None
         self._pending_recovery: dict[str, Any] | None = None
+        self._injected: set[str] = set()  # fired fault ids already attributed to a failure
+        self.session_start = 0
 
     # ------------------------------------------------------------------ actors
     def _phase(self, ranks, phase: str, **fields: Any) -> None:
@@ -114,6 +117,7 @@ class Controller:
         self._join()
         begun = self.mesh.call_all("begin", (), SETUP_TIMEOUT_S)
         step, end = begun[0]["step"], begun[0]["end"]
+        self.session_start = step
         self.feed = Feed(self.cfg, self.paths, self.dims)
         self.feed.seek(begun[0]["data"])
         self.journal = Journal(self.paths.journal)
@@ -183,10 +187,11 @@ class Controller:
         for f in err.failures:
             self.events("controller_failure", step=step, attempt=self.attempt, root=f.root, **f.as_event())
         first = min(roots, key=lambda f: f.fault_time)
+        fault_time, injected = fault_origin(first, err.failures, read_fired(self.paths), step, self._injected)
+        first = dataclasses.replace(first, fault_time=fault_time)
         self.events("failure", kind=first.cause, rank=first.rank, step=step, attempt=self.attempt,
-                    detect_time=first.detect_time, fault_time=first.fault_time,
-                    detection_latency_s=first.detect_time - first.fault_time, source="controller",
-                    decision="recover")
+                    detect_time=first.detect_time, fault_time=fault_time, injected=injected,
+                    detection_latency_s=first.detect_time - fault_time, source="controller", decision="recover")
         self.recoveries += 1
         if self.recoveries > self.ccfg.max_recoveries:
             raise ControllerGaveUp(f"actor failures exceeded controller.max_recoveries ({self.ccfg.max_recoveries}): "
@@ -207,7 +212,7 @@ class Controller:
         self._phase(replaced, "replaced")
         self.attempt += 1
         self._join()
-        restored = self.mesh.call_all("restore", (source,), SETUP_TIMEOUT_S)
+        restored = self.mesh.call_all("restore", (source, self.session_start), SETUP_TIMEOUT_S)
         steps = {rep["step"] for rep in restored.values()}
         if len(steps) != 1:
             raise RuntimeError(f"actors restored different steps: { {r: rep['step'] for r, rep in restored.items()} }")

@@ -66,6 +66,18 @@ def root_causes(failures: list[Failure]) -> list[Failure]:
     return roots or list(failures)
 
 
+def fault_origin(root: Failure, failures: list[Failure], fired: list[dict], step: int,
+                 seen: set[str]) -> tuple[float, str | None]:
+    """When the fault struck, and which injected fault it was (``fault.inject``), if any: the fired
+    record of this rank and step not attributed before, else the earliest sign of the failure (a peer
+    may have seen the lost connection before Monarch reported the death)."""
+    for rec in fired:
+        if rec.get("rank") == root.rank and rec.get("step") == step and rec.get("id") not in seen:
+            seen.add(rec["id"])
+            return float(rec["time"]), str(rec.get("kind"))
+    return min([root.fault_time] + [f.detect_time for f in failures]), None
+
+
 def recovery_source(recover_from: str, memory_interval: int) -> str:
     """What a recovery restores before replaying the journal: the in-memory snapshots when they are
     kept and wanted, else the newest disk checkpoint (``disk``); an actor with neither keeps its
