@@ -27,17 +27,24 @@ from monarch.actor import Actor, endpoint
 from stalwart.config.job import JobConfig
 
 
-def _init_group(rank: int, world: int, store_port: int, attempt: int, timeout_s: float) -> None:
+def _init_group(rank: int, world: int, store_port: int, attempt: int, timeout_s: float, setup_s: float) -> None:
     """The default process group of attempt ``attempt``: the controller serves the TCP store, each
-    attempt uses its own key prefix, so a rebuilt group never meets a dead one's keys."""
+    attempt uses its own key prefix, so a rebuilt group never meets a dead one's keys. Every rank
+    first waits (up to ``setup_s``) until all have arrived: a respawned actor takes far longer to
+    start than a collective may wait (``timeout_s``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timedelta(seconds=setup_s))
+    prefix = dist.PrefixStore(f"attempt-{attempt}", store)
+    prefix.add("arrived", 1)
+    deadline = time.monotonic() + setup_s
+    while prefix.add("arrived", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process group {attempt}: not every actor arrived within {setup_s:g} s")
+        time.sleep(0.02)
+    dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 class TrainerActor(Actor):
@@ -61,7 +68,8 @@ class TrainerActor(Actor):
         self._stack, self.trainer = None, None
 
     @endpoint
-    def join(self, cfg: JobConfig, rank: int, world: int, store_port: int, attempt: int) -> dict[str, Any]:
+    def join(self, cfg: JobConfig, rank: int, world: int, store_port: int, attempt: int,
+             collective_timeout_s: float, setup_s: float) -> dict[str, Any]:
         """Join process group ``attempt`` as ``rank`` of ``world`` and build the components on it."""
         import torch
 
@@ -72,7 +80,7 @@ class TrainerActor(Actor):
         self.rank = rank
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(world)))
         torch.set_num_threads(cfg.launch.threads(world))
-        _init_group(rank, world, store_port, attempt, cfg.fault.collective_timeout_s)
+        _init_group(rank, world, store_port, attempt, collective_timeout_s, setup_s)
         if attempt > 0:  # the run's checkpoints are this job's own now: a rebuild never refuses them
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
         env = DistEnv(rank, world, rank, world, torch.device("cpu"))

@@ -30,7 +30,8 @@ from stalwart.controller.actor import TrainerActor
 from stalwart.controller.feed import Feed
 from stalwart.controller.journal import Journal, applied_records, replay_plan
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
-from stalwart.controller.recovery import Failure, fault_origin, keeps_survivors, recovery_source, root_causes
+from stalwart.controller.recovery import (Failure, fault_origin, hang_bound, keeps_survivors, recovery_source,
+                                         root_causes)
 from stalwart.ft.plan import read_fired
 from stalwart.ft.detect import EXIT_RESTART_BUDGET
 from stalwart.metrics.records import EventLog
@@ -83,9 +84,11 @@ class Controller:
             self.events("controller_actor", rank=r, phase=phase, attempt=self.attempt, **fields)
 
     def _join(self) -> None:
+        # A collective waits at most a step's bound: an actor blocked on a hung peer then fails as a peer
+        # ("peer" cause), and only the hung actor is still running when the controller's bound expires.
         timeout = min(self.cfg.fault.collective_timeout_s, self.ccfg.step_timeout_s)
-        cfg = dataclasses.replace(self.cfg, fault=dataclasses.replace(self.cfg.fault, collective_timeout_s=timeout))
-        replies = self.mesh.call_all("join", lambda r: (cfg, r, self.n, self.store.port, self.attempt),
+        replies = self.mesh.call_all("join", lambda r: (self.cfg, r, self.n, self.store.port, self.attempt, timeout,
+                                                             SETUP_TIMEOUT_S),
                                      SETUP_TIMEOUT_S)
         for r, rep in replies.items():
             self.mesh.pids[r] = rep["pid"]
@@ -162,7 +165,7 @@ class Controller:
         micro = self.feed.next()
         after = self.feed.position()
         futures = self.mesh.call("step", lambda r: (n, self.feed.share(micro, r), after))
-        replies = self.mesh.wait(futures, self.ccfg.step_timeout_s * 1.5 + 2.0, f"step {n}")
+        replies = self.mesh.wait(futures, hang_bound(self.ccfg.step_timeout_s), f"step {n}")
         wall = time.perf_counter() - t0
         rec = replies[0]
         if replay is None or n not in (done := applied_records(self.journal.entries)):

@@ -59,6 +59,13 @@ def classify_error(rank: int, exc: BaseException, now: float, what: str = "") ->
     return classify(rank, type(exc).__name__, text, now)
 
 
+def hang_bound(step_timeout_s: float) -> float:
+    """How long the controller waits for a step before it names the actors still running as hung. The
+    actors' collectives time out after ``step_timeout_s``, so by then an actor blocked on a hung peer
+    has failed as a peer; the margin lets that report arrive first."""
+    return step_timeout_s + max(2.0, 0.25 * step_timeout_s)
+
+
 def root_causes(failures: list[Failure]) -> list[Failure]:
     """The actors whose failure started it: every non-peer failure; if all are peer failures (each
     saw the other go), all of them."""
