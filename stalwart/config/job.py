@@ -209,6 +209,8 @@ class ControllerConfig:
     supervision_poll_s: float = option(
         "How often Monarch polls the actor processes for deaths (HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY); "
         "a killed actor is reported within about this long.", 0.5, min=0.05, max=60.0)
+    spares: int = option("Started spare actors (their imports done) that take a failed actor's place at once; "
+                         "each is one idle process. 0 = start a new process per failure.", 1, min=0)
     max_recoveries: int = option("Actor failures the controller recovers from before it gives up (exit 75).", 3,
                                  min=0)
     recover_from: Literal["memory", "disk"] = option(

@@ -68,6 +68,13 @@ class TrainerActor(Actor):
         self._stack, self.trainer = None, None
 
     @endpoint
+    def warm(self) -> int:
+        """A spare's start: the imports a join needs, done before any failure. Returns the pid."""
+        import stalwart.train.trainer  # noqa: F401 - torch, the model, the components
+
+        return os.getpid()
+
+    @endpoint
     def join(self, cfg: JobConfig, rank: int, world: int, store_port: int, attempt: int,
              collective_timeout_s: float, setup_s: float) -> dict[str, Any]:
         """Join process group ``attempt`` as ``rank`` of ``world`` and build the components on it."""

@@ -115,7 +115,7 @@ class Controller:
             self.events.close()
 
     def _run(self) -> dict[str, Any]:
-        self.mesh = ActorMesh.spawn(TrainerActor, "trainer", self.n)
+        self.mesh = ActorMesh.spawn(TrainerActor, "trainer", self.n, self.ccfg.spares)
         self._phase(range(self.n), "spawned")
         self._join()
         begun = self.mesh.call_all("begin", (), SETUP_TIMEOUT_S)
@@ -211,8 +211,7 @@ class Controller:
             survivors = []
         replaced = [r for r in range(self.n) if r not in survivors]
         for r in replaced:
-            self.mesh.replace(r)
-        self._phase(replaced, "replaced")
+            self.events("controller_actor", rank=r, phase="replaced", attempt=self.attempt, by=self.mesh.replace(r))
         self.attempt += 1
         self._join()
         restored = self.mesh.call_all("restore", (source, self.session_start), SETUP_TIMEOUT_S)

@@ -1,11 +1,11 @@
 """A small API over Monarch actor meshes: spawn a mesh of actor processes, call an endpoint on all of
 them or a slice, get one future per actor back, wait with a bound, and replace one actor.
 
-    mesh = ActorMesh.spawn(TrainerActor, "trainer", n=2)
+    mesh = ActorMesh.spawn(TrainerActor, "trainer", n=2, spares=1)
     futures = mesh.call("join", lambda r: (cfg, r, 2, port, 0))   # per-rank arguments
     replies = mesh.wait(futures, timeout_s=60)                    # {rank: value}, or ActorsFailed
     mesh.call("step", args, ranks=[1])                            # a slice
-    mesh.replace(1)                                               # a fresh process for rank 1
+    mesh.replace(1)                                               # a spare (or a new process) for rank 1
 
 Every call is sent to each actor separately (a slice of one), so every reply and every failure is
 known by rank. A failure is reported, never lost: an endpoint that raised (its traceback), a process
@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from stalwart.controller.recovery import Failure, classify_error
@@ -45,6 +46,7 @@ class ActorsFailed(Exception):
 class ActorMesh:
     def __init__(self, actor_cls: type, name: str, n: int) -> None:
         self.actor_cls, self.name, self.n = actor_cls, name, n
+        self.spares: list[tuple[Any, Any]] = []  # (actor, its warm-up future): started, imports done
         self._procs: list[Any] = []           # proc meshes (the first holds all ranks; replacements one each)
         self.handles: list[Any] = [None] * n  # rank -> a mesh of one actor
         self.pids: dict[int, int] = {}
@@ -52,17 +54,21 @@ class ActorMesh:
         self._lock = threading.Lock()
 
     @classmethod
-    def spawn(cls, actor_cls: type, name: str, n: int) -> "ActorMesh":
+    def spawn(cls, actor_cls: type, name: str, n: int, spares: int = 0) -> "ActorMesh":
+        """``n`` actors, plus ``spares`` started ones that take a failed actor's place (the actor class
+        needs a ``warm`` endpoint that does its imports)."""
         import monarch.actor as monarch_actor
-        from monarch.actor import this_host
 
         mesh = cls(actor_cls, name, n)
         # An actor's death arrives here as well as at its pending calls: keep it, never exit the controller.
         monarch_actor.unhandled_fault_hook = mesh._on_fault
-        procs = this_host().spawn_procs(per_host={"procs": n})
-        actors = procs.spawn(name, actor_cls)
-        mesh._procs.append(procs)
-        mesh.handles = [actors.slice(procs=r) for r in range(n)]
+        # NOTE: one proc mesh per actor. Monarch 0.7.0 reports only the first process death of a proc
+        # mesh: a call to a second member that dies later never fails (docs/controller.md has the
+        # reproducer). Alone in its mesh, every actor's death is its mesh's first.
+        mesh.handles = [mesh._start_one() for _ in range(n)]
+        for _ in range(spares):
+            spare = mesh._start_one()
+            mesh.spares.append((spare, spare.warm.call_one()))
         return mesh
 
     def _on_fault(self, failure: Any) -> None:
@@ -100,6 +106,10 @@ class ActorMesh:
                         raise e.exception from None  # a config or data mistake: the user's one line
                     failures.append(classify_error(r, e, time.time(), what))
                 del pending[r]
+            for r in [r for r in pending if not self.alive(r)]:  # a death Monarch did not report
+                failures.append(Failure(r, "killed", f"process {self.pids[r]} is gone (no supervision event "
+                                        "arrived for it)", time.time(), time.time()))
+                del pending[r]
             if pending and time.monotonic() >= deadline:
                 now = time.time()
                 failures += [Failure(r, "hang", f"{what or 'command'} still running after {timeout_s:g} s", now,
@@ -114,6 +124,18 @@ class ActorMesh:
         return self.wait(self.call(endpoint, args, ranks), timeout_s, endpoint)
 
     # ------------------------------------------------------------------ membership
+    def alive(self, rank: int) -> bool:
+        """Whether rank's process still runs (unknown pid: assumed so). The actors are this process's
+        children: a dead one is gone from /proc or a zombie until reaped."""
+        pid = self.pids.get(rank)
+        if not pid:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
     def kill(self, rank: int) -> None:
         """SIGKILL rank's process (a hung or failed actor is not trusted to stop by itself)."""
         pid = self.pids.get(rank)
@@ -123,19 +145,28 @@ class ActorMesh:
             except ProcessLookupError:
                 pass
 
-    def replace(self, rank: int) -> None:
-        """A fresh process and actor for ``rank`` (the old one is killed first)."""
+    def _start_one(self) -> Any:
         from monarch.actor import this_host
 
-        self.kill(rank)
         procs = this_host().spawn_procs(per_host={"procs": 1})
         self._procs.append(procs)
-        self.handles[rank] = procs.spawn(self.name, self.actor_cls)
-        self.pids.pop(rank, None)
+        return procs.spawn(self.name, self.actor_cls)
 
-    def replace_all(self) -> None:
-        for r in range(self.n):
-            self.replace(r)
+    def replace(self, rank: int) -> str:
+        """Another actor for ``rank`` (the old one is killed first): a started spare when there is one
+        (a new spare is then started in its place), else a fresh process. Returns which."""
+        self.kill(rank)
+        self.pids.pop(rank, None)
+        if self.spares:
+            self.handles[rank], _ = self.spares.pop(0)
+            fresh = self._start_one()
+            self.spares.append((fresh, fresh.warm.call_one()))
+            return "spare"
+        self.handles[rank] = self._start_one()
+        return "new"
+
+    def replace_all(self) -> list[str]:
+        return [self.replace(r) for r in range(self.n)]
 
     def stop(self) -> None:
         for procs in self._procs:
