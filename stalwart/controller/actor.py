@@ -122,9 +122,12 @@ class TrainerActor(Actor):
         return self._reply(step=t.state.step, source=source, data=t.loader.state_dict())
 
     @endpoint
-    def step(self, n: int, micro: list, data_after: dict) -> dict[str, Any]:
-        """Optimizer step ``n`` on ``micro`` (this rank's micro-batches), then the components act."""
+    def step(self, n: int, packed: list, data_after: dict) -> dict[str, Any]:
+        """Optimizer step ``n`` on this rank's micro-batches (``feed.pack``ed), then the components act."""
+        from stalwart.controller.feed import unpack
+
         t0 = time.perf_counter()
+        micro = unpack(packed)
         t = self.trainer
         if t.state.step + 1 != n:
             raise RuntimeError(f"actor {self.rank} is at step {t.state.step}; step {n} cannot follow it")

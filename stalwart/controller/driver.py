@@ -69,8 +69,9 @@ class Controller:
                                    wait_for_workers=False)
         self.attempt = 0
         self.recoveries = 0
-        self.overheads: list[float] = []     # controller time per step beyond the slowest actor's step
-        self.step_walls: list[float] = []
+        # Per step, seconds of: the whole step, the controller's data, its journal writes, and the send
+        # and wait beyond the slowest actor's own time in the step (Monarch's dispatch overhead).
+        self.timing: dict[str, list[float]] = {k: [] for k in ("step_wall_s", "data_s", "journal_s", "dispatch_s")}
         self.mesh: ActorMesh | None = None
         self.feed: Feed | None = None
         self.journal: Journal | None = None
@@ -116,6 +117,7 @@ class Controller:
 
     def _run(self) -> dict[str, Any]:
         self.mesh = ActorMesh.spawn(TrainerActor, "trainer", self.n, self.ccfg.spares)
+        self.mesh.report_grace_s = 2 * self.ccfg.supervision_poll_s
         self._phase(range(self.n), "spawned")
         self._join()
         begun = self.mesh.call_all("begin", (), SETUP_TIMEOUT_S)
@@ -149,27 +151,33 @@ class Controller:
         return summary
 
     def _figures(self, step: int) -> dict[str, Any]:
-        med = statistics.median(self.overheads) if self.overheads else None
+        med = {k: statistics.median(v) if v else None for k, v in self.timing.items()}
+        dispatch = med["dispatch_s"]
         return {"step": step, "recoveries": self.recoveries, "journal_seq": self.journal.seq, "actors": self.n,
-                "dispatch_overhead_s": med, "dispatch_overhead_per_actor_s": med / self.n if med is not None else None,
-                "step_wall_s": statistics.median(self.step_walls) if self.step_walls else None,
-                "steps_measured": len(self.overheads)}
+                "dispatch_overhead_s": dispatch,
+                "dispatch_overhead_per_actor_s": dispatch / self.n if dispatch is not None else None,
+                "data_s": med["data_s"], "journal_s": med["journal_s"], "step_wall_s": med["step_wall_s"],
+                "steps_measured": len(self.timing["dispatch_s"])}
 
     def _step(self, n: int, replay: dict[str, Any] | None) -> None:
         """Send step ``n`` to every actor and wait; ``replay`` is its journal entry when replaying."""
         t0 = time.perf_counter()
         if replay is not None:
             self.feed.seek(replay["batch"])
-        else:
-            self.journal.append("step", step=n, batch=self.feed.position())
+        before = self.feed.position()
         micro = self.feed.next()
         after = self.feed.position()
+        t1 = time.perf_counter()
+        if replay is None:
+            self.journal.append("step", step=n, batch=before)
+        t2 = time.perf_counter()
         futures = self.mesh.call("step", lambda r: (n, self.feed.share(micro, r), after))
         replies = self.mesh.wait(futures, hang_bound(self.ccfg.step_timeout_s), f"step {n}")
-        wall = time.perf_counter() - t0
+        t3 = time.perf_counter()
         rec = replies[0]
         if replay is None or n not in (done := applied_records(self.journal.entries)):
-            self.journal.append("applied", step=n, lr=rec["lr"], loss=rec["loss"], grad_norm=rec["grad_norm"])
+            self.journal.append("applied", sync=False, step=n, lr=rec["lr"], loss=rec["loss"],
+                                grad_norm=rec["grad_norm"])
         else:
             want = done[n]
             got = {k: rec[k] for k in ("lr", "loss", "grad_norm")}
@@ -178,10 +186,13 @@ class Controller:
                                      f"{ {k: want[k] for k in got} }")
         if self.cfg.checkpoint.memory_interval and n % self.cfg.checkpoint.memory_interval == 0 and n != (
                 self.cfg.training.stop_at_step or self.cfg.training.steps):
-            self.journal.append("snapshot", step=n)
+            self.journal.append("snapshot", sync=False, step=n)
+        t4 = time.perf_counter()
         if replay is None and self._pending_recovery is None:
-            self.step_walls.append(wall)
-            self.overheads.append(wall - max(r["actor_s"] for r in replies.values()))
+            self.timing["step_wall_s"].append(t4 - t0)
+            self.timing["data_s"].append(t1 - t0)
+            self.timing["journal_s"].append(t2 - t1 + t4 - t3)
+            self.timing["dispatch_s"].append(t3 - t2 - max(r["actor_s"] for r in replies.values()))
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, err: ActorsFailed, step: int) -> tuple[int, list[dict[str, Any]]]:

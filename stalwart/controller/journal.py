@@ -10,9 +10,10 @@ a sequence number ``seq`` (continuing across sessions of the run) and ``cmd``:
 - ``snapshot``  every actor holds its in-memory snapshot of ``step``
 - ``recovery``  actor ``rank`` failed (``cause``); state restored to ``step`` from ``source``
 
-Lines are appended, flushed and fsync'd before the command is sent (``step``) or acknowledged (the
-rest), so after any crash the journal holds every command that reached an actor. Reading skips a torn
-last line. :func:`replay_plan` and :func:`applied_records` are pure: the recovery planning is tested
+Lines are appended and flushed; a ``step`` line is fsync'd (with every line before it) before the
+command is sent, so after any crash the journal holds every command that reached an actor. The
+results (``applied``, ``snapshot``) ride on the next step's fsync (a group commit) or the close. Reading skips a torn
+last line (and cuts it off before appending). :func:`replay_plan` and :func:`applied_records` are pure: the recovery planning is tested
 without processes.
 """
 
@@ -33,21 +34,27 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
         self.entries: list[dict[str, Any]] = read_jsonl(self.path)
         self.seq = max((int(e.get("seq", 0)) for e in self.entries), default=0)
         self._f = open(self.path, "a", encoding="utf-8")
 
-    def append(self, cmd: str, **fields: Any) -> dict[str, Any]:
+    def append(self, cmd: str, sync: bool = True, **fields: Any) -> dict[str, Any]:
+        """Append one command; ``sync`` makes it (and every line before it) durable before returning.
+        An unsynced entry becomes durable with the next synced one (a group commit)."""
         self.seq += 1
         entry = {"seq": self.seq, "time": time.time(), "cmd": cmd, **fields}
         self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
         self._f.flush()
-        os.fsync(self._f.fileno())
+        if sync:
+            os.fsync(self._f.fileno())
         self.entries.append(entry)
         return entry
 
     def close(self) -> None:
         if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
             self._f.close()
 
     def __enter__(self) -> "Journal":
@@ -55,6 +62,18 @@ class Journal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-append) so the next entry starts a line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _this_session(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -50,6 +50,7 @@ class ActorMesh:
         self._procs: list[Any] = []           # proc meshes (the first holds all ranks; replacements one each)
         self.handles: list[Any] = [None] * n  # rank -> a mesh of one actor
         self.pids: dict[int, int] = {}
+        self.report_grace_s = 1.0  # how long a dead process's call may wait for Monarch's own report
         self.deaths: list[tuple[float, str]] = []  # (time, Monarch's report) of supervision events
         self._lock = threading.Lock()
 
@@ -93,6 +94,7 @@ class ActorMesh:
         deadline = time.monotonic() + timeout_s
         replies: dict[int, Any] = {}
         failures: list[Failure] = []
+        gone: dict[int, float] = {}  # rank -> when its process was first seen dead
         pending = dict(futures)
         while pending and not any(f.root for f in failures):
             for r, fut in list(pending.items()):
@@ -106,10 +108,12 @@ class ActorMesh:
                         raise e.exception from None  # a config or data mistake: the user's one line
                     failures.append(classify_error(r, e, time.time(), what))
                 del pending[r]
-            for r in [r for r in pending if not self.alive(r)]:  # a death Monarch did not report
-                failures.append(Failure(r, "killed", f"process {self.pids[r]} is gone (no supervision event "
-                                        "arrived for it)", time.time(), time.time()))
-                del pending[r]
+            for r in [r for r in pending if not self.alive(r)]:  # Monarch's report names the signal: wait
+                gone.setdefault(r, time.time())                   # for it a little, never for long
+                if time.time() - gone[r] > self.report_grace_s:
+                    failures.append(Failure(r, "killed", f"process {self.pids[r]} is gone (no supervision event "
+                                            "arrived for it)", time.time(), gone[r]))
+                    del pending[r]
             if pending and time.monotonic() >= deadline:
                 now = time.time()
                 failures += [Failure(r, "hang", f"{what or 'command'} still running after {timeout_s:g} s", now,
