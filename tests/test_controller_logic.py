@@ -61,7 +61,7 @@ def test_journal_is_append_only_with_continuing_sequence_numbers(tmp_path):
 def test_failures_are_attributed_to_the_actor_that_caused_them():
     killed = classify(1, "SupervisionError", "The actor ... has failed:\n  the process this actor was running on "
                       "failed: Killed(sig=9)", 10.0)
-    assert (killed.cause, killed.detail, killed.root) == ("killed", "Killed(sig=9)", True)
+    assert (killed.cause, killed.detail, killed.root) == ("killed", "killed by signal 9 (SIGKILL)", True)
     peer = classify(0, "ActorError", "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:555", 9.5)
     timeout = classify(0, "ActorError", "RuntimeError: Timed out waiting 4000ms for send operation to complete", 9.0)
     assert peer.cause == timeout.cause == "peer" and not peer.root

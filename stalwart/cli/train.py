@@ -40,10 +40,10 @@ def _nproc(opts: dict, default: int) -> int:
 
 
 def _controller(cfg, nproc: int) -> int:
-    try:
-        import monarch.actor  # noqa: F401
-    except ImportError:
-        raise ConfigError("--controller needs Monarch: pip install 'stalwart[controller]' (torchmonarch)") from None
+    import importlib.util
+
+    if importlib.util.find_spec("monarch") is None:  # found, not imported: it reads its settings on import
+        raise ConfigError("--controller needs Monarch: pip install 'stalwart[controller]' (torchmonarch)")
     from stalwart.controller.driver import run_controller
 
     return run_controller(cfg, nproc)

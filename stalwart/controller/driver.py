@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config.job import JobConfig
-from stalwart.controller.actor import TrainerActor
 from stalwart.controller.feed import Feed
 from stalwart.controller.journal import Journal, applied_records, replay_plan
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
@@ -116,8 +115,10 @@ class Controller:
             self.events.close()
 
     def _run(self) -> dict[str, Any]:
+        from stalwart.controller.actor import TrainerActor  # imports Monarch: after configure_monarch
+
         self.mesh = ActorMesh.spawn(TrainerActor, "trainer", self.n, self.ccfg.spares)
-        self.mesh.report_grace_s = 2 * self.ccfg.supervision_poll_s
+        self.mesh.report_grace_s = 2 * self.ccfg.supervision_poll_s + 0.5
         self._phase(range(self.n), "spawned")
         self._join()
         begun = self.mesh.call_all("begin", (), SETUP_TIMEOUT_S)

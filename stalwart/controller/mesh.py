@@ -25,12 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.controller.recovery import Failure, classify_error
+from stalwart.controller.recovery import Failure, classify_error, signal_text
 from stalwart.errors import UserError
 
 
 def configure_monarch(poll_s: float) -> None:
-    """Set before the first mesh is spawned: how often actor processes are polled for deaths."""
+    """How often actor processes are polled for deaths. Monarch reads it when it is first imported:
+    call this before anything imports ``monarch``."""
     os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{max(1, int(poll_s * 1000))}ms"
 
 
@@ -50,7 +51,7 @@ class ActorMesh:
         self._procs: list[Any] = []           # proc meshes (the first holds all ranks; replacements one each)
         self.handles: list[Any] = [None] * n  # rank -> a mesh of one actor
         self.pids: dict[int, int] = {}
-        self.report_grace_s = 1.0  # how long a dead process's call may wait for Monarch's own report
+        self.report_grace_s = 1.0  # a vanished process's call waits this long for Monarch's own report
         self.deaths: list[tuple[float, str]] = []  # (time, Monarch's report) of supervision events
         self._lock = threading.Lock()
 
@@ -108,11 +109,10 @@ class ActorMesh:
                         raise e.exception from None  # a config or data mistake: the user's one line
                     failures.append(classify_error(r, e, time.time(), what))
                 del pending[r]
-            for r in [r for r in pending if not self.alive(r)]:  # Monarch's report names the signal: wait
-                gone.setdefault(r, time.time())                   # for it a little, never for long
-                if time.time() - gone[r] > self.report_grace_s:
-                    failures.append(Failure(r, "killed", f"process {self.pids[r]} is gone (no supervision event "
-                                            "arrived for it)", time.time(), gone[r]))
+            for r in list(pending):  # a death Monarch has not reported (yet, or ever): see it ourselves,
+                ended = self.exit_status(r)  # then give Monarch's report (it names the signal) a moment
+                if ended is not None and time.time() - gone.setdefault(r, time.time()) > self.report_grace_s:
+                    failures.append(Failure(r, "killed", ended, time.time(), gone[r]))
                     del pending[r]
             if pending and time.monotonic() >= deadline:
                 now = time.time()
@@ -129,16 +129,23 @@ class ActorMesh:
 
     # ------------------------------------------------------------------ membership
     def alive(self, rank: int) -> bool:
-        """Whether rank's process still runs (unknown pid: assumed so). The actors are this process's
-        children: a dead one is gone from /proc or a zombie until reaped."""
+        return self.exit_status(rank) is None
+
+    def exit_status(self, rank: int) -> str | None:
+        """None while rank's process runs (or its pid is not known yet); else how it ended, as far as
+        /proc tells: the actors are this process's children, so a dead one is a zombie until reaped,
+        and a zombie's stat carries its wait status."""
         pid = self.pids.get(rank)
         if not pid:
-            return True
+            return None
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
         except OSError:
-            return False
-        return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+            return f"process {pid} is gone"
+        if fields[0] not in ("Z", "X"):
+            return None
+        status = int(fields[-1]) if len(fields) >= 50 else 0  # exit_code, the last field (Linux >= 3.5)
+        return signal_text(status & 0x7F) if status & 0x7F else f"process {pid} exited with code {status >> 8}"
 
     def kill(self, rank: int) -> None:
         """SIGKILL rank's process (a hung or failed actor is not trusted to stop by itself)."""

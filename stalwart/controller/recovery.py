@@ -14,11 +14,12 @@ A failure is attributed to an actor and a cause:
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 
 from stalwart.ft.detect import PEER_LOST, PEER_TIMEOUT
 
-_SIGNAL = re.compile(r"(Killed\(sig=\d+\)|Signaled\([^)]*\)|signal \d+|exited with[^\n]*)")
+_SIGNAL = re.compile(r"(?:Killed|Signaled)\(sig=(\d+)\)|signal (\d+)")
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,20 @@ def classify(rank: int, kind: str, text: str, now: float) -> Failure:
     """A failure from what the call raised: ``kind`` the exception's class name, ``text`` its message."""
     if kind == "SupervisionError" or "process this actor was running on failed" in text:
         m = _SIGNAL.search(text)
-        return Failure(rank, "killed", m.group(1) if m else text.strip()[-500:], now, now)
+        return Failure(rank, "killed", signal_text(int(m.group(1) or m.group(2))) if m else text.strip()[-500:],
+                       now, now)
     if PEER_LOST.search(text) or PEER_TIMEOUT.search(text):
         return Failure(rank, "peer", text.strip()[-2000:], now, now)
     return Failure(rank, "exception", text, now, now)
+
+
+def signal_text(signum: int) -> str:
+    """``killed by signal 9 (SIGKILL)``: one wording whether Monarch or /proc reported the death."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = "unknown"
+    return f"killed by signal {signum} ({name})"
 
 
 def classify_error(rank: int, exc: BaseException, now: float, what: str = "") -> Failure:
