@@ -79,9 +79,3 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
     out = run_cli("goodput", str(ctl)).stdout
     assert "(injected kill)" in out and "(injected hang)" in out
 
-
-def test_controller_bad_option_is_one_line(tmp_path):
-    proc = run_cli("train", "--controller", "--run.dir", str(tmp_path / "r"), *TINY_RUN,
-                   "--controller.recover_from", "tape", check=False)
-    assert proc.returncode == 2 and "controller.recover_from" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
