@@ -41,6 +41,8 @@ def _init_group(rank: int, world: int, store_port: int, attempt: int, timeout_s:
     prefix.add("arrived", 1)
     deadline = time.monotonic() + setup_s
     while prefix.add("arrived", 0) < world:
+        if prefix.check(["abort"]):  # the controller gave this attempt up (an actor failed joining it)
+            raise RuntimeError(f"process group {attempt} was abandoned by the controller")
         if time.monotonic() > deadline:
             raise TimeoutError(f"process group {attempt}: not every actor arrived within {setup_s:g} s")
         time.sleep(0.02)

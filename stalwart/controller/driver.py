@@ -197,7 +197,16 @@ class Controller:
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, err: ActorsFailed, step: int) -> tuple[int, list[dict[str, Any]]]:
-        """Replace the failed actors, restore every actor, and return (restored step, steps to replay)."""
+        """Replace the failed actors, restore every actor, and return (restored step, steps to replay).
+        An actor that fails during the recovery starts another one (within controller.max_recoveries)."""
+        while True:
+            try:
+                return self._recover_once(err, step)
+            except ActorsFailed as again:
+                self.store.set(f"attempt-{self.attempt}/abort", "1")  # the others leave that group's rendezvous
+                err = again
+
+    def _recover_once(self, err: ActorsFailed, step: int) -> tuple[int, list[dict[str, Any]]]:
         roots = root_causes(err.failures)
         for f in err.failures:
             self.events("controller_failure", step=step, attempt=self.attempt, root=f.root, **f.as_event())
