@@ -52,11 +52,13 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
     assert [(f["injected"], f["kind"], f["rank"], f["step"]) for f in fails] == [
         ("exception", "exception", 0, 3), ("kill", "killed", 1, 5), ("hang", "hang", 1, 7)]
     exc, kill, hang = (f["detection_latency_s"] for f in fails)
-    assert exc < 2.0 and kill < 2.0  # supervision polled every 0.5 s; the exception comes with the reply
+    # The exception comes with the reply; a death is reported by Monarch (polled every 0.5 s) or, when
+    # its report does not come, seen in /proc and named after supervision_poll_s + 0.25 s.
+    assert exc < 2.0 and kill < 2.0
     assert hang <= hang_bound(STEP_TIMEOUT_S) + 1.0
     detail = {(f["rank"], f["cause"]): f["detail"] for f in events(ctl, "controller_failure") if f["root"]}
     assert "InjectedFault" in detail[(0, "exception")] and "Traceback" in detail[(0, "exception")]
-    assert detail[(1, "killed")] == "killed by signal 9 (SIGKILL)"
+    assert detail[(1, "killed")] == "killed by signal 9 (SIGKILL)" or "is gone" in detail[(1, "killed")]
 
     # Recovery from the in-memory snapshots plus the journal; the survivors kept their processes, and no
     # actor loaded a checkpoint from disk (none existed before the final one: checkpoint.interval = 0).

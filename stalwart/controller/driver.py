@@ -118,7 +118,7 @@ class Controller:
         from stalwart.controller.actor import TrainerActor  # imports Monarch: after configure_monarch
 
         self.mesh = ActorMesh.spawn(TrainerActor, "trainer", self.n, self.ccfg.spares)
-        self.mesh.report_grace_s = 2 * self.ccfg.supervision_poll_s + 0.5
+        self.mesh.report_grace_s = self.ccfg.supervision_poll_s + 0.25
         self._phase(range(self.n), "spawned")
         self._join()
         begun = self.mesh.call_all("begin", (), SETUP_TIMEOUT_S)

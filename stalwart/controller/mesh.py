@@ -141,7 +141,7 @@ class ActorMesh:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
         except OSError:
-            return f"process {pid} is gone"
+            return f"process {pid} is gone (reaped; Monarch reported no cause)"
         if fields[0] not in ("Z", "X"):
             return None
         status = int(fields[-1]) if len(fields) >= 50 else 0  # exit_code, the last field (Linux >= 3.5)
