@@ -13,9 +13,9 @@ $(STAMP): pyproject.toml scripts/bootstrap.py
 	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras ""
 	@touch $@
 
-# Test-only extras (pytest, transformers, selenium, tensorboard) on top.
+# Test-only extras (pytest, transformers, selenium, tensorboard) and the controller's Monarch on top.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test,controller]'
 	@touch $@
 
 env: $(STAMP)

@@ -205,6 +205,16 @@ class RunPaths:
     def excluded(self) -> Path:
         return self.ft_dir / "excluded.json"
 
+    # -- single controller ----------------------------------------------------------------------
+    @property
+    def controller_dir(self) -> Path:
+        return self.root / "controller"
+
+    @property
+    def journal(self) -> Path:
+        """The controller's command history (append-only JSON lines, fsync'd per command)."""
+        return self.controller_dir / "journal.jsonl"
+
 
 def rank_files(directory: Path, suffix: str) -> dict[int, Path]:
     """``rank-<r><suffix>`` files in ``directory`` by rank (timings, flight dumps, heartbeats, exits)."""

@@ -13,10 +13,13 @@ from stalwart.launch.local import launch, preflight, supervised
 from stalwart.train.dist_env import launched_by_torchrun
 from stalwart.train.worker import worker_main
 
-INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [--section.key VALUE ...]
+INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [--controller] [--section.key VALUE ...]
 
 Train a model. With --nproc-per-node N > 1 (or launch.nproc_per_node in the config) the workers are
 started through torch's elastic launcher; under torchrun, use `torchrun ... -m stalwart.train ...`.
+With --controller one controller process drives N trainer actors (Monarch; `pip install
+stalwart[controller]`), journals every command and recovers a failed actor from the in-memory
+snapshots plus the journal (see docs/controller.md and the [controller] section below).
 Re-running on an existing run.dir with checkpoint.resume = auto continues from its newest complete
 checkpoint and appends to its metrics.jsonl."""
 
@@ -36,6 +39,16 @@ def _nproc(opts: dict, default: int) -> int:
     return n
 
 
+def _controller(cfg, nproc: int) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("monarch") is None:  # found, not imported: it reads its settings on import
+        raise ConfigError("--controller needs Monarch: pip install 'stalwart[controller]' (torchmonarch)")
+    from stalwart.controller.driver import run_controller
+
+    return run_controller(cfg, nproc)
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(job_help("train", INTRO))
@@ -45,6 +58,8 @@ def main(argv: list[str]) -> int:
         return worker_main(cfg)
     nproc = _nproc(opts, cfg.launch.nproc_per_node)
     preflight(cfg, nproc)
+    if opts.get("--controller"):
+        return _controller(cfg, nproc)
     if nproc == 1 and not supervised(cfg):
         return worker_main(cfg)
     return launch(argv, nproc, cfg)

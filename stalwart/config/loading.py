@@ -71,7 +71,7 @@ def job_help(command: str, intro: str) -> str:
 
 
 # `stalwart train`'s own flags (everything else on its command line is a dotted config override).
-TRAIN_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True}
+TRAIN_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True, "--controller": False}
 
 
 def parse_train_argv(argv: list[str]) -> tuple[dict[str, str | bool], JobConfig]:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,12 @@ EXIT_RESTART_BUDGET = 75   # launch.max_restarts used up while the job still pro
 EXIT_CRASH_LOOP = 76       # fault.crash_loop_restarts failures in a row without progress: do NOT requeue
 EXIT_EXCLUDE = 77          # supervisor -> launcher only: relaunch without the excluded host
 
+
+# How gloo reports a collective whose peer has gone (exited, killed, or stopped its process group): a
+# rank that fails with this is not the root cause of a failure, a peer of it.
+PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Socket closed|connectFullMesh failed")
+# How gloo reports a collective whose peer never arrived (process-group timeout).
+PEER_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (?:recv|send)")
 
 # ---------------------------------------------------------------------- heartbeat / progress
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Checkpointer:
                                            env.local_world_size, layout=core.dims.describe())
         self.resumed_from: Path | None = None
         self.initialized_from: str | None = None  # a Hugging Face directory the weights came from
+        self.disk_loads = 0  # disk checkpoints loaded by this process (a single controller reports it)
 
     @staticmethod
     def refuse_overwrite(cfg, paths: RunPaths) -> None:
@@ -98,6 +99,7 @@ class Checkpointer:
             source, step, path = "memory", int(st["step"]), self.snapshots.job_dir
         elif path is not None:
             loaded = self.manager.load_resume(path, model, optimizer)
+            self.disk_loads += 1
             st, source, step, path = loaded.trainer_state, "disk", loaded.step, loaded.path
         else:
             if self.cfg.init_from_hf:
@@ -110,6 +112,27 @@ class Checkpointer:
         self._load_trainer_state(step, st)
         self.resumed_from = path
         self.log_event("resumed", step=step, path=str(path), source=source)
+
+    def restore_from(self, source: str) -> int | None:
+        """Restore the newest state of one kind, ``"memory"`` (a complete in-memory snapshot) or
+        ``"disk"`` (a verified checkpoint), without looking at the other (collective). Returns its step,
+        or None when there is none (the state is then left as it is). A single controller's recovery
+        uses it: what it restores from is its decision, not the newest of both."""
+        model, optimizer = self.core.model, self.core.optimizer
+        if source == "memory":
+            step = self.snapshots.newest_complete_step() if self.snapshots is not None else None
+            if step is None:
+                return None
+            st = self.snapshots.load(step, model, optimizer)
+            self._load_trainer_state(int(st["step"]), st)
+            return int(st["step"])
+        path = newest_complete_checkpoint(self.paths.checkpoints)
+        if path is None:
+            return None
+        loaded = self.manager.load_resume(path, model, optimizer)
+        self.disk_loads += 1
+        self._load_trainer_state(loaded.step, loaded.trainer_state)
+        return loaded.step
 
     # ------------------------------------------------------------------ saving
     def save(self, block: bool = False) -> Path | None:

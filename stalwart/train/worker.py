@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 
 import torch
 
 from stalwart.config.job import JobConfig
 from stalwart.errors import PeerUserError, UserError
-from stalwart.ft.detect import EXIT_ROLLBACK, EXIT_USER_ERROR
+from stalwart.ft.detect import EXIT_ROLLBACK, EXIT_USER_ERROR, PEER_LOST
 from stalwart.ft.guard import RollbackRequested
 from stalwart.ft.records import record_exit
 from stalwart.paths import RunPaths
@@ -113,7 +112,7 @@ def _worker_main(cfg: JobConfig) -> int:
             raise
         # Tearing the process group down can block on a dead or hung peer; the supervisor restarts the
         # group only once this process is gone, so exit now (traceback and flight-recorder dump first).
-        lost = _PEER_LOST.search(str(e))
+        lost = PEER_LOST.search(str(e))
         record_exit(RunPaths.of(cfg.run), env.rank, e, peer=bool(lost))
         if lost:  # not this rank's failure: Stalwart's supervisor names the rank that left first
             if not under_stalwart_launcher():
@@ -126,8 +125,6 @@ def _worker_main(cfg: JobConfig) -> int:
         shutdown()
 
 
-# How gloo reports a collective whose peer has gone (exited, killed, or stopped its process group).
-_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Socket closed|connectFullMesh failed")
 
 
 def _leave(code: int) -> None:

@@ -1,0 +1,112 @@
+"""The controller's command history: every command that changes training state, in order, durable.
+
+One JSON object per line in ``<run>/controller/journal.jsonl`` (:attr:`RunPaths.journal`), each with
+a sequence number ``seq`` (continuing across sessions of the run) and ``cmd``:
+
+- ``session``   a controller session starts: ``step`` (where the actors resumed), ``actors``
+- ``step``      step N is issued: ``step``, ``batch`` (the data loader's position before the step: the
+                batch is rebuilt from it, so the journal never holds token data)
+- ``applied``   step N's optimizer step completed on every actor: ``step``, ``lr``, ``loss``, ``grad_norm``
+- ``snapshot``  every actor holds its in-memory snapshot of ``step``
+- ``recovery``  actor ``rank`` failed (``cause``); state restored to ``step`` from ``source``
+
+Lines are appended and flushed; a ``step`` line is fsync'd (with every line before it) before the
+command is sent, so after any crash the journal holds every command that reached an actor. The
+results (``applied``, ``snapshot``) ride on the next step's fsync (a group commit) or the close. Reading skips a torn
+last line (and cuts it off before appending). :func:`replay_plan` and :func:`applied_records` are pure: the recovery planning is tested
+without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from stalwart.metrics.records import read_jsonl
+
+
+class Journal:
+    """Append-only, fsync'd JSON lines with sequence numbers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
+        self.entries: list[dict[str, Any]] = read_jsonl(self.path)
+        self.seq = max((int(e.get("seq", 0)) for e in self.entries), default=0)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def append(self, cmd: str, sync: bool = True, **fields: Any) -> dict[str, Any]:
+        """Append one command; ``sync`` makes it (and every line before it) durable before returning.
+        An unsynced entry becomes durable with the next synced one (a group commit)."""
+        self.seq += 1
+        entry = {"seq": self.seq, "time": time.time(), "cmd": cmd, **fields}
+        self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        self._f.flush()
+        if sync:
+            os.fsync(self._f.fileno())
+        self.entries.append(entry)
+        return entry
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-append) so the next entry starts a line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _this_session(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Entries since the newest ``session`` command (earlier sessions were resumed from a checkpoint)."""
+    start = max((i for i, e in enumerate(entries) if e.get("cmd") == "session"), default=-1)
+    return entries[start + 1:]
+
+
+def replay_plan(entries: list[dict[str, Any]], restored_step: int) -> list[dict[str, Any]]:
+    """The ``step`` commands to send again after the actors were restored to ``restored_step``: every
+    step issued this session after it, once each (the newest issue of a step wins), in step order. The
+    step that was in flight when the failure struck is included: it is retried."""
+    issued: dict[int, dict[str, Any]] = {}
+    for e in _this_session(entries):
+        if e.get("cmd") == "step" and int(e["step"]) > restored_step:
+            issued[int(e["step"])] = e
+    steps = sorted(issued)
+    if steps and steps != list(range(restored_step + 1, steps[-1] + 1)):
+        missing = sorted(set(range(restored_step + 1, steps[-1] + 1)) - set(steps))
+        raise ValueError(f"journal has no step command for step(s) {missing} after step {restored_step}")
+    return [issued[s] for s in steps]
+
+
+def applied_records(entries: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Step -> its first ``applied`` entry this session: what a replay must reproduce bit for bit."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in _this_session(entries):
+        if e.get("cmd") == "applied":
+            out.setdefault(int(e["step"]), e)
+    return out
+
+
+def newest_snapshot(entries: list[dict[str, Any]]) -> int | None:
+    """The newest step every actor acknowledged a snapshot of, this session."""
+    steps = [int(e["step"]) for e in _this_session(entries) if e.get("cmd") == "snapshot"]
+    return max(steps, default=None)
