@@ -9,7 +9,7 @@ const CHARTS = [                 // [element id, fields]; the first field solid,
   ["chart-loss", ["loss", "eval_loss"]], ["chart-lr", ["lr"]], ["chart-gnorm", ["grad_norm"]],
   ["chart-tps", ["tokens_per_s"]], ["chart-mfu", ["mfu"]], ["chart-step", ["step_time_s", "data_wait_s"]],
 ];
-const MARKS = /restart|recover|rollback|resumed|failure|skip|spike|exclu|controller\./;
+const MARKS = /restart|recover|rollback|resumed|failure|skip|spike|exclu|controller_start/;
 const S = {runs: [], picked: null, focus: null, data: {}, panels: null, charts: {}, sigs: {},
            smooth: 0, log: false, zoomed: false, xrange: null, syncing: false, marks: []};
 
