@@ -66,6 +66,9 @@ class CoreSpec:
     accum_steps: int           # micro-batches per optimizer step on this rank
     seed: int = 0
     deterministic: bool = True
+    # The resolved compute dtype (``training.dtype = auto`` resolved from the measured peaks); None:
+    # bfloat16 when configured, or auto on a GPU, float32 otherwise.
+    compute_dtype: torch.dtype | None = None
 
     @property
     def flops_per_token(self) -> float:
@@ -76,6 +79,8 @@ class CoreSpec:
         return self.training.global_batch * self.seq_len
 
     def param_dtype(self, device: torch.device) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
         if self.training.dtype == "bfloat16" or (self.training.dtype == "auto" and device.type == "cuda"):
             return torch.bfloat16
         return torch.float32

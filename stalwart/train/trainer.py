@@ -26,7 +26,7 @@ from stalwart.data.loader import DataLoader, TokenStream, validation_batches
 from stalwart.data.tokenizer import build_tokenizer, eos_id, load_tokenizer
 from stalwart.ft.guard import Guard
 from stalwart.ft.inject import FaultInjector
-from stalwart.metrics.mfu import peak_tflops
+from stalwart.metrics.mfu import Peak, peak_tflops, resolve_dtype
 from stalwart.models.flavors import resolve_args
 from stalwart.models.llama import count_params
 from stalwart.parallel.dims import ParallelDims
@@ -41,6 +41,19 @@ from stalwart.train.observer import Observer, TimedLoader
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _resolve_precision(requested: str, configured_peak: float, env: DistEnv) -> tuple[torch.dtype, str, Peak]:
+    """(compute dtype, why, peak of that dtype): decided by rank 0 (measuring alone, so the figure is
+    not shared with the other ranks' measurements) and broadcast, so every rank runs the same dtype."""
+    box: list = [None]
+    if env.is_main:
+        dtype, reason = resolve_dtype(requested, env.device)
+        box[0] = (str(dtype).removeprefix("torch."), reason, peak_tflops(env.device, dtype, configured_peak))
+    if env.is_distributed:
+        dist.broadcast_object_list(box, src=0)
+    name, reason, peak = box[0]
+    return getattr(torch, name), reason, peak
 
 
 class Trainer:
@@ -76,11 +89,12 @@ class Trainer:
                                          cfg.training.micro_batch, dp_rank, dims.dp)
 
         # The observer comes first: the core's phases are timed by its timer.
+        dtype, self.dtype_reason, peak = _resolve_precision(cfg.training.dtype, cfg.metrics.peak_tflops, env)
+        self.peak_source = peak.describe()
         spec = CoreSpec(model_args, cfg.parallelism, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
-                        cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic)
-        peak, self.peak_source = peak_tflops(env.device, spec.param_dtype(env.device), cfg.metrics.peak_tflops)
+                        cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic, compute_dtype=dtype)
         self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
-                                 peak * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg))
+                                 peak.tflops * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg))
         self.core = TrainCore(spec, env, dims, self.observer.timer)
         self.loader = TimedLoader(data, self.observer)
         self.evaluator = Evaluator(cfg.eval, self.core, val_batches, self.observer)
@@ -165,7 +179,7 @@ class Trainer:
                f"initialised from Hugging Face {hf}" if hf else "fresh start")
         return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
                 f"vocab {a.vocab_size}), {env.world_size} process(es) [{self.core.dims.describe()}] on "
-                f"{env.device}, {self.core.param_dtype}; data: {self.corpus.source}; {src}; peak "
+                f"{env.device}, {self.dtype_reason}; data: {self.corpus.source}; {src}; peak "
                 f"{self.observer.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
 
     def _sample(self) -> str | None:
