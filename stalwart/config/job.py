@@ -167,6 +167,12 @@ class TrainingConfig:
 @dataclass
 class ParallelismConfig:
     dp_replicate: int = option("Data-parallel replicas (HSDP outer dimension; 1 = plain FSDP).", 1, min=1)
+    data_parallel: Literal["auto", "shard", "replicate"] = option(
+        "How the ranks left to data parallelism (dp_replicate = 1, dp_shard = -1) hold the model: 'shard' = "
+        "FSDP over them; 'replicate' = each rank holds all of it and gradients are all-reduced (dp_replicate = "
+        "the rest, dp_shard = 1); 'auto' = replicate when the job runs on one host, uses no tp/pp/cp/ep, and "
+        "every rank's full training state (16 bytes a parameter) fits in a quarter of the memory it has, else "
+        "shard. Explicit dp_replicate/dp_shard degrees always win.", "auto")
     dp_shard: int = option("FSDP sharding degree; -1 = whatever the world size leaves over.", -1, min=-1)
     tp: int = option("Tensor-parallel degree (with sequence parallel).", 1, min=1)
     pp: int = option("Pipeline-parallel degree.", 1, min=1)

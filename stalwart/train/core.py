@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from stalwart.data.loader import Batch
-from stalwart.models.llama import Transformer, TransformerArgs, flops_per_token
+from stalwart.models.llama import Transformer, TransformerArgs, count_params, flops_per_token
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
-from stalwart.train.dist_env import DistEnv
+from stalwart.train.dist_env import DistEnv, replica_fits_here
 from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
 from stalwart.train.optim import GatedOptimizer, LRSchedule, build_optimizer, clip_grad_norm
@@ -124,7 +124,8 @@ class TrainCore:
 
     @classmethod
     def build(cls, spec: CoreSpec, env: DistEnv, timer=None) -> "TrainCore":
-        return cls(spec, env, ParallelDims.resolve(spec.parallelism, env.world_size), timer)
+        fits = replica_fits_here(env, count_params(spec.model_args))
+        return cls(spec, env, ParallelDims.resolve(spec.parallelism, env.world_size, fits), timer)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, micro: list[Batch], loss_fn: LossFn = cross_entropy) -> dict:

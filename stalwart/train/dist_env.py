@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from stalwart.comm.launch import bound_tcp_store
 from stalwart.ft.runlock import LAUNCHER_PID_ENV
+from stalwart.parallel.dims import replica_fits
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,22 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def memory_per_rank(env: DistEnv) -> int:
+    """Bytes of memory one rank can use: its GPU's, or the host's RAM shared by the local ranks."""
+    if env.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(env.device).total_memory)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return int(ram) // max(env.local_world_size, 1)
+
+
+def replica_fits_here(env: DistEnv, n_params: int) -> bool:
+    """Whether ``parallelism.data_parallel = auto`` may replicate a model of ``n_params`` on this job."""
+    return replica_fits(n_params, max(env.world_size // max(env.local_world_size, 1), 1), memory_per_rank(env))
 
 
 def launched_by_torchrun() -> bool:

@@ -29,11 +29,11 @@ from stalwart.ft.inject import FaultInjector
 from stalwart.metrics.mfu import Peak, peak_tflops, resolve_dtype
 from stalwart.models.flavors import resolve_args
 from stalwart.models.llama import count_params
-from stalwart.parallel.dims import ParallelDims
+from stalwart.parallel.dims import ParallelDims, data_parallel_reason
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
 from stalwart.train.core import CoreSpec, TrainCore
-from stalwart.train.dist_env import DistEnv
+from stalwart.train.dist_env import DistEnv, replica_fits_here
 from stalwart.train.evaluator import Evaluator
 from stalwart.train.observer import Observer, TimedLoader
 
@@ -60,9 +60,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         self.paths = RunPaths.of(cfg.run)
-        dims = ParallelDims.resolve(cfg.parallelism, env.world_size)
-        if env.is_main and dims.tp > env.local_world_size:
-            print(f"warning: parallelism.tp = {dims.tp} exceeds the {env.local_world_size} processes per host: "
+        ParallelDims.resolve(cfg.parallelism, env.world_size)  # an impossible layout fails before any work
+        if env.is_main and cfg.parallelism.tp > env.local_world_size:
+            print(f"warning: parallelism.tp = {cfg.parallelism.tp} exceeds the {env.local_world_size} processes per host: "
                   "tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
         Checkpointer.refuse_overwrite(cfg.checkpoint, self.paths)  # before anything in the run is written
 
@@ -78,6 +78,9 @@ class Trainer:
         self.eos = eos_id(self.tokenizer)
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
         Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
+        fits = replica_fits_here(env, count_params(model_args))
+        dims = ParallelDims.resolve(cfg.parallelism, env.world_size, fits)
+        self.layout_reason = data_parallel_reason(cfg.parallelism, dims, fits)
         if env.is_main:
             write_text_atomic(self.paths.config, to_toml(cfg))
         dp_rank = dims.dp_rank(env.rank)
@@ -136,8 +139,9 @@ class Trainer:
                             layout=self.core.dims.describe(), params=count_params(self.core.spec.model_args),
                             device=str(self.env.device), collectives=self.cfg.comm.algorithm,
                             custom_comm_modules=self.core.pm.custom_comm_modules)
-        for note in self.cfg.notes():
-            self.observer.say(note)
+        for note in [self.layout_reason, *self.cfg.notes()]:
+            if note:
+                self.observer.say(note)
         if self.state.step >= self.end:
             self.observer.say(f"already at step {self.state.step} of {self.cfg.training.steps}: nothing to train "
                               "(raise --training.steps to continue this run)")
