@@ -99,6 +99,18 @@ def init_distributed(device_request: str, timeout_s: float = 1800.0) -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
+def leave_together() -> None:
+    """At the normal end of a job: every rank waits for the others (rank 0 may still be sampling or
+    writing the summary), then the finished trainer's reference cycles (modules holding process groups,
+    FSDP state, pending work and its tensors) are collected now, on this thread with the interpreter
+    alive, so no gloo object is torn down during interpreter finalization or while a peer still talks."""
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    gc.collect()
+
+
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
