@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
                                      TrainingConfig)
     from stalwart.comm.launch import join_gloo
     from stalwart.data.loader import Batch
-    from stalwart.metrics.mfu import measure_matmul_tflops
+    from stalwart.metrics.mfu import matmul_peak
     from stalwart.train.core import CoreSpec, TrainCore
     from stalwart.train.dist_env import DistEnv
 
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     if opts.get("profile") and rank == 0:
         _profile(core, batches, opts["profile"])
     n_tokens = opts["steps"] * mb * seq * world
-    peak = measure_matmul_tflops(torch.float32, n=1024, seconds=0.5) * 1e12 if rank == 0 else 0.0
+    peak = matmul_peak(torch.device("cpu"), torch.float32).tflops * 1e12 if rank == 0 else 0.0  # cached per machine
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
