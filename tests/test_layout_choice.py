@@ -16,7 +16,8 @@ def test_auto_replicates_a_small_model_on_one_host_and_shards_otherwise():
     auto = ParallelismConfig()
     small = replica_fits(3_500_000, nnodes=1, memory_per_rank=4 * GIB)
     assert small
-    assert ParallelDims.resolve(auto, 2, small).degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
+    degrees = ParallelDims.resolve(auto, 2, small).degrees()
+    assert degrees == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
     assert "replicated" in data_parallel_reason(auto, ParallelDims.resolve(auto, 2, small), small)
     # Two hosts, or a model whose state would take more than a quarter of a rank's memory: shard.
     assert not replica_fits(3_500_000, nnodes=2, memory_per_rank=4 * GIB)

@@ -103,8 +103,8 @@ def _profile(core, batches, steps: int) -> None:
     total = sum(e.self_cpu_time_total for e in events)
     print(f"profile: {total / 1e3 / steps:.1f} ms of op self time per step ({steps} steps)")
     for e in events[:25]:
-        print(f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3 / steps:8.1f} ms {100 * e.self_cpu_time_total / total:5.1f}%"
-              f"  x{e.count // steps}")
+        share = 100 * e.self_cpu_time_total / total
+        print(f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3 / steps:8.1f} ms {share:5.1f}%  x{e.count // steps}")
 
 
 def run(world: int, opts: dict) -> dict:
@@ -137,8 +137,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     cores = os.cpu_count() or 1
     results = []
-    print(f"reference workload: 4 layers, dim 256, 4 heads, SwiGLU hidden 768, seq 256, micro-batch {a.micro_batch}/process, fp32, "
-          f"AdamW, vocab 256; {cores} cores")
+    print(f"reference workload: 4 layers, dim 256, 4 heads, SwiGLU hidden 768, seq 256, micro-batch "
+          f"{a.micro_batch}/process, fp32, AdamW, vocab 256; {cores} cores")
     print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}")
     for world in [int(x) for x in a.procs.split(",")]:
         threads = a.threads or max(1, cores // world)

@@ -62,8 +62,8 @@ class Trainer:
         self.paths = RunPaths.of(cfg.run)
         ParallelDims.resolve(cfg.parallelism, env.world_size)  # an impossible layout fails before any work
         if env.is_main and cfg.parallelism.tp > env.local_world_size:
-            print(f"warning: parallelism.tp = {cfg.parallelism.tp} exceeds the {env.local_world_size} processes per host: "
-                  "tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
+            print(f"warning: parallelism.tp = {cfg.parallelism.tp} exceeds the {env.local_world_size} processes per "
+                  "host: tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
         Checkpointer.refuse_overwrite(cfg.checkpoint, self.paths)  # before anything in the run is written
 
         # Data and tokenizer: rank 0 trains/caches the tokenizer, the others read the cached file.
