@@ -43,6 +43,7 @@ def reference(tmp_path_factory):
 
 LAYOUTS = {
     "dp_shard2": (2, []),
+    "replicate2_auto": (2, ["--parallelism.data_parallel", "auto"]),  # one host, fits: replicated
     "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
     "tp2": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "cp2": (2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"]),
@@ -71,6 +72,8 @@ def assert_close_losses(want, got):
 def test_layout_matches_single_process(layout, reference, tmp_path):
     nproc, extra = LAYOUTS[layout]
     run_cli(*args(tmp_path, nproc, *extra))
+    if layout == "replicate2_auto":
+        assert json.loads((tmp_path / "summary.json").read_text())["layout"] == "dp_replicate=2"
     want_losses, want_grads, want_eval = reference
     assert_close_losses(want_losses, step_losses(tmp_path))
     assert abs(final_eval(tmp_path) - want_eval) <= 1e-4 * want_eval

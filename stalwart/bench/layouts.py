@@ -18,11 +18,12 @@ from stalwart.paths import RunPaths
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
-    "dp_shard=2": (2, []),
+    "dp_shard=2": (2, ["--parallelism.data_parallel", "shard"]),
+    "replicate=2 (auto)": (2, []),
     "tp=2": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "pp=2 (1f1b)": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]),
     "cp=2": (2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"]),
-    "dp_shard=4": (4, []),
+    "dp_shard=4": (4, ["--parallelism.data_parallel", "shard"]),
     "hsdp 2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
     "dp2 x tp2": (4, ["--parallelism.tp", "2", "--parallelism.dp_shard", "2"]),
     "pp2 x dp2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"]),

@@ -1,7 +1,8 @@
 """`stalwart bench throughput`: the reference training workload, 1 and 2 processes.
 
 Reference workload (compared against other frameworks on the same machine): Llama-style, 4 layers,
-dim 256, 4 heads, seq 256, micro-batch 8 per process, float32, AdamW, vocab 256 (byte-level). The
+dim 256, 4 heads, SwiGLU hidden 768, seq 256, micro-batch 8 per process, float32, AdamW, vocab 256
+(byte-level), untied embeddings. The
 step is Stalwart's own training core (``stalwart.train.core.TrainCore``, what `stalwart train` runs);
 tokens are random bytes so the figure measures the training step, not the corpus.
 
@@ -20,7 +21,15 @@ import sys
 import time
 from dataclasses import replace
 
-REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256)
+REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256, ffn_hidden=768,
+                 tie_embeddings=False)
+
+
+def reference_args():
+    """The reference workload's model (Llama-style; the same shape every peer in `bench peers` runs)."""
+    from stalwart.models.flavors import FLAVORS
+
+    return replace(FLAVORS["tiny"], **REFERENCE)
 
 
 def _free_port() -> int:
@@ -37,15 +46,14 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
                                      TrainingConfig)
     from stalwart.comm.launch import join_gloo
     from stalwart.data.loader import Batch
-    from stalwart.metrics.mfu import measure_matmul_tflops
-    from stalwart.models.flavors import FLAVORS, llama_ffn_hidden
+    from stalwart.metrics.mfu import matmul_peak
     from stalwart.train.core import CoreSpec, TrainCore
     from stalwart.train.dist_env import DistEnv
 
     torch.set_num_threads(opts["threads"])
     if world > 1:
         join_gloo(rank, world, "127.0.0.1", port, 1800.0)
-    args = replace(FLAVORS["tiny"], **REFERENCE, ffn_hidden=llama_ffn_hidden(256, 64), tie_embeddings=False)
+    args = reference_args()
     mb, seq = opts["micro_batch"], args.max_seq_len
     total = opts["warmup"] + opts["steps"]
     # The training core `stalwart train` runs, fed random tokens: the same model, initialiser, FSDP2
@@ -69,8 +77,10 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     if world > 1:
         dist.barrier()
     elapsed = time.perf_counter() - t0
+    if opts.get("profile") and rank == 0:
+        _profile(core, batches, opts["profile"])
     n_tokens = opts["steps"] * mb * seq * world
-    peak = measure_matmul_tflops(torch.float32, n=1024, seconds=0.5) * 1e12 if rank == 0 else 0.0
+    peak = matmul_peak(torch.device("cpu"), torch.float32).tflops * 1e12 if rank == 0 else 0.0  # cached per machine
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -80,6 +90,21 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
             json.dump(result, fh)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _profile(core, batches, steps: int) -> None:
+    """Print where one step's time goes (torch.profiler, self time per op, averaged over ``steps``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            core.train_step(batches[i % len(batches)])
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"profile: {total / 1e3 / steps:.1f} ms of op self time per step ({steps} steps)")
+    for e in events[:25]:
+        share = 100 * e.self_cpu_time_total / total
+        print(f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3 / steps:8.1f} ms {share:5.1f}%  x{e.count // steps}")
 
 
 def run(world: int, opts: dict) -> dict:
@@ -107,15 +132,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="threads per process (0 = cores / procs)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile this many steps on rank 0 and print the per-op breakdown")
     a = p.parse_args(argv)
     cores = os.cpu_count() or 1
     results = []
-    print(f"reference workload: 4 layers, dim 256, 4 heads, seq 256, micro-batch {a.micro_batch}/process, fp32, "
-          f"AdamW, vocab 256; {cores} cores")
+    print(f"reference workload: 4 layers, dim 256, 4 heads, SwiGLU hidden 768, seq 256, micro-batch "
+          f"{a.micro_batch}/process, fp32, AdamW, vocab 256; {cores} cores")
     print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}")
     for world in [int(x) for x in a.procs.split(",")]:
         threads = a.threads or max(1, cores // world)
-        r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch, "threads": threads})
+        r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch, "threads": threads,
+                        "profile": a.profile})
         frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
         r["fraction_of_peak"] = frac
         results.append(r)

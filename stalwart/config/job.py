@@ -166,7 +166,9 @@ class TrainingConfig:
                               "the rest of the global batch.", 8, min=1)
     grad_clip: float = option("Clip the global gradient norm to this (0 = no clipping).", 1.0, min=0.0)
     dtype: Literal["auto", "float32", "bfloat16"] = option(
-        "Compute precision: 'auto' = bfloat16 on GPU (fp32 master weights and reductions), float32 on CPU.",
+        "Compute precision at every layout (fp32 master weights, gradients and reductions either way): "
+        "'auto' = bfloat16 where its measured (or spec-sheet) matmul peak is >= 1.5x float32's, else float32; "
+        "the banner says which ran and why.",
         "auto")
     device: Literal["auto", "cpu", "cuda"] = option("Where to train ('auto' = cuda if available).", "auto")
 
@@ -174,6 +176,12 @@ class TrainingConfig:
 @dataclass
 class ParallelismConfig:
     dp_replicate: int = option("Data-parallel replicas (HSDP outer dimension; 1 = plain FSDP).", 1, min=1)
+    data_parallel: Literal["auto", "shard", "replicate"] = option(
+        "How the ranks left to data parallelism (dp_replicate = 1, dp_shard = -1) hold the model: 'shard' = "
+        "FSDP over them; 'replicate' = each rank holds all of it and gradients are all-reduced (dp_replicate = "
+        "the rest, dp_shard = 1); 'auto' = replicate when the job runs on one host, uses no tp/pp/cp/ep, and "
+        "every rank's full training state (16 bytes a parameter) fits in a quarter of the memory it has, else "
+        "shard. Explicit dp_replicate/dp_shard degrees always win.", "auto")
     dp_shard: int = option("FSDP sharding degree; -1 = whatever the world size leaves over.", -1, min=-1)
     tp: int = option("Tensor-parallel degree (with sequence parallel).", 1, min=1)
     pp: int = option("Pipeline-parallel degree.", 1, min=1)
@@ -342,8 +350,9 @@ class EvalConfig:
 @dataclass
 class MetricsConfig:
     log_interval: int = option("Write a metrics.jsonl line every this many steps.", 1, min=1)
-    peak_tflops: float = option("Peak dense TFLOP/s of one device for MFU; 0 = look up the GPU or measure "
-                                "the CPU's matmul peak at start-up.", 0.0, min=0.0)
+    peak_tflops: float = option("Peak dense TFLOP/s of one device, in the precision that runs, for MFU; 0 = "
+                                "the GPU's spec sheet, or the matmul peak measured once per machine and cached "
+                                "in ~/.cache/stalwart/matmul_peaks.json.", 0.0, min=0.0)
     progress: bool = option("Show a progress bar on rank 0 (plain log lines when stdout is not a terminal).",
                             True)
 

@@ -50,6 +50,22 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
 
 
+def _plain(*weights: torch.Tensor) -> bool:
+    """Whether these weights are ordinary tensors (one device, or FSDP's gathered copies), so their
+    projections may run as one matmul. A tensor subclass (a tensor-parallel DTensor shard, whose module
+    hooks redistribute its input and output) keeps the per-module path."""
+    return all(type(w) in (torch.Tensor, nn.Parameter) for w in weights)
+
+
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(lin(x) for lin in linears)`` as one matmul over the concatenated weights when they are
+    plain tensors: the input is read once and one larger GEMM runs faster than several small ones."""
+    weights = [lin.weight for lin in linears]
+    if not _plain(*weights):
+        return tuple(lin(x) for lin in linears)
+    return F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+
+
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """Boolean mask (q, k): True where query may attend key (causal, and within `window` if > 0)."""
     diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(0)
@@ -91,9 +107,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         bs, seq, _ = x.shape
         # (batch, seq, heads, head_dim); -1 heads so a tensor-parallel shard sees its local heads.
-        q = self.wq(x).view(bs, seq, -1, self.head_dim)
-        k = self.wk(x).view(bs, seq, -1, self.head_dim)
-        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv))
+        q, k, v = (t.view(bs, seq, -1, self.head_dim) for t in (q, k, v))
         # Positions default to 0..seq-1 of the sequence as seen *here* (after a sequence-parallel
         # all-gather it is the full sequence); context parallelism passes its chunks' true offsets.
         if positions is None:
@@ -114,7 +129,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = fused_linear(x, (self.w1, self.w3))
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

@@ -5,7 +5,8 @@
     3. context parallel (ring attention)
     4. activation checkpointing
     5. torch.compile per block
-    6. FSDP / HSDP      (last: it wraps whatever the earlier steps produced)
+    6. FSDP / HSDP      (last: it wraps whatever the earlier steps produced); without a mesh,
+                        mixed precision is a cast at call time (parallel/precision.py)
 
 Each step lives in its own module; this file only decides whether and in which order they run.
 """
@@ -63,6 +64,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         if meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
                        meshes.expert_fsdp, dims.dp)
+    if meshes is None and param_dtype != torch.float32:
+        # No FSDP to cast: the step runs the model through parallel/precision.py's cast, same policy.
+        pm.cast_dtype = param_dtype
     if comm_cfg is not None and comm_cfg.algorithm != "builtin" and meshes is not None and meshes.fsdp.size() > 1:
         # FSDP's reduce-scatter / all-gather through the topology-aware algorithms.
         from stalwart.comm.fsdp_comm import install_on_fsdp

@@ -25,6 +25,44 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# `data_parallel = auto` replicates when a rank's full training state is at most this share of its memory.
+REPLICATE_MEMORY_SHARE = 0.25
+# fp32 parameter + gradient + AdamW's two moments.
+TRAINING_BYTES_PER_PARAM = 16
+
+
+def replica_fits(n_params: int, nnodes: int, memory_per_rank: int) -> bool:
+    """Whether a full replica of the training state fits each rank of a one-host job (pure)."""
+    return nnodes == 1 and n_params * TRAINING_BYTES_PER_PARAM <= REPLICATE_MEMORY_SHARE * memory_per_rank
+
+
+def replicates(cfg, replicate_fits: bool) -> bool:
+    """Whether the ranks left to data parallelism replicate the model (rather than shard it)."""
+    mode = getattr(cfg, "data_parallel", "shard")
+    if mode == "auto":
+        return replicate_fits and cfg.tp == cfg.pp == cfg.cp == getattr(cfg, "ep", 1) == 1
+    return mode == "replicate"
+
+
+def data_parallel_reason(cfg, dims: "ParallelDims", replicate_fits: bool) -> str:
+    """One line for the banner: how the data-parallel ranks hold the model, and why."""
+    if dims.dp <= 1:
+        return ""
+    how = "replicated (gradients all-reduced)" if dims.dp_shard == 1 else f"sharded over {dims.dp_shard} ranks (FSDP)"
+    mode = getattr(cfg, "data_parallel", "shard")
+    if cfg.dp_replicate != 1 or cfg.dp_shard != -1:
+        why = "parallelism.dp_replicate/dp_shard set"
+    elif mode != "auto":
+        why = f"parallelism.data_parallel = {mode}"
+    elif replicates(cfg, replicate_fits):
+        why = "auto: one host, and a full replica fits in a quarter of each rank's memory"
+    elif not replicate_fits:
+        why = "auto: more than one host, or a full replica would not fit comfortably"
+    else:
+        why = "auto: tp/pp/cp/ep in use"
+    return f"data parallel: the model is {how} ({why}; --parallelism.data_parallel overrides)"
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
@@ -36,10 +74,15 @@ class ParallelDims:
     ep: int = 1  # expert parallel: a split of dp_shard (experts sharded, tokens by all-to-all)
 
     @staticmethod
-    def resolve(cfg, world_size: int) -> "ParallelDims":
-        """Fill ``dp_shard = -1`` from the world size and check the product. ``cfg``: parallelism section."""
-        fixed = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
-        dp_shard = cfg.dp_shard
+    def resolve(cfg, world_size: int, replicate_fits: bool = False) -> "ParallelDims":
+        """Fill ``dp_shard = -1`` from the world size and check the product. ``cfg``: parallelism section;
+        ``replicate_fits``: the job is on one host and a full replica fits each rank (for 'auto')."""
+        dp_replicate, dp_shard = cfg.dp_replicate, cfg.dp_shard
+        if replicates(cfg, replicate_fits) and dp_replicate == 1 and dp_shard == -1:
+            other = cfg.tp * cfg.pp * cfg.cp
+            if world_size % other == 0:
+                dp_replicate, dp_shard = world_size // other, 1
+        fixed = dp_replicate * cfg.tp * cfg.pp * cfg.cp
         if dp_shard == -1:
             if world_size % fixed:
                 raise LayoutError(
@@ -51,7 +94,7 @@ class ParallelDims:
         product = fixed * dp_shard
         if product != world_size:
             raise LayoutError(
-                f"parallelism: dp_replicate({cfg.dp_replicate}) * dp_shard({dp_shard}) * tp({cfg.tp}) * "
+                f"parallelism: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * tp({cfg.tp}) * "
                 f"pp({cfg.pp}) * cp({cfg.cp}) = {product}, but the world size is {world_size}; set "
                 f"parallelism.dp_shard = -1 to fill in the rest, or launch {product} processes")
         ep = getattr(cfg, "ep", 1)
@@ -60,10 +103,10 @@ class ParallelDims:
                               f"ranks are a subset of the FSDP ranks); valid ep degrees: {_divisors(dp_shard)}")
         if ep > 1 and cfg.cp > 1:
             raise LayoutError("parallelism.ep: expert parallel together with cp > 1 is not supported; use one of them")
-        if ep > 1 and cfg.dp_replicate > 1:
+        if ep > 1 and dp_replicate > 1:
             raise LayoutError("parallelism.ep: expert parallel together with dp_replicate > 1 (HSDP) is not "
                               "supported; use dp_shard for the data-parallel ranks")
-        return ParallelDims(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size, ep)
+        return ParallelDims(dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, world_size, ep)
 
     def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
                     virtual_stages: int = 1, n_experts: int = 0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -23,6 +24,8 @@ class ParallelModel:
     loss_parallel: bool = False
     custom_comm_modules: int = 0  # FSDP modules whose collectives use Stalwart's algorithms
     expert_comm: object = None  # ExpertComm: time in the expert all-to-alls (expert parallel only)
+    # Mixed precision without FSDP (no mesh): run the stages with parameters cast to this dtype.
+    cast_dtype: torch.dtype | None = None
 
     @property
     def has_first(self) -> bool:

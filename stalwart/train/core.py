@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from stalwart.data.loader import Batch
-from stalwart.models.llama import Transformer, TransformerArgs, flops_per_token
+from stalwart.models.llama import Transformer, TransformerArgs, count_params, flops_per_token
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
-from stalwart.train.dist_env import DistEnv
+from stalwart.train.dist_env import DistEnv, replica_fits_here
 from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
 from stalwart.train.optim import GatedOptimizer, LRSchedule, build_optimizer, clip_grad_norm
@@ -66,6 +66,9 @@ class CoreSpec:
     accum_steps: int           # micro-batches per optimizer step on this rank
     seed: int = 0
     deterministic: bool = True
+    # The resolved compute dtype (``training.dtype = auto`` resolved from the measured peaks); None:
+    # bfloat16 when configured, or auto on a GPU, float32 otherwise.
+    compute_dtype: torch.dtype | None = None
 
     @property
     def flops_per_token(self) -> float:
@@ -76,6 +79,8 @@ class CoreSpec:
         return self.training.global_batch * self.seq_len
 
     def param_dtype(self, device: torch.device) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
         if self.training.dtype == "bfloat16" or (self.training.dtype == "auto" and device.type == "cuda"):
             return torch.bfloat16
         return torch.float32
@@ -119,7 +124,8 @@ class TrainCore:
 
     @classmethod
     def build(cls, spec: CoreSpec, env: DistEnv, timer=None) -> "TrainCore":
-        return cls(spec, env, ParallelDims.resolve(spec.parallelism, env.world_size), timer)
+        fits = replica_fits_here(env, count_params(spec.model_args))
+        return cls(spec, env, ParallelDims.resolve(spec.parallelism, env.world_size, fits), timer)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, micro: list[Batch], loss_fn: LossFn = cross_entropy) -> dict:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from stalwart.comm.launch import bound_tcp_store
 from stalwart.ft.runlock import LAUNCHER_PID_ENV
+from stalwart.parallel.dims import replica_fits
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,22 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def memory_per_rank(env: DistEnv) -> int:
+    """Bytes of memory one rank can use: its GPU's, or the host's RAM shared by the local ranks."""
+    if env.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(env.device).total_memory)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return int(ram) // max(env.local_world_size, 1)
+
+
+def replica_fits_here(env: DistEnv, n_params: int) -> bool:
+    """Whether ``parallelism.data_parallel = auto`` may replicate a model of ``n_params`` on this job."""
+    return replica_fits(n_params, max(env.world_size // max(env.local_world_size, 1), 1), memory_per_rank(env))
 
 
 def launched_by_torchrun() -> bool:
@@ -80,6 +97,18 @@ def init_distributed(device_request: str, timeout_s: float = 1800.0) -> DistEnv:
                                 rank=rank if store else -1, world_size=world if store else -1,
                                 device_id=device if device.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def leave_together() -> None:
+    """At the normal end of a job: every rank waits for the others (rank 0 may still be sampling or
+    writing the summary), then the finished trainer's reference cycles (modules holding process groups,
+    FSDP state, pending work and its tensors) are collected now, on this thread with the interpreter
+    alive, so no gloo object is torn down during interpreter finalization or while a peer still talks."""
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    gc.collect()
 
 
 def shutdown() -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import UserError
+from stalwart.metrics.mfu import mfu as model_flops_utilisation
 from stalwart.metrics.progress import Progress, RateWindow
 from stalwart.metrics.records import EventLog
 from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
@@ -179,7 +180,7 @@ class Observer:
 
     # ------------------------------------------------------------------ figures
     def mfu(self, tokens_per_s: float) -> float:
-        return tokens_per_s * self.flops_per_token / (self.peak_flops * self.env.world_size)
+        return model_flops_utilisation(tokens_per_s, self.flops_per_token, self.peak_flops, self.env.world_size)
 
     def throughput(self) -> float | None:
         """Tokens/s of this session's training loop, excluding the warm-up steps when there were more."""

@@ -15,6 +15,7 @@ import hashlib
 import json
 
 import torch
+import torch.distributed as dist
 
 from stalwart import __version__
 from stalwart.atomic import write_text_atomic
@@ -22,27 +23,40 @@ from stalwart.config import to_dict, to_toml
 from stalwart.config.job import JobConfig
 from stalwart.ft.guard import Guard
 from stalwart.ft.inject import FaultInjector
-from stalwart.metrics.mfu import peak_tflops
+from stalwart.metrics.mfu import Peak, peak_tflops, resolve_dtype
 from stalwart.models.flavors import resolve_args
 from stalwart.models.llama import count_params
-from stalwart.parallel.dims import ParallelDims
+from stalwart.parallel.dims import ParallelDims, data_parallel_reason
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
 from stalwart.train.core import CoreSpec, TrainCore
 from stalwart.train.data_setup import build_run_data
-from stalwart.train.dist_env import DistEnv
+from stalwart.train.dist_env import DistEnv, replica_fits_here
 from stalwart.train.evaluator import Evaluator
 from stalwart.train.observer import Observer, TimedLoader
+
+
+def _resolve_precision(requested: str, configured_peak: float, env: DistEnv) -> tuple[torch.dtype, str, Peak]:
+    """(compute dtype, why, peak of that dtype): decided by rank 0 (measuring alone, so the figure is
+    not shared with the other ranks' measurements) and broadcast, so every rank runs the same dtype."""
+    box: list = [None]
+    if env.is_main:
+        dtype, reason = resolve_dtype(requested, env.device)
+        box[0] = (str(dtype).removeprefix("torch."), reason, peak_tflops(env.device, dtype, configured_peak))
+    if env.is_distributed:
+        dist.broadcast_object_list(box, src=0)
+    name, reason, peak = box[0]
+    return getattr(torch, name), reason, peak
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         self.paths = RunPaths.of(cfg.run)
-        dims = ParallelDims.resolve(cfg.parallelism, env.world_size)
-        if env.is_main and dims.tp > env.local_world_size:
-            print(f"warning: parallelism.tp = {dims.tp} exceeds the {env.local_world_size} processes per host: "
-                  "tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
+        ParallelDims.resolve(cfg.parallelism, env.world_size)  # an impossible layout fails before any work
+        if env.is_main and cfg.parallelism.tp > env.local_world_size:
+            print(f"warning: parallelism.tp = {cfg.parallelism.tp} exceeds the {env.local_world_size} processes per "
+                  "host: tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
         Checkpointer.refuse_overwrite(cfg.checkpoint, self.paths)  # before anything in the run is written
 
         # Data and tokenizer: rank 0 prepares (or checks) the data and caches the tokenizer, then all ranks
@@ -51,6 +65,9 @@ class Trainer:
         self.tokenizer, self.eos = self.data.tokenizer, self.data.eos
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
         Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
+        fits = replica_fits_here(env, count_params(model_args))
+        dims = ParallelDims.resolve(cfg.parallelism, env.world_size, fits)
+        self.layout_reason = data_parallel_reason(cfg.parallelism, dims, fits)
         if env.is_main:
             write_text_atomic(self.paths.config, to_toml(cfg))
         dp_rank = dims.dp_rank(env.rank)
@@ -60,11 +77,12 @@ class Trainer:
                                            cfg.training.micro_batch, dp_rank, dims.dp)
 
         # The observer comes first: the core's phases are timed by its timer.
+        dtype, self.dtype_reason, peak = _resolve_precision(cfg.training.dtype, cfg.metrics.peak_tflops, env)
+        self.peak_source = peak.describe()
         spec = CoreSpec(model_args, cfg.parallelism, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
-                        cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic)
-        peak, self.peak_source = peak_tflops(env.device, spec.param_dtype(env.device), cfg.metrics.peak_tflops)
+                        cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic, compute_dtype=dtype)
         self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
-                                 peak * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg),
+                                 peak.tflops * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg),
                                  profile_cfg=cfg.profile)
         self.core = TrainCore(spec, env, dims, self.observer.timer)
         self.data_loader = data
@@ -108,8 +126,9 @@ class Trainer:
                             layout=self.core.dims.describe(), params=count_params(self.core.spec.model_args),
                             device=str(self.env.device), collectives=self.cfg.comm.algorithm,
                             custom_comm_modules=self.core.pm.custom_comm_modules)
-        for note in self.cfg.notes():
-            self.observer.say(note)
+        for note in [self.layout_reason, *self.cfg.notes()]:
+            if note:
+                self.observer.say(note)
         if self.state.step >= self.end:
             self.observer.say(f"already at step {self.state.step} of {self.cfg.training.steps}: nothing to train "
                               "(raise --training.steps to continue this run)")
@@ -151,7 +170,7 @@ class Trainer:
                f"initialised from Hugging Face {hf}" if hf else "fresh start")
         return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
                 f"vocab {a.vocab_size}), {env.world_size} process(es) [{self.core.dims.describe()}] on "
-                f"{env.device}, {self.core.param_dtype}; data: {self.data.source}; {src}; peak "
+                f"{env.device}, {self.dtype_reason}; data: {self.data.source}; {src}; peak "
                 f"{self.observer.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
 
     def _sample(self) -> str | None:

@@ -79,7 +79,7 @@ def worker_main(cfg: JobConfig) -> int:
 
 
 def _worker_main(cfg: JobConfig) -> int:
-    from stalwart.train.dist_env import init_distributed, shutdown
+    from stalwart.train.dist_env import init_distributed, leave_together, shutdown
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.launch.threads(local_world))
@@ -90,6 +90,7 @@ def _worker_main(cfg: JobConfig) -> int:
         summary = Trainer(cfg, env).train()
         if env.is_main:
             print(format_summary(summary), flush=True)
+        leave_together()
         return 0
     except UserError as e:
         if not env.is_distributed:

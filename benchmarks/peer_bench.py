@@ -1,0 +1,136 @@
+"""Stalwart beside its peers on the reference workload, measured in one interleaved session.
+
+    python benchmarks/peer_bench.py --setup            # once: the peers' environment (pinned versions)
+    python benchmarks/peer_bench.py [--repeats 3] [--steps 8] [--configs 1x1,1x2,2x1]
+
+Peers (see benchmarks/peers/worker.py for exactly what each runs): Stalwart's training core,
+karpathy/nanoGPT's model.py (vendored at a fixed commit, MIT licence) and Hugging Face transformers'
+LlamaForCausalLM. They run in their own virtual environment (``benchmarks/.peers-venv``), which holds
+the pinned ``transformers`` below and sees torch from the environment that created it (a ``.pth``
+file), so every peer runs the same torch build.
+
+The measurements interleave: every repeat runs every configuration and every peer, with the peers'
+order rotated from repeat to repeat, so a change in the machine's load hits all of them alike. The
+table prints every repeat, the median, and Stalwart's median over the best peer's. ``uptime`` is
+printed before and after: on a shared machine the absolute figures move, the ratios much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "peers" / "worker.py"
+DEFAULT_VENV = HERE / ".peers-venv"
+PINNED = ["transformers==5.23.0"]  # the `peers` extra in pyproject.toml
+PEERS = ("stalwart", "nanogpt", "hf")
+NAMES = {"stalwart": "Stalwart", "nanogpt": "nanoGPT", "hf": "HF transformers (Llama)"}
+
+
+def setup(venv: Path) -> None:
+    """Create the peers' environment: its own site-packages with the pinned packages, torch shared."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "shared-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--ignore-installed", "--no-deps", *PINNED],
+                   check=True)
+    subprocess.run([str(py), "-c", "import transformers, torch; print('peers env: transformers', "
+                    "transformers.__version__, 'from', transformers.__file__, '; torch', torch.__version__)"],
+                   check=True)
+
+
+def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([str(py), str(WORKER), "--peer", peer, "--procs", str(procs), "--threads", str(threads),
+                           "--steps", str(steps), "--warmup", str(warmup)],
+                          capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{peer} {procs}x{threads} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per configuration: every peer's repeats and median, and Stalwart's median over the best peer's."""
+    rows = []
+    configs = sorted({(r["procs"], r["threads"]) for r in results}, key=lambda c: (c[0], c[1]))
+    for procs, threads in configs:
+        here = [r for r in results if (r["procs"], r["threads"]) == (procs, threads)]
+        runs = {p: [r["tokens_per_s"] for r in here if r["peer"] == p] for p in PEERS}
+        medians = {p: statistics.median(v) for p, v in runs.items() if v}
+        others = {p: m for p, m in medians.items() if p != "stalwart"}
+        best = max(others, key=others.get) if others else None
+        ratio = medians["stalwart"] / others[best] if best and "stalwart" in medians else None
+        rows.append({"procs": procs, "threads": threads, "runs": runs, "medians": medians, "best_peer": best,
+                     "ratio": ratio})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| config | " + " | ".join(NAMES[p] for p in PEERS) + " | Stalwart / best peer |",
+             "|---|" + "---|" * (len(PEERS) + 1)]
+    for row in rows:
+        cells = []
+        for p in PEERS:
+            v = row["runs"].get(p) or []
+            cells.append(f"{row['medians'][p]:,.0f} ({', '.join(f'{x:,.0f}' for x in v)})" if v else "-")
+        ratio = f"{row['ratio']:.2f}x vs {NAMES[row['best_peer']]}" if row["ratio"] else "-"
+        lines.append(f"| {row['procs']} process x {row['threads']} thread | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setup", action="store_true", help="create the peers' environment and exit")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--configs", default="1x1,1x2,2x1", help="processes x threads per process, comma-separated")
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    a = p.parse_args(argv)
+    if a.setup:
+        setup(a.venv)
+        return 0
+    py = a.venv / "bin" / "python"
+    if not py.exists():
+        print(f"peer_bench: no peers' environment at {a.venv}; run with --setup first", file=sys.stderr)
+        return 2
+    configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
+    peers = a.peers.split(",")
+    print(f"before: {_uptime()}", flush=True)
+    results = []
+    for rep in range(a.repeats):
+        order = peers[rep % len(peers):] + peers[:rep % len(peers)]
+        for procs, threads in configs:
+            for peer in order:
+                r = measure(py, peer, procs, threads, a.steps, a.warmup)
+                results.append({**r, "repeat": rep})
+                print(f"repeat {rep + 1} {procs}x{threads} {peer:>8}: {r['tokens_per_s']:8.0f} tokens/s "
+                      f"({r['step_s'] * 1e3:.0f} ms/step)", flush=True)
+    print(f"after: {_uptime()}\n")
+    print(format_table(summarize(results)))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,165 @@
+"""One measurement of the peer benchmark: one framework, one process/thread count, the reference workload.
+
+    python benchmarks/peers/worker.py --peer {stalwart,nanogpt,hf} --procs N --threads T [--steps S --warmup W]
+
+Prints one JSON line: tokens/s over the timed steps (all processes together), step time, FLOPs per token.
+
+The reference workload, the same in every peer: 4 layers, dim 256, 4 heads, seq 256, micro-batch 8 per
+process, vocab 256, fp32, AdamW (lr 1e-3, weight decay 0.1), gradient clipping at 1.0, random byte tokens.
+Each peer runs its own model code and its usual data-parallel wrapper:
+
+- stalwart: Stalwart's training core (``TrainCore.train_step``, what `stalwart train` runs: the layout
+  `parallelism.data_parallel = auto` picks, clipping, the gated optimizer), Llama block, SwiGLU hidden 768.
+- nanogpt: karpathy/nanoGPT's ``model.py`` (vendored, unchanged, ``nanogpt_model.py``) with its training
+  script's settings (bias-free, no dropout, tied head), GPT-2 block (MLP 4 x dim, GELU), DDP for N > 1.
+- hf: Hugging Face ``transformers`` ``LlamaForCausalLM`` (SDPA attention, SwiGLU hidden 768, untied
+  head), a plain loop (forward, cross-entropy, backward, clip, AdamW) as HF's Trainer runs it, DDP for N > 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+DIM, LAYERS, HEADS, SEQ, VOCAB, HIDDEN, MICRO = 256, 4, 4, 256, 256, 768, 8
+
+
+def _tokens(rank: int, n: int = 4) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    return [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen) for _ in range(n)]
+
+
+def _stalwart(rank: int, world: int):
+    from stalwart.bench.throughput import reference_args
+    from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
+                                     TrainingConfig)
+    from stalwart.data.loader import Batch
+    from stalwart.train.core import CoreSpec, TrainCore
+    from stalwart.train.dist_env import DistEnv
+
+    args = reference_args()
+    spec = CoreSpec(args, ParallelismConfig(), CommConfig(), OptimizerConfig(lr=1e-3),
+                    SchedulerConfig(kind="constant", warmup_steps=0),
+                    TrainingConfig(steps=10**6, global_batch=MICRO * world, micro_batch=MICRO, dtype="float32",
+                                   device="cpu"), SEQ, accum_steps=1)
+    core = TrainCore.build(spec, DistEnv(rank, world, rank, world, torch.device("cpu")))
+    batches = [[Batch(b[:, :-1], b[:, 1:])] for b in _tokens(rank)]
+    return (lambda i: core.train_step(batches[i % len(batches)])), core.flops_per_token
+
+
+def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int):
+    """forward -> loss -> backward -> clip -> AdamW, DDP-wrapped with more than one process."""
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data = _tokens(rank)
+
+    def step(i: int) -> None:
+        b = data[i % len(data)]
+        loss = loss_of(model, b[:, :-1].contiguous(), b[:, 1:].contiguous())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _nanogpt(rank: int, world: int):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from nanogpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=DIM,
+                          dropout=0.0, bias=False))
+    n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
+    flops = 6 * n + 12 * LAYERS * DIM * SEQ  # the same convention as Stalwart's flops_per_token
+    return _plain_loop(model, world, lambda m, x, y: m(x, y)[1], rank), flops
+
+
+def _hf(rank: int, world: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    model = LlamaForCausalLM(cfg).float()
+    n = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    flops = 6 * n + 12 * LAYERS * DIM * SEQ
+
+    def loss_of(m, x, y):
+        logits = m(input_ids=x).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    return _plain_loop(model, world, loss_of, rank), flops
+
+
+PEERS = {"stalwart": _stalwart, "nanogpt": _nanogpt, "hf": _hf}
+
+
+def _run(rank: int, world: int, port: int, opts: dict, out: str) -> None:
+    torch.set_num_threads(opts["threads"])
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    step, flops = PEERS[opts["peer"]](rank, world)
+    for i in range(opts["warmup"]):
+        step(i)
+    if world > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(opts["steps"]):
+        step(i)
+    if world > 1:
+        dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        tokens = opts["steps"] * MICRO * SEQ * world
+        with open(out, "w") as fh:
+            json.dump({"peer": opts["peer"], "procs": world, "threads": opts["threads"],
+                       "tokens_per_s": tokens / elapsed, "step_s": elapsed / opts["steps"],
+                       "flops_per_token": flops}, fh)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer", choices=sorted(PEERS), required=True)
+    p.add_argument("--procs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="threads per process")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args(argv)
+    import tempfile
+
+    opts = {"peer": a.peer, "threads": a.threads, "steps": a.steps, "warmup": a.warmup}
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        if a.procs == 1:
+            _run(0, 1, 0, opts, out)
+        else:
+            import torch.multiprocessing as mp
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.start_processes(_run, args=(a.procs, port, opts, out), nprocs=a.procs, join=True, start_method="spawn")
+        with open(out) as fh:
+            print(json.dumps(json.load(fh)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,37 @@
+"""The peer benchmark's table and its vendored peer (the measurements themselves are a script)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_compares_stalwart_with_the_best_peer_per_config():
+    bench = _load("peer_bench", BENCH / "peer_bench.py")
+    runs = [("stalwart", 1, 1, [100, 110, 90]), ("nanogpt", 1, 1, [120, 118, 119]), ("hf", 1, 1, [80, 81, 82]),
+            ("stalwart", 2, 1, [200, 210]), ("nanogpt", 2, 1, [150, 160]), ("hf", 2, 1, [170, 190])]
+    results = [{"peer": p, "procs": n, "threads": t, "tokens_per_s": x} for p, n, t, xs in runs for x in xs]
+    rows = bench.summarize(results)
+    assert [(r["procs"], r["threads"]) for r in rows] == [(1, 1), (2, 1)]
+    assert rows[0]["best_peer"] == "nanogpt" and rows[0]["ratio"] == pytest.approx(100 / 119)
+    assert rows[1]["best_peer"] == "hf" and rows[1]["ratio"] == pytest.approx(205 / 180)
+    table = bench.format_table(rows)
+    assert "0.84x vs nanoGPT" in table and "1.14x vs HF transformers (Llama)" in table
+    assert "100 (100, 110, 90)" in table  # every repeat is shown, not only the median
+
+
+def test_vendored_nanogpt_keeps_its_licence_and_commit():
+    source = (BENCH / "peers" / "nanogpt_model.py").read_text()
+    assert "MIT License" in source and "Copyright (c) 2022 Andrej Karpathy" in source
+    assert "3adf61e154c3fe3fca428ad6bc3818b27a3b8291" in source and "class GPT(nn.Module)" in source

@@ -1,0 +1,69 @@
+"""Precision is what it says: the configured dtype runs at every layout, MFU is against its peak."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_RUN, run_cli, step_losses
+from stalwart.metrics.mfu import PeakCache, choose_auto_dtype, matmul_peak, peak_tflops
+from stalwart.models.flavors import FLAVORS
+from stalwart.models.llama import Transformer
+from stalwart.parallel.precision import call_in_dtype
+
+
+@pytest.mark.unit
+def test_auto_picks_bfloat16_only_where_it_is_clearly_faster():
+    assert choose_auto_dtype(0.16, 0.08)[0] == torch.float32  # AVX-512 without AMX: bf16 at half rate
+    dtype, why = choose_auto_dtype(0.08, 0.19)  # Zen 4 with avx512_bf16: 2.4x
+    assert dtype == torch.bfloat16 and "2.38x" in why
+    assert choose_auto_dtype(0.1, 0.12)[0] == torch.float32  # faster, but not enough to pay for the casts
+
+
+@pytest.mark.unit
+def test_peak_is_measured_once_then_cached_and_an_override_wins(tmp_path):
+    torch.set_num_threads(1)
+    cache = PeakCache(tmp_path / "peaks.json")
+    cpu = torch.device("cpu")
+    first = matmul_peak(cpu, torch.float32, cache)
+    assert first.source == "measured now" and first.tflops > 0
+    again = matmul_peak(cpu, torch.float32, cache)
+    assert again.source == "cached" and again.tflops == first.tflops
+    assert list(json.loads(cache.path.read_text())) == [k for k in cache.load()]
+    assert peak_tflops(cpu, torch.float32, 0.5, cache).source == "configured"
+
+
+@pytest.mark.unit
+def test_cast_call_computes_in_bf16_and_keeps_fp32_master_gradients():
+    torch.manual_seed(0)
+    model = Transformer(FLAVORS["debug"])
+    tokens = torch.randint(0, model.args.vocab_size, (2, 16))
+    out = call_in_dtype(model, torch.bfloat16, tokens, None)
+    assert out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and g.dtype == torch.float32 for g in grads.values())
+    model.zero_grad()
+    ref = call_in_dtype(model, None, tokens, None)
+    assert ref.dtype == torch.float32 and not torch.equal(ref, out.float())
+    assert (ref - out.float()).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.e2e
+def test_one_process_runs_bfloat16_and_mfu_stays_below_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # measure the peaks afresh
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        run_dir = tmp_path / dtype
+        proc = run_cli("train", "--run.dir", str(run_dir), *TINY_RUN, "--training.steps", "4",
+                       "--training.dtype", dtype, "--metrics.peak_tflops", "0", "--checkpoint.at_end", "false",
+                       "--sample.max_new_tokens", "0")
+        assert f"{dtype} (configured)" in proc.stdout
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert 0 < summary["mfu"] <= 1, summary
+        assert summary["peak_source"].startswith("measured now: " + {"float32": "fp32", "bfloat16": "bf16"}[dtype])
+        runs[dtype] = step_losses(run_dir)
+    fp32, bf16 = runs["float32"], runs["bfloat16"]
+    assert fp32 != bf16  # the bf16 policy really ran
+    assert all(abs(fp32[s] - bf16[s]) <= 0.02 * fp32[s] for s in fp32)
+    assert (tmp_path / "cache" / "stalwart" / "matmul_peaks.json").is_file()
