@@ -107,6 +107,8 @@ class Controller:
         try:
             return self._run()
         finally:
+            if self.feed is not None:
+                self.feed.close()
             if self.mesh is not None:
                 self.mesh.stop()
             if self.journal is not None:
