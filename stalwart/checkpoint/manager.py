@@ -43,7 +43,7 @@ from stalwart.checkpoint import writer as _writer
 from stalwart.checkpoint.safe_io import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                          describe_load_failure)
 from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
-                                        plan_save, sha256_file, write_local)
+                                        fsync_file, plan_save, sha256_file, write_local)
 from stalwart.errors import PeerUserError, UserError
 from stalwart.paths import CheckpointDir, checkpoint_step
 
@@ -99,6 +99,29 @@ def _first_error(errors: list[str | None]) -> str | None:
     return next((e for e in errors if e), None)
 
 
+class _Staging:
+    """The optimizer's next step waits until the background copy of the live state is done: the
+    copy runs while the loop computes the next forward/backward, which never write the weights or
+    optimizer state. Time spent waiting counts as stall. ``close`` removes the hook."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.done = threading.Event()
+        self.waited_s = 0.0
+        self._hook = optimizer.register_step_pre_hook(self._hold)
+
+    def _hold(self, *_: Any) -> None:
+        if not self.done.is_set():
+            t0 = time.perf_counter()
+            self.done.wait()
+            self.waited_s += time.perf_counter() - t0
+
+    def close(self) -> float:
+        """Wait for the copy, remove the hook; returns the seconds the loop waited for it."""
+        self._hold()
+        self._hook.remove()
+        return self.waited_s
+
+
 @dataclass
 class _Pending:
     job: SaveJob
@@ -106,6 +129,7 @@ class _Pending:
     future: Future
     t0: float
     stall_s: float
+    staging: _Staging | None = None
 
 
 class CheckpointManager:
@@ -154,27 +178,36 @@ class CheckpointManager:
             return self._fail(step, tmp, _first_error(errors))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        if self.async_save:
-            state = self._stager.stage(state)
+        background = self.async_save and not block
+        pairs: list = []
+        if background:  # plan on the staged structure now; its bytes are copied off the loop
+            state, pairs = self._stager.prepare(state)
         job = plan_save(step, tmp, self.rank, state, rng_state(),
                         {"step": step, **trainer_state} if self.rank == 0 else None)
         future: Future = Future()
-        if self.async_save and not block:
+        if background:
+            staging = _Staging(optimizer)
+
             def run() -> None:
                 try:
+                    try:
+                        HostStager.copy(pairs)
+                    finally:
+                        staging.done.set()
                     future.set_result(write_local(job))
                 except BaseException as e:  # noqa: BLE001 - reported at commit, on the main thread
                     future.set_exception(e)
             threading.Thread(target=run, name=f"checkpoint-write-{step}", daemon=False).start()
         else:
+            staging = None
             try:
                 future.set_result(write_local(job))
             except Exception as e:  # noqa: BLE001
                 future.set_exception(e)
         stall = time.perf_counter() - t0
         self.last_stall_s = stall
-        self._pending = _Pending(job, final, future, t0, stall)
-        if self.async_save and not block:
+        self._pending = _Pending(job, final, future, t0, stall, staging)
+        if background:
             return None
         return self.wait()
 
@@ -182,6 +215,10 @@ class CheckpointManager:
         """At a step boundary: commit the in-flight save if every rank's write has finished."""
         if self._pending is None:
             return
+        staging = self._pending.staging
+        if staging is not None and staging.done.is_set():  # the copy is done: drop the optimizer hook
+            self._pending.stall_s += staging.close()
+            self._pending.staging = None
         done = int(self._pending.future.done())
         if distributed():
             flag = torch.tensor([done], dtype=torch.int32)
@@ -196,6 +233,8 @@ class CheckpointManager:
         if pending is None:
             return None
         job = pending.job
+        if pending.staging is not None:
+            pending.stall_s += pending.staging.close()
         try:
             results, err = pending.future.result(), None
         except Exception as e:  # noqa: BLE001
@@ -224,6 +263,7 @@ class CheckpointManager:
     def _commit(self, job: SaveJob, final: Path, results: list[Any]) -> None:
         tmp = job.tmp
         job.writer.finish(metadata=job.metadata, results=results)
+        fsync_file(tmp / ".metadata")
         _writer.fault_point("after_metadata")
         files: dict[str, Any] = {}
         for r in range(self.world_size):

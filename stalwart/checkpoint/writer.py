@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from stalwart.atomic import write_json_atomic
+from stalwart.checkpoint.direct_io import HashingWriteStream
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -70,8 +74,19 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------- staging
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class HostStager:
     """Copies a state dict into host (pinned on CUDA) buffers, reused while the structure is unchanged.
+
+    Two halves, so the copy can run off the training loop: ``prepare`` (cheap: the staged dict's
+    structure, its buffers and plain values, enough to plan a save) and ``copy`` (the tensor bytes,
+    safe on a background thread as long as nothing writes the live tensors meanwhile: the caller
+    holds the optimizer's next step until it is done).
 
     Memory cost: one extra copy of this rank's model + optimizer shard, held for the whole run.
     """
@@ -92,22 +107,93 @@ class HostStager:
             return None
         return walk(state)
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    def prepare(self, state: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(the staged state dict, the (source, buffer) tensor pairs ``copy`` fills it from)."""
+        from torch.distributed._state_dict_utils import _create_cpu_state_dict
 
         sig = self._sig(state)
         if self._buffers is None or sig != self._signature:
             pin = torch.cuda.is_available() and torch.cuda.is_initialized()
             self._buffers = _create_cpu_state_dict(state, pin_memory=pin)
             self._signature = sig
-        # Tensors land in our buffers; plain values (lr, betas, ...) are the fresh ones from `state`.
-        staged = _copy_state_dict(state, self._buffers, non_blocking=False)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def walk(src: Any, buf: Any) -> Any:
+            if isinstance(src, torch.Tensor):
+                pairs.append((_local(src), _local(buf)))
+                return buf
+            if isinstance(src, dict):
+                return {k: walk(v, buf[k]) for k, v in src.items()}
+            if isinstance(src, (list, tuple)):
+                return type(src)(walk(v, b) for v, b in zip(src, buf))
+            return src  # plain values (lr, betas, ...) are the fresh ones from `state`
+
+        return walk(state, self._buffers), pairs
+
+    @staticmethod
+    def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for src, buf in pairs:
+                buf.copy_(src.detach())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Both halves on the calling thread."""
+        staged, pairs = self.prepare(state)
+        self.copy(pairs)
         return staged
 
 
 # ---------------------------------------------------------------------- plan + write
+WRITERS = 2  # shard files (and writer threads) per rank for a large shard: hashing one keeps a core busy
+PARALLEL_FROM = 64 << 20  # below this many bytes one file per rank is as fast and keeps the layout simple
+
+
+def _writers(plan: Any) -> int:
+    from torch.distributed.checkpoint.filesystem import _item_size
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    total = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+    return WRITERS if total >= PARALLEL_FROM else 1
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local filesystem, with shard files written by :class:`HashingWriteStream` (direct I/O,
+    SHA-256 while writing); their digests land in ``digests`` so nothing is re-read to checksum it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _record(self, name: str, sha: str, size: int) -> None:
+        with self._lock:
+            self.digests[name] = {"sha256": sha, "bytes": size}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = HashingWriteStream(Path(path), on_close=self._record)
+        try:
+            yield stream
+        except BaseException:
+            stream.abort()
+            raise
+        stream.close()
+
+
+class HashingFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose shard streams hash while writing and fsync on close."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, sync_files=False, **kwargs)  # each stream fsyncs itself on close
+        self.fs = HashingFileSystem()
+
+
 @dataclass
 class SaveJob:
     """One rank's part of one checkpoint save, between planning and commit."""
@@ -115,7 +201,7 @@ class SaveJob:
     step: int
     tmp: Path
     rank: int
-    writer: FileSystemWriter
+    writer: HashingFileSystemWriter
     planner: DefaultSavePlanner
     plan: Any
     metadata: Metadata | None  # rank 0 only
@@ -126,8 +212,9 @@ class SaveJob:
 
 def plan_save(step: int, tmp: Path, rank: int, state: dict[str, Any], rng: dict[str, str],
               trainer_state: dict[str, Any] | None) -> SaveJob:
-    """DCP planning with all collectives on the calling (main) thread."""
-    writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+    """DCP planning with all collectives on the calling (main) thread. Needs only the state's
+    structure: the tensors' bytes may still be on their way into ``state`` (async staging)."""
+    writer = HashingFileSystemWriter(str(tmp), single_file_per_rank=True)
     planner = DefaultSavePlanner()
     coordinator = rank == 0
     planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
@@ -142,6 +229,7 @@ def plan_save(step: int, tmp: Path, rank: int, state: dict[str, Any], rng: dict[
     if distributed():
         dist.broadcast_object_list(central, src=0)
     final_plan = planner.finish_plan(central[0][rank])
+    writer.thread_count = _writers(final_plan)
     return SaveJob(step, tmp, rank, writer, planner, final_plan, metadata, rng, trainer_state)
 
 
@@ -155,11 +243,13 @@ def write_local(job: SaveJob) -> list[Any]:
     if job.trainer_state is not None:
         write_json_atomic(job.tmp / TRAINER_STATE, job.trainer_state)
         written.append(job.tmp / TRAINER_STATE)
-    mine = sorted(job.tmp.glob(f"__{job.rank}_*.distcp")) + written
+    digests = job.writer.fs.digests
     entries = {}
-    for f in mine:
-        fsync_file(f)
-        entries[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    for f in sorted(job.tmp.glob(f"__{job.rank}_*.distcp")) + written:
+        if f.name in digests:  # hashed while written, durable on close
+            entries[f.name] = digests[f.name]
+        else:  # small JSON files, already fsynced by the atomic write
+            entries[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
     write_json_atomic(job.tmp / f"manifest-rank{job.rank}.json", entries)
     fault_point("after_rank_manifest")
     return results
