@@ -158,7 +158,7 @@ class HashingWriteStream:
             self._io.join()
             os.close(self._fd)
 
-    def __enter__(self) -> "HashingWriteStream":
+    def __enter__(self) -> HashingWriteStream:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -27,36 +27,57 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
-from stalwart.atomic import describe_write_failure, fsync_dir, storage_problem, write_json_atomic, write_text_atomic
+from stalwart.atomic import (
+    describe_write_failure,
+    fsync_dir,
+    storage_problem,
+    write_json_atomic,
+    write_text_atomic,
+)
 from stalwart.checkpoint import writer as _writer
-from stalwart.checkpoint.safe_io import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
-                                         describe_load_failure)
-from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
-                                        fsync_file, plan_save, sha256_file, write_local)
-from stalwart.errors import PeerUserError, UserError
+from stalwart.checkpoint.safe_io import (
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    describe_load_failure,
+)
+from stalwart.checkpoint.staging import HostStager, StepHold
+from stalwart.checkpoint.verify import (
+    MANIFEST,
+    CheckpointError,
+    MemoryFileSystemReader,
+    PeerCheckpointError,
+    VerifiedFiles,
+    verify_checkpoint,
+)
+from stalwart.checkpoint.writer import (
+    TRAINER_STATE,
+    SaveJob,
+    all_gather_object,
+    distributed,
+    fsync_file,
+    plan_save,
+    sha256_file,
+    write_local,
+)
 from stalwart.paths import CheckpointDir, checkpoint_step
 
-MANIFEST = "manifest.json"
 _sha256 = sha256_file
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be used; the message names the checkpoint and the bad file."""
-
-
-class PeerCheckpointError(CheckpointError, PeerUserError):
-    """Another rank could not use the checkpoint (this one could)."""
 
 
 @dataclass
@@ -99,37 +120,15 @@ def _first_error(errors: list[str | None]) -> str | None:
     return next((e for e in errors if e), None)
 
 
-class _Staging:
-    """The optimizer's next step waits until the background copy of the live state is done: the
-    copy runs while the loop computes the next forward/backward, which never write the weights or
-    optimizer state. Time spent waiting counts as stall. ``close`` removes the hook."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.done = threading.Event()
-        self.waited_s = 0.0
-        self._hook = optimizer.register_step_pre_hook(self._hold)
-
-    def _hold(self, *_: Any) -> None:
-        if not self.done.is_set():
-            t0 = time.perf_counter()
-            self.done.wait()
-            self.waited_s += time.perf_counter() - t0
-
-    def close(self) -> float:
-        """Wait for the copy, remove the hook; returns the seconds the loop waited for it."""
-        self._hold()
-        self._hook.remove()
-        return self.waited_s
-
-
 @dataclass
 class _Pending:
-    job: SaveJob
+    step: int
+    tmp: Path
     final: Path
     future: Future
     t0: float
     stall_s: float
-    staging: _Staging | None = None
+    staging: StepHold | None = None
 
 
 class CheckpointManager:
@@ -153,11 +152,14 @@ class CheckpointManager:
         self.last_saved: Path | None = None
         self.last_error: str | None = None  # why the newest failed save failed
         self.last_stall_s = 0.0
+        self._verified: VerifiedFiles | None = None  # the last checkpoint verified for loading
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], block: bool = False) -> Path | None:
-        """Start a checkpoint of the current state. Returns once the state is staged (async) or committed.
+        """Start a checkpoint of the current state. Returns at once (async: the state is copied to host
+        buffers on the writer thread while the loop computes; the optimizer's next step waits for the copy)
+        or once committed.
 
         Returns the committed path (sync / ``block``), or None while an async save is in flight or when
         the save failed under ``on_failure = continue``.
@@ -176,37 +178,52 @@ class CheckpointManager:
         errors = all_gather_object(err)
         if _first_error(errors):
             return self._fail(step, tmp, _first_error(errors))
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
         background = self.async_save and not block
-        pairs: list = []
-        if background:  # plan on the staged structure now; its bytes are copied off the loop
-            state, pairs = self._stager.prepare(state)
-        job = plan_save(step, tmp, self.rank, state, rng_state(),
-                        {"step": step, **trainer_state} if self.rank == 0 else None)
-        future: Future = Future()
+        rng, trainer = rng_state(), ({"step": step, **trainer_state} if self.rank == 0 else None)
+        future: Future = Future()  # -> (SaveJob, DCP write results)
+        if background and not distributed() and optimizer.state:
+            # Nothing here needs a collective: reading the state dict, copying it to host buffers,
+            # planning and writing all run on the writer thread; the loop only starts it. (An
+            # optimizer without state yet is initialised by get_state_dict with a zero-lr step that
+            # edits its param groups: that stays on the loop's thread, below.)
+            def prepare() -> dict[str, Any]:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                return {"model": model_sd, "optim": optim_sd}
+            pairs = None
+        else:
+            # DCP's planning exchanges plans between ranks: it stays on the main thread with the
+            # loop's own collectives; only the copy and the file writes go to the background.
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+            pairs: list | None = []
+            if background:
+                state, pairs = self._stager.prepare(state)
+            job = plan_save(step, tmp, self.rank, state, rng, trainer)
+        staging = StepHold(optimizer) if background else None  # holds optimizer.step until copied
         if background:
-            staging = _Staging(optimizer)
-
             def run() -> None:
                 try:
                     try:
-                        HostStager.copy(pairs)
+                        if pairs is None:
+                            staged, copies = self._stager.prepare(prepare())
+                            HostStager.copy(copies)
+                        else:
+                            HostStager.copy(pairs)
                     finally:
                         staging.done.set()
-                    future.set_result(write_local(job))
+                    own = job if pairs is not None else plan_save(step, tmp, self.rank, staged, rng, trainer)
+                    future.set_result((own, write_local(own)))
                 except BaseException as e:  # noqa: BLE001 - reported at commit, on the main thread
                     future.set_exception(e)
             threading.Thread(target=run, name=f"checkpoint-write-{step}", daemon=False).start()
         else:
-            staging = None
             try:
-                future.set_result(write_local(job))
+                future.set_result((job, write_local(job)))
             except Exception as e:  # noqa: BLE001
                 future.set_exception(e)
         stall = time.perf_counter() - t0
         self.last_stall_s = stall
-        self._pending = _Pending(job, final, future, t0, stall, staging)
+        self._pending = _Pending(step, tmp, final, future, t0, stall, staging)
         if background:
             return None
         return self.wait()
@@ -232,29 +249,29 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        job = pending.job
         if pending.staging is not None:
             pending.stall_s += pending.staging.close()
+        job, results, err = None, None, None
         try:
-            results, err = pending.future.result(), None
+            job, results = pending.future.result()
         except Exception as e:  # noqa: BLE001
-            results, err = None, f"rank {self.rank}: {describe_write_failure(e, job.tmp)}"
+            err = f"rank {self.rank}: {describe_write_failure(e, pending.tmp)}"
         gathered = all_gather_object((err, results))
         err = _first_error([e for e, _ in gathered])
         if err is None and self.rank == 0:
             try:
                 self._commit(job, pending.final, [r for _, r in gathered])
             except OSError as e:
-                err = f"rank 0: committing {pending.final.name}: {describe_write_failure(e, job.tmp)}"
+                err = f"rank 0: committing {pending.final.name}: {describe_write_failure(e, pending.tmp)}"
         if distributed():
             box = [err]
             dist.broadcast_object_list(box, src=0)
             err = box[0]
         if err:
-            return self._fail(job.step, job.tmp, err)
+            return self._fail(pending.step, pending.tmp, err)
         self.last_saved = pending.final
         if self.rank == 0:
-            self.log_event("checkpoint_saved", step=job.step, path=str(pending.final),
+            self.log_event("checkpoint_saved", step=pending.step, path=str(pending.final),
                            seconds=time.perf_counter() - pending.t0, stall_s=pending.stall_s,
                            async_save=self.async_save)
             self._apply_retention(keep=pending.final)
@@ -308,7 +325,6 @@ class CheckpointManager:
         self.last_error = error
         if self.on_failure == "stop":
             raise CheckpointError(f"checkpoint step-{step} failed: {error} (checkpoint.on_failure = stop)")
-        return None
 
     def _apply_retention(self, keep: Path) -> None:
         """Keep the newest ``keep_last`` plus every ``keep_every``-th step; never the only complete one."""
@@ -334,33 +350,14 @@ class CheckpointManager:
         """``step-N`` directories, oldest first (``.tmp-*`` ones are partial and ignored)."""
         return self.dir.complete()
 
-    def verify(self, path: Path) -> dict[str, Any]:
-        """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file."""
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete or not a checkpoint)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-            entries = sorted((str(name), int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items())
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({type(e).__name__}: {e})") from None
-        names = {name for name, _, _ in entries}
-        for required in (".metadata", TRAINER_STATE):
-            if required not in names:
-                raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {required} (corrupt manifest)")
-        for name, size, sha in entries:
-            f = path / name
-            if "/" in name or name.startswith(".."):
-                raise CheckpointError(f"checkpoint {path}: {MANIFEST} names a file outside it: {name}")
-            if not f.is_file():
-                raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-            if f.stat().st_size != size:
-                raise CheckpointError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, "
-                                      f"expected {size} (truncated?)")
-            if _sha256(f) != sha:
-                raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
-        return manifest
+    def verify(self, path: Path, keep: bool = False) -> dict[str, Any]:
+        """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file.
+        ``keep``: hold the verified shard bytes so that ``load(path)`` reads them from memory, not disk."""
+        self._verified = None
+        files = verify_checkpoint(path, keep=keep)
+        if keep:
+            self._verified = files
+        return files.manifest
 
     def resolve_resume(self, before: int | None = None) -> Path | None:
         """The checkpoint to resume from under ``checkpoint.resume``, falling back past bad ones."""
@@ -371,13 +368,13 @@ class CheckpointManager:
             path = Path(mode)
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: '{mode}' is not a checkpoint directory")
-            self.verify(path)
+            self.verify(path, keep=True)
             return path
         for path in reversed(self.complete_checkpoints()):
             if before is not None and checkpoint_step(path) >= before:
                 continue
             try:
-                self.verify(path)
+                self.verify(path, keep=True)
                 return path
             except CheckpointError as e:
                 self._fall_back(path, e)
@@ -412,7 +409,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:
-        self.verify(path)
+        """Verify (unless ``resolve_resume``/``verify(keep=True)`` just did) and load from the verified bytes."""
+        files, self._verified = self._verified, None
+        if files is None or files.path != Path(path):
+            files = verify_checkpoint(path, keep=True)
         try:
             trainer_state = json.loads((path / TRAINER_STATE).read_text())
             int(trainer_state["step"])
@@ -426,12 +426,14 @@ class CheckpointManager:
             state = {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
         try:
             with _quiet_single_process():
-                dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                dcp.load(state, storage_reader=MemoryFileSystemReader(files), planner=SafeLoadPlanner(),
                          no_dist=no_dist)
         except UnsafeCheckpointError as e:
             raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (a BaseException)
             raise CheckpointError(describe_load_failure(path, e)) from None
+        finally:
+            files.data.clear()  # the verified bytes: freed as soon as they are loaded
         if optimizer is not None:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from stalwart.atomic import write_json_atomic
@@ -71,78 +70,6 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-# ---------------------------------------------------------------------- staging
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-class HostStager:
-    """Copies a state dict into host (pinned on CUDA) buffers, reused while the structure is unchanged.
-
-    Two halves, so the copy can run off the training loop: ``prepare`` (cheap: the staged dict's
-    structure, its buffers and plain values, enough to plan a save) and ``copy`` (the tensor bytes,
-    safe on a background thread as long as nothing writes the live tensors meanwhile: the caller
-    holds the optimizer's next step until it is done).
-
-    Memory cost: one extra copy of this rank's model + optimizer shard, held for the whole run.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
-        self._signature: Any = None
-
-    @staticmethod
-    def _sig(state: dict[str, Any]) -> Any:
-        def walk(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return (tuple(x.shape), x.dtype)
-            if isinstance(x, dict):
-                return tuple((k, walk(v)) for k, v in x.items())
-            if isinstance(x, (list, tuple)):
-                return tuple(walk(v) for v in x if isinstance(v, (torch.Tensor, dict, list, tuple)))
-            return None
-        return walk(state)
-
-    def prepare(self, state: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """(the staged state dict, the (source, buffer) tensor pairs ``copy`` fills it from)."""
-        from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
-        sig = self._sig(state)
-        if self._buffers is None or sig != self._signature:
-            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._buffers = _create_cpu_state_dict(state, pin_memory=pin)
-            self._signature = sig
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def walk(src: Any, buf: Any) -> Any:
-            if isinstance(src, torch.Tensor):
-                pairs.append((_local(src), _local(buf)))
-                return buf
-            if isinstance(src, dict):
-                return {k: walk(v, buf[k]) for k, v in src.items()}
-            if isinstance(src, (list, tuple)):
-                return type(src)(walk(v, b) for v, b in zip(src, buf))
-            return src  # plain values (lr, betas, ...) are the fresh ones from `state`
-
-        return walk(state, self._buffers), pairs
-
-    @staticmethod
-    def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for src, buf in pairs:
-                buf.copy_(src.detach())
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Both halves on the calling thread."""
-        staged, pairs = self.prepare(state)
-        self.copy(pairs)
-        return staged
 
 
 # ---------------------------------------------------------------------- plan + write
@@ -233,10 +160,26 @@ def plan_save(step: int, tmp: Path, rank: int, state: dict[str, Any], rng: dict[
     return SaveJob(step, tmp, rank, writer, planner, final_plan, metadata, rng, trainer_state)
 
 
+@contextmanager
+def _no_zip_crc():
+    """DCP stores each tensor as a torch.save zip record, whose CRC-32 costs about as much CPU as the
+    SHA-256 we compute anyway; the manifest's SHA-256 protects the same bytes, so skip the CRC (torch
+    loads records without one). NOTE: the switch is process-wide while a shard is being written."""
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
 def write_local(job: SaveJob) -> list[Any]:
     """This rank's files (no collectives: safe on a background thread). Returns DCP's write results."""
     fault_point("before_write")
-    results = job.writer.write_data(job.plan, job.planner).value()
+    with _no_zip_crc():
+        results = job.writer.write_data(job.plan, job.planner).value()
     fault_point("after_shards")
     written = [job.tmp / f"rng-rank{job.rank}.json"]
     write_json_atomic(written[0], job.rng)
