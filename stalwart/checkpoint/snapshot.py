@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from stalwart.atomic import write_bytes_atomic
+from stalwart.checkpoint.loader import rng_state, set_rng_state
 from stalwart.checkpoint.staging import StepHold
 from stalwart.checkpoint.writer import all_gather_object
 from stalwart.errors import UserError
@@ -271,8 +272,6 @@ class SnapshotStore:
         background thread while the loop computes (the optimizer's next step waits for the copy),
         then hashed, stored and exchanged with the peer there. ``wait`` finishes it; every other
         method waits for it first."""
-        from stalwart.checkpoint.manager import rng_state
-
         self.wait()
         t0 = time.perf_counter()
         meta = {"step": step, "rank": self.rank, "world": self.world, "layout": self.layout}
@@ -389,8 +388,6 @@ class SnapshotStore:
 
     def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore ``step`` into model and optimizer (collective). Returns the trainer state (with ``step``)."""
-        from stalwart.checkpoint.manager import set_rng_state
-
         self.wait()
         reports = all_gather_object(self._report())
         plan = self._plan(reports, step)
