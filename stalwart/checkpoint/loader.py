@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +82,10 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
         raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (a BaseException)
         raise CheckpointError(describe_load_failure(path, e)) from None
-    finally:
-        files.data.clear()  # the verified bytes: freed as soon as they are loaded
+    finally:  # the verified bytes are freed as soon as they are loaded; unmapping a large buffer
+        # takes a while, so it happens beside the caller
+        data, files.data = files.data, {}
+        threading.Thread(target=data.clear, name="free-verified", daemon=True).start()
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
