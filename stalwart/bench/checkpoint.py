@@ -153,5 +153,5 @@ def main(argv: list[str]) -> int:
                   f"{100 * o.async_stall_s / o.sync_s:>5.1f}% {o.async_total_s:>7.2f} {o.snap_stall_s:>12.3f} "
                   f"{o.snap_total_s:>6.2f} {100 * o.snap_stall_s / o.snap_total_s:>5.1f}% "
                   f"{o.raw_read / 1e6:>10.0f} {o.restore_s:>9.2f} {rd:>6.0f} {100 * rd / (o.raw_read / 1e6):>5.0f}% "
-                  f"{o.dropped!s:>13}", flush=True)
+                  f"{o.dropped!s:>13} {o.step_s:>6.2f}  {os.getloadavg()[0]:.1f}", flush=True)
     return 0
