@@ -18,7 +18,6 @@ directory removed, and training continues (``checkpoint.on_failure = "continue"`
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -26,68 +25,27 @@ import shutil
 import sys
 import threading
 import time
-import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from stalwart.atomic import describe_write_failure, fsync_dir, storage_problem, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
-from stalwart.checkpoint.safe_io import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
-                                         describe_load_failure)
-from stalwart.checkpoint.writer import (TRAINER_STATE, HostStager, SaveJob, all_gather_object, distributed,
+from stalwart.checkpoint.loader import LoadedState, load_verified, rng_state, set_rng_state  # noqa: F401 - API
+from stalwart.checkpoint.staging import HostStager, StepHold
+from stalwart.checkpoint.verify import (MANIFEST, CheckpointError, PeerCheckpointError, VerifiedFiles,
+                                        verify_checkpoint)
+from stalwart.checkpoint.writer import (SaveJob, all_gather_object, distributed, fsync_file,
                                         plan_save, sha256_file, write_local)
-from stalwart.errors import PeerUserError, UserError
 from stalwart.paths import CheckpointDir, checkpoint_step
 
-MANIFEST = "manifest.json"
 _sha256 = sha256_file
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be used; the message names the checkpoint and the bad file."""
-
-
-class PeerCheckpointError(CheckpointError, PeerUserError):
-    """Another rank could not use the checkpoint (this one could)."""
-
-
-@dataclass
-class LoadedState:
-    path: Path
-    step: int
-    trainer_state: dict[str, Any]
-
-
-def rng_state() -> dict[str, str]:
-    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    return state
-
-
-def set_rng_state(state: dict[str, str]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["cpu"]), dtype=np.uint8).copy()))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.from_numpy(
-            np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()))
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it 'assumes' single-process mode even when asked for it explicitly."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _barrier() -> None:
@@ -101,11 +59,13 @@ def _first_error(errors: list[str | None]) -> str | None:
 
 @dataclass
 class _Pending:
-    job: SaveJob
+    step: int
+    tmp: Path
     final: Path
     future: Future
     t0: float
     stall_s: float
+    staging: StepHold | None = None
 
 
 class CheckpointManager:
@@ -129,11 +89,14 @@ class CheckpointManager:
         self.last_saved: Path | None = None
         self.last_error: str | None = None  # why the newest failed save failed
         self.last_stall_s = 0.0
+        self._verified: VerifiedFiles | None = None  # the last checkpoint verified for loading
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], block: bool = False) -> Path | None:
-        """Start a checkpoint of the current state. Returns once the state is staged (async) or committed.
+        """Start a checkpoint of the current state. Returns at once (async: the state is copied to host
+        buffers on the writer thread while the loop computes; the optimizer's next step waits for the copy)
+        or once committed.
 
         Returns the committed path (sync / ``block``), or None while an async save is in flight or when
         the save failed under ``on_failure = continue``.
@@ -152,29 +115,53 @@ class CheckpointManager:
         errors = all_gather_object(err)
         if _first_error(errors):
             return self._fail(step, tmp, _first_error(errors))
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if self.async_save:
-            state = self._stager.stage(state)
-        job = plan_save(step, tmp, self.rank, state, rng_state(),
-                        {"step": step, **trainer_state} if self.rank == 0 else None)
-        future: Future = Future()
-        if self.async_save and not block:
+        background = self.async_save and not block
+        rng, trainer = rng_state(), ({"step": step, **trainer_state} if self.rank == 0 else None)
+        future: Future = Future()  # -> (SaveJob, DCP write results)
+        if background and not distributed() and optimizer.state:
+            # Nothing here needs a collective: reading the state dict, copying it to host buffers,
+            # planning and writing all run on the writer thread; the loop only starts it. (An
+            # optimizer without state yet is initialised by get_state_dict with a zero-lr step that
+            # edits its param groups: that stays on the loop's thread, below.)
+            def prepare() -> dict[str, Any]:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                return {"model": model_sd, "optim": optim_sd}
+            pairs = None
+        else:
+            # DCP's planning exchanges plans between ranks: it stays on the main thread with the
+            # loop's own collectives; only the copy and the file writes go to the background.
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+            pairs: list | None = []
+            if background:
+                state, pairs = self._stager.prepare(state)
+            job = plan_save(step, tmp, self.rank, state, rng, trainer)
+        staging = StepHold(optimizer) if background else None  # holds optimizer.step until copied
+        if background:
             def run() -> None:
                 try:
-                    future.set_result(write_local(job))
+                    try:
+                        if pairs is None:
+                            staged, copies = self._stager.prepare(prepare())
+                            HostStager.copy(copies)
+                        else:
+                            HostStager.copy(pairs)
+                    finally:
+                        staging.done.set()
+                    own = job if pairs is not None else plan_save(step, tmp, self.rank, staged, rng, trainer)
+                    future.set_result((own, write_local(own)))
                 except BaseException as e:  # noqa: BLE001 - reported at commit, on the main thread
                     future.set_exception(e)
             threading.Thread(target=run, name=f"checkpoint-write-{step}", daemon=False).start()
         else:
             try:
-                future.set_result(write_local(job))
+                future.set_result((job, write_local(job)))
             except Exception as e:  # noqa: BLE001
                 future.set_exception(e)
         stall = time.perf_counter() - t0
         self.last_stall_s = stall
-        self._pending = _Pending(job, final, future, t0, stall)
-        if self.async_save and not block:
+        self._pending = _Pending(step, tmp, final, future, t0, stall, staging)
+        if background:
             return None
         return self.wait()
 
@@ -182,6 +169,10 @@ class CheckpointManager:
         """At a step boundary: commit the in-flight save if every rank's write has finished."""
         if self._pending is None:
             return
+        staging = self._pending.staging
+        if staging is not None and staging.done.is_set():  # the copy is done: drop the optimizer hook
+            self._pending.stall_s += staging.close()
+            self._pending.staging = None
         done = int(self._pending.future.done())
         if distributed():
             flag = torch.tensor([done], dtype=torch.int32)
@@ -195,27 +186,29 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        job = pending.job
+        if pending.staging is not None:
+            pending.stall_s += pending.staging.close()
+        job, results, err = None, None, None
         try:
-            results, err = pending.future.result(), None
+            job, results = pending.future.result()
         except Exception as e:  # noqa: BLE001
-            results, err = None, f"rank {self.rank}: {describe_write_failure(e, job.tmp)}"
+            err = f"rank {self.rank}: {describe_write_failure(e, pending.tmp)}"
         gathered = all_gather_object((err, results))
         err = _first_error([e for e, _ in gathered])
         if err is None and self.rank == 0:
             try:
                 self._commit(job, pending.final, [r for _, r in gathered])
             except OSError as e:
-                err = f"rank 0: committing {pending.final.name}: {describe_write_failure(e, job.tmp)}"
+                err = f"rank 0: committing {pending.final.name}: {describe_write_failure(e, pending.tmp)}"
         if distributed():
             box = [err]
             dist.broadcast_object_list(box, src=0)
             err = box[0]
         if err:
-            return self._fail(job.step, job.tmp, err)
+            return self._fail(pending.step, pending.tmp, err)
         self.last_saved = pending.final
         if self.rank == 0:
-            self.log_event("checkpoint_saved", step=job.step, path=str(pending.final),
+            self.log_event("checkpoint_saved", step=pending.step, path=str(pending.final),
                            seconds=time.perf_counter() - pending.t0, stall_s=pending.stall_s,
                            async_save=self.async_save)
             self._apply_retention(keep=pending.final)
@@ -224,6 +217,7 @@ class CheckpointManager:
     def _commit(self, job: SaveJob, final: Path, results: list[Any]) -> None:
         tmp = job.tmp
         job.writer.finish(metadata=job.metadata, results=results)
+        fsync_file(tmp / ".metadata")
         _writer.fault_point("after_metadata")
         files: dict[str, Any] = {}
         for r in range(self.world_size):
@@ -268,7 +262,6 @@ class CheckpointManager:
         self.last_error = error
         if self.on_failure == "stop":
             raise CheckpointError(f"checkpoint step-{step} failed: {error} (checkpoint.on_failure = stop)")
-        return None
 
     def _apply_retention(self, keep: Path) -> None:
         """Keep the newest ``keep_last`` plus every ``keep_every``-th step; never the only complete one."""
@@ -294,33 +287,14 @@ class CheckpointManager:
         """``step-N`` directories, oldest first (``.tmp-*`` ones are partial and ignored)."""
         return self.dir.complete()
 
-    def verify(self, path: Path) -> dict[str, Any]:
-        """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file."""
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete or not a checkpoint)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-            entries = sorted((str(name), int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items())
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({type(e).__name__}: {e})") from None
-        names = {name for name, _, _ in entries}
-        for required in (".metadata", TRAINER_STATE):
-            if required not in names:
-                raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {required} (corrupt manifest)")
-        for name, size, sha in entries:
-            f = path / name
-            if "/" in name or name.startswith(".."):
-                raise CheckpointError(f"checkpoint {path}: {MANIFEST} names a file outside it: {name}")
-            if not f.is_file():
-                raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-            if f.stat().st_size != size:
-                raise CheckpointError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, "
-                                      f"expected {size} (truncated?)")
-            if _sha256(f) != sha:
-                raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
-        return manifest
+    def verify(self, path: Path, keep: bool = False) -> dict[str, Any]:
+        """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file.
+        ``keep``: hold the verified shard bytes so that ``load(path)`` reads them from memory, not disk."""
+        self._verified = None
+        files = verify_checkpoint(path, keep=keep)
+        if keep:
+            self._verified = files
+        return files.manifest
 
     def resolve_resume(self, before: int | None = None) -> Path | None:
         """The checkpoint to resume from under ``checkpoint.resume``, falling back past bad ones."""
@@ -331,13 +305,13 @@ class CheckpointManager:
             path = Path(mode)
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: '{mode}' is not a checkpoint directory")
-            self.verify(path)
+            self.verify(path, keep=True)
             return path
         for path in reversed(self.complete_checkpoints()):
             if before is not None and checkpoint_step(path) >= before:
                 continue
             try:
-                self.verify(path)
+                self.verify(path, keep=True)
                 return path
             except CheckpointError as e:
                 self._fall_back(path, e)
@@ -372,37 +346,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:
-        self.verify(path)
-        try:
-            trainer_state = json.loads((path / TRAINER_STATE).read_text())
-            int(trainer_state["step"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path}: file {TRAINER_STATE} is malformed ({e})") from None
-        no_dist = not (dist.is_available() and dist.is_initialized())
-        if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-        else:
-            state = {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
-        try:
-            with _quiet_single_process():
-                dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-                         no_dist=no_dist)
-        except UnsafeCheckpointError as e:
-            raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
-        except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (a BaseException)
-            raise CheckpointError(describe_load_failure(path, e)) from None
-        if optimizer is not None:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-        rng_file = path / f"rng-rank{self.rank}.json"
-        if rng_file.is_file():
-            try:
-                set_rng_state(json.loads(rng_file.read_text()))
-            except (ValueError, KeyError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"checkpoint {path}: file {rng_file.name} is malformed ({e})") from None
-        return LoadedState(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state)
+        """Verify (unless ``resolve_resume``/``verify(keep=True)`` just did) and load from the verified bytes."""
+        files, self._verified = self._verified, None
+        if files is None or files.path != Path(path):
+            files = verify_checkpoint(path, keep=True)
+        return load_verified(files, self.rank, model, optimizer)
 
 
 def newest_complete_checkpoint(root: Path) -> Path | None:

@@ -12,6 +12,10 @@ available (own copy, else the peer's), and ``load()`` (collective) restores it; 
 sent back by the peer. Snapshots restore only into the same world layout (they hold local shards);
 otherwise recovery falls back to the disk checkpoint, which DCP can reshard.
 
+A snapshot is taken off the loop like an async checkpoint: the loop only starts it; a background
+thread copies the shard into the blob while the next forward/backward runs (the optimizer's next
+step waits for that copy), then hashes, stores and exchanges it over a process group of its own.
+
 Memory: ``2 x`` this rank's local shard state (model + optimizer + a little JSON) per rank in tmpfs
 (own + peer copy), bounded: only the newest snapshot of each is kept (``memory_bytes``).
 
@@ -22,17 +26,21 @@ The header holds the state dict's structure with tensors replaced by ``{"__t__":
 Fault-tolerance API (all methods except ``clear`` are collective over the default process group)::
 
     store = SnapshotStore(job_dir, rank, world_size, local_world_size, layout="dp_shard=2")
-    store.save(step, model, optimizer, trainer_state)   # trainer_state: JSON-able dict
+    store.save(step, model, optimizer, trainer_state)   # trainer_state: JSON-able dict; returns when stored
+    store.save_async(step, model, optimizer, trainer_state)  # returns at once; store.wait() finishes it
     step = store.newest_complete_step()                 # int | None
     trainer_state = store.load(step, model, optimizer)  # restores weights, optimizer, RNG; returns dict
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import struct
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from stalwart.atomic import write_bytes_atomic
+from stalwart.checkpoint.loader import rng_state, set_rng_state
+from stalwart.checkpoint.staging import StepHold
 from stalwart.checkpoint.writer import all_gather_object
 from stalwart.errors import UserError
 from stalwart.paths import snapshot_name, snapshot_step
@@ -78,28 +88,43 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     raise TypeError(f"cannot snapshot a value of type {type(obj).__name__}")
 
 
+class _Layout:
+    """A blob's header and tensor table, computed from the state's structure alone (no tensor bytes)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.tensors: list[torch.Tensor] = []
+        skeleton = _encode(state, self.tensors)
+        self.table, offset = [], 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            self.table.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "bytes": n})
+            offset += n
+        self.header = json.dumps({"state": skeleton, "tensors": self.table}).encode()
+        self.start = len(MAGIC) + 32 + 8 + len(self.header)
+        self.size = self.start + offset
+
+    def fill(self) -> bytearray:
+        """The blob with every tensor's bytes copied in (the checksum not yet set)."""
+        blob = bytearray(self.size)
+        view = memoryview(blob)
+        view[:len(MAGIC)] = MAGIC
+        view[len(MAGIC) + 32:self.start] = struct.pack("<Q", len(self.header)) + self.header
+        for t, meta in zip(self.tensors, self.table):
+            if meta["bytes"]:
+                raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+                view[self.start + meta["offset"]: self.start + meta["offset"] + meta["bytes"]] = memoryview(raw)
+        return blob
+
+    @staticmethod
+    def seal(blob: bytearray) -> bytearray:
+        view = memoryview(blob)
+        view[len(MAGIC):len(MAGIC) + 32] = hashlib.sha256(view[len(MAGIC) + 32:]).digest()
+        return blob
+
+
 def serialize(state: dict[str, Any]) -> bytearray:
     """One blob, built in a single preallocated buffer (no intermediate copies of the tensor data)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = _encode(state, tensors)
-    table, offset = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        table.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "bytes": n})
-        offset += n
-    header = json.dumps({"state": skeleton, "tensors": table}).encode()
-    prefix = len(MAGIC) + 32
-    start = prefix + 8 + len(header)
-    blob = bytearray(start + offset)
-    view = memoryview(blob)
-    view[:len(MAGIC)] = MAGIC
-    view[prefix:start] = struct.pack("<Q", len(header)) + header
-    for t, meta in zip(tensors, table):
-        if meta["bytes"]:
-            raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-            view[start + meta["offset"]: start + meta["offset"] + meta["bytes"]] = memoryview(raw)
-    view[len(MAGIC):prefix] = hashlib.sha256(view[prefix:]).digest()
-    return blob
+    return _Layout.seal(_Layout(state).fill())
 
 
 def deserialize(blob: bytes | bytearray, what: str = "snapshot") -> dict[str, Any]:
@@ -170,6 +195,9 @@ class SnapshotStore:
         self.peer = self.peer_of(rank)
         self.source = next((r for r in range(world_size) if self.peer_of(r) == rank and r != rank), None)
         self._verified: set[tuple] = set()
+        self._inflight: tuple | None = None  # (thread, StepHold, result) of a snapshot being stored
+        self._group = None
+        self.last_stall_s = 0.0  # how long the newest snapshot held the loop
 
     def peer_of(self, rank: int) -> int | None:
         """Same local rank on the next host (multi-node), else the next rank on this host."""
@@ -227,36 +255,94 @@ class SnapshotStore:
     @property
     def memory_bytes(self) -> int:
         """Bytes this rank holds in tmpfs now (own + peer copy)."""
+        self.wait()
         return sum(p.stat().st_size for d in (self.own_dir, self.peer_dir) for p in self._files(d).values())
 
     # -------------------------------------------------------------- save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any]) -> int:
-        """Snapshot this rank's shard (collective: peer exchange). Returns the blob size in bytes."""
-        from stalwart.checkpoint.manager import rng_state
+        """Snapshot this rank's shard and wait until it is stored (collective: peer exchange).
+        Returns the blob size in bytes."""
+        self.save_async(step, model, optimizer, trainer_state)
+        return self.wait()
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        blob = serialize({"meta": {"step": step, "rank": self.rank, "world": self.world, "layout": self.layout},
-                          "model": model_sd, "optim": optim_sd, "trainer": {"step": step, **trainer_state},
-                          "rng": rng_state()})
+    def save_async(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   trainer_state: dict[str, Any]) -> None:
+        """Start a snapshot (collective) and return at once: the shard is copied into the blob on a
+        background thread while the loop computes (the optimizer's next step waits for the copy),
+        then hashed, stored and exchanged with the peer there. ``wait`` finishes it; every other
+        method waits for it first."""
+        self.wait()
+        t0 = time.perf_counter()
+        meta = {"step": step, "rank": self.rank, "world": self.world, "layout": self.layout}
+        extra = {"trainer": {"step": step, **trainer_state}, "rng": rng_state()}
+        group = self._exchange_group()
+        if self.world == 1 and optimizer.state:  # nothing collective: read the state dict off the loop too
+            layout = None
+        else:  # (an optimizer without state is initialised by get_state_dict: on the loop's thread)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            layout = _Layout({"meta": meta, "model": model_sd, "optim": optim_sd, **extra})
+        hold = StepHold(optimizer)
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                try:
+                    own = layout
+                    if own is None:
+                        model_sd, optim_sd = get_state_dict(model, optimizer)
+                        own = _Layout({"meta": meta, "model": model_sd, "optim": optim_sd, **extra})
+                    blob = own.fill()
+                finally:
+                    hold.done.set()
+                result["size"] = self._store(step, _Layout.seal(blob), group)
+            except BaseException as e:  # noqa: BLE001 - raised by wait(), on the caller's thread
+                result["error"] = e
+
+        thread = threading.Thread(target=run, name=f"snapshot-{step}", daemon=True)
+        thread.start()
+        self._inflight = (thread, hold, result)
+        self.last_stall_s = time.perf_counter() - t0
+
+    def wait(self) -> int | None:
+        """Finish the in-flight snapshot, if any: its blob size, or its error raised here."""
+        if self._inflight is None:
+            return None
+        thread, hold, result = self._inflight
+        self._inflight = None
+        self.last_stall_s += hold.close()
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["size"]
+
+    def _store(self, step: int, blob: bytearray, group) -> int:
         self._write(self.own_dir, step, blob)
         if self.world > 1:
-            got = self._exchange(blob if self.peer is not None else None, send_to=self.peer, recv_from=self.source)
+            got = self._exchange(blob if self.peer is not None else None, send_to=self.peer, recv_from=self.source,
+                                 group=group)
             if got is not None:
                 self._write(self.peer_dir, step, got)
         return len(blob)
 
+    def _exchange_group(self):
+        """A process group of its own for the background peer exchange (created on the first save,
+        which every rank makes at the same step): the loop's collectives never interleave with it."""
+        if self.world > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
     def _exchange(self, blob: bytes | None, send_to: int | None, recv_from: int | None,
-                  recv_size: int | None = None) -> bytes | None:
+                  recv_size: int | None = None, group=None) -> bytes | None:
         """Send ``blob`` to ``send_to`` and receive from ``recv_from`` (sizes first unless given)."""
         ops = []
         if recv_size is None:
             size_out = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
             size_in = torch.zeros(1, dtype=torch.int64)
             if send_to is not None:
-                ops.append(dist.P2POp(dist.isend, size_out, send_to))
+                ops.append(dist.P2POp(dist.isend, size_out, send_to, group))
             if recv_from is not None:
-                ops.append(dist.P2POp(dist.irecv, size_in, recv_from))
+                ops.append(dist.P2POp(dist.irecv, size_in, recv_from, group))
             for w in dist.batch_isend_irecv(ops) if ops else []:
                 w.wait()
             recv_size = int(size_in.item())
@@ -264,9 +350,9 @@ class SnapshotStore:
         data_in = torch.empty(recv_size, dtype=torch.uint8) if recv_from is not None else None
         if send_to is not None:
             buf = blob if isinstance(blob, bytearray) else bytearray(blob)
-            ops.append(dist.P2POp(dist.isend, torch.frombuffer(buf, dtype=torch.uint8), send_to))
+            ops.append(dist.P2POp(dist.isend, torch.frombuffer(buf, dtype=torch.uint8), send_to, group))
         if recv_from is not None:
-            ops.append(dist.P2POp(dist.irecv, data_in, recv_from))
+            ops.append(dist.P2POp(dist.irecv, data_in, recv_from, group))
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
         return bytearray(data_in.numpy().data) if data_in is not None else None
@@ -295,14 +381,14 @@ class SnapshotStore:
 
     def newest_complete_step(self) -> int | None:
         """Newest step whose every rank's shard is available somewhere (collective)."""
+        self.wait()
         reports = all_gather_object(self._report())
         steps = sorted({s for r in reports for s in list(r["own"]) + list(r["peer"])}, reverse=True)
         return next((s for s in steps if self._plan(reports, s) is not None), None)
 
     def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore ``step`` into model and optimizer (collective). Returns the trainer state (with ``step``)."""
-        from stalwart.checkpoint.manager import set_rng_state
-
+        self.wait()
         reports = all_gather_object(self._report())
         plan = self._plan(reports, step)
         if plan is None:
@@ -334,6 +420,8 @@ class SnapshotStore:
 
     def clear(self) -> None:
         """Drop this rank's snapshots (after a clean finish; frees the RAM)."""
+        with contextlib.suppress(OSError):  # a snapshot that failed to store is dropped all the same
+            self.wait()
         shutil.rmtree(self.job_dir / f"rank-{self.rank}", ignore_errors=True)
         try:
             self.job_dir.rmdir()

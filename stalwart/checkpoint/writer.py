@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from stalwart.atomic import write_json_atomic
+from stalwart.checkpoint.direct_io import HashingWriteStream
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -69,45 +72,55 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-# ---------------------------------------------------------------------- staging
-class HostStager:
-    """Copies a state dict into host (pinned on CUDA) buffers, reused while the structure is unchanged.
+# ---------------------------------------------------------------------- plan + write
+WRITERS = 2  # shard files (and writer threads) per rank for a large shard: hashing one keeps a core busy
+PARALLEL_FROM = 64 << 20  # below this many bytes one file per rank is as fast and keeps the layout simple
 
-    Memory cost: one extra copy of this rank's model + optimizer shard, held for the whole run.
-    """
+
+def _writers(plan: Any) -> int:
+    from torch.distributed.checkpoint.filesystem import _item_size
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    total = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+    return WRITERS if total >= PARALLEL_FROM else 1
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local filesystem, with shard files written by :class:`HashingWriteStream` (direct I/O,
+    SHA-256 while writing); their digests land in ``digests`` so nothing is re-read to checksum it."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
-        self._signature: Any = None
+        super().__init__()
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
 
-    @staticmethod
-    def _sig(state: dict[str, Any]) -> Any:
-        def walk(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return (tuple(x.shape), x.dtype)
-            if isinstance(x, dict):
-                return tuple((k, walk(v)) for k, v in x.items())
-            if isinstance(x, (list, tuple)):
-                return tuple(walk(v) for v in x if isinstance(v, (torch.Tensor, dict, list, tuple)))
-            return None
-        return walk(state)
+    def _record(self, name: str, sha: str, size: int) -> None:
+        with self._lock:
+            self.digests[name] = {"sha256": sha, "bytes": size}
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        sig = self._sig(state)
-        if self._buffers is None or sig != self._signature:
-            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._buffers = _create_cpu_state_dict(state, pin_memory=pin)
-            self._signature = sig
-        # Tensors land in our buffers; plain values (lr, betas, ...) are the fresh ones from `state`.
-        staged = _copy_state_dict(state, self._buffers, non_blocking=False)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return staged
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = HashingWriteStream(Path(path), on_close=self._record)
+        try:
+            yield stream
+        except BaseException:
+            stream.abort()
+            raise
+        stream.close()
 
 
-# ---------------------------------------------------------------------- plan + write
+class HashingFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose shard streams hash while writing and fsync on close."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, sync_files=False, **kwargs)  # each stream fsyncs itself on close
+        self.fs = HashingFileSystem()
+
+
 @dataclass
 class SaveJob:
     """One rank's part of one checkpoint save, between planning and commit."""
@@ -115,7 +128,7 @@ class SaveJob:
     step: int
     tmp: Path
     rank: int
-    writer: FileSystemWriter
+    writer: HashingFileSystemWriter
     planner: DefaultSavePlanner
     plan: Any
     metadata: Metadata | None  # rank 0 only
@@ -126,8 +139,9 @@ class SaveJob:
 
 def plan_save(step: int, tmp: Path, rank: int, state: dict[str, Any], rng: dict[str, str],
               trainer_state: dict[str, Any] | None) -> SaveJob:
-    """DCP planning with all collectives on the calling (main) thread."""
-    writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+    """DCP planning with all collectives on the calling (main) thread. Needs only the state's
+    structure: the tensors' bytes may still be on their way into ``state`` (async staging)."""
+    writer = HashingFileSystemWriter(str(tmp), single_file_per_rank=True)
     planner = DefaultSavePlanner()
     coordinator = rank == 0
     planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
@@ -142,24 +156,43 @@ def plan_save(step: int, tmp: Path, rank: int, state: dict[str, Any], rng: dict[
     if distributed():
         dist.broadcast_object_list(central, src=0)
     final_plan = planner.finish_plan(central[0][rank])
+    writer.thread_count = _writers(final_plan)
     return SaveJob(step, tmp, rank, writer, planner, final_plan, metadata, rng, trainer_state)
+
+
+@contextmanager
+def _no_zip_crc():
+    """DCP stores each tensor as a torch.save zip record, whose CRC-32 costs about as much CPU as the
+    SHA-256 we compute anyway; the manifest's SHA-256 protects the same bytes, so skip the CRC (torch
+    loads records without one). NOTE: the switch is process-wide while a shard is being written."""
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
 
 
 def write_local(job: SaveJob) -> list[Any]:
     """This rank's files (no collectives: safe on a background thread). Returns DCP's write results."""
     fault_point("before_write")
-    results = job.writer.write_data(job.plan, job.planner).value()
+    with _no_zip_crc():
+        results = job.writer.write_data(job.plan, job.planner).value()
     fault_point("after_shards")
     written = [job.tmp / f"rng-rank{job.rank}.json"]
     write_json_atomic(written[0], job.rng)
     if job.trainer_state is not None:
         write_json_atomic(job.tmp / TRAINER_STATE, job.trainer_state)
         written.append(job.tmp / TRAINER_STATE)
-    mine = sorted(job.tmp.glob(f"__{job.rank}_*.distcp")) + written
+    digests = job.writer.fs.digests
     entries = {}
-    for f in mine:
-        fsync_file(f)
-        entries[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    for f in sorted(job.tmp.glob(f"__{job.rank}_*.distcp")) + written:
+        if f.name in digests:  # hashed while written, durable on close
+            entries[f.name] = digests[f.name]
+        else:  # small JSON files, already fsynced by the atomic write
+            entries[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
     write_json_atomic(job.tmp / f"manifest-rank{job.rank}.json", entries)
     fault_point("after_rank_manifest")
     return results

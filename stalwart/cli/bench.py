@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "collectives": ("stalwart.comm.bench", "collective algorithms: bus bandwidth per size, cost-model fit"),
     "inference": ("stalwart.bench.inference", "inference engine vs transformers generate: tokens/s, TTFT, TPOT"),
     "layouts": ("stalwart.bench.layouts", "parallel layouts: tokens/s vs one process, per-rank state bytes"),
+    "checkpoint": ("stalwart.bench.checkpoint", "checkpoint save/restore vs raw disk bandwidth, async/snapshot stall"),
     "moe": ("stalwart.bench.moe", "mixture of experts: grouped matmul vs expert loop, bias balancing"),
     "data": ("stalwart.bench.data", "data prepare MB/s and tokens/s vs tokenizers, loader tokens/s, RSS, first batch"),
 }

@@ -12,6 +12,7 @@ attention kernels.)
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,14 +67,36 @@ class _Ring:
         self.size = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.exposed_s = 0.0  # seconds blocked waiting for shifts (see _Shift)
+
+    def start(self, tensor: torch.Tensor, tag: int = 0) -> _Shift:
+        """Send ``tensor`` to the next rank and receive the previous rank's in the background; the
+        caller computes meanwhile (without writing ``tensor``) and calls ``wait`` for the result."""
+        out = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group, tag),
+               dist.P2POp(dist.irecv, out, self.prev, self.group, tag)]
+        return _Shift(self, dist.batch_isend_irecv(ops), out)
 
     def shift(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group),
-               dist.P2POp(dist.irecv, out, self.prev, self.group)]
-        for req in dist.batch_isend_irecv(ops):
+        return self.start(tensor).wait()
+
+
+class _Shift:
+    """A ring shift in flight; the time spent blocked in ``wait`` (communication not hidden behind
+    compute) adds up in the ring's ``exposed_s``."""
+
+    def __init__(self, ring: _Ring, reqs, out: torch.Tensor) -> None:
+        self.ring, self.reqs, self.out = ring, reqs, out
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        for req in self.reqs:
             req.wait()
-        return out
+        self.ring.exposed_s += time.perf_counter() - t0
+        return self.out
+
+
+_KV, _DKV = 1, 2  # message tags: key/value blocks and their gradients travel separately
 
 
 class _RingAttention(torch.autograd.Function):
@@ -87,6 +110,8 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], NEG, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).float()
         for t in range(ring.size):
+            # The next block is on its way while this one is computed (kv is only read below).
+            nxt = ring.start(kv, _KV) if t < ring.size - 1 else None
             src = (ring.rank - t) % ring.size
             k_pos = cp_positions(seq_len, src, ring.size, q.device)
             kk, vv = _expand_kv(kv[0], groups), _expand_kv(kv[1], groups)
@@ -97,8 +122,8 @@ class _RingAttention(torch.autograd.Function):
             new_lse = torch.logaddexp(lse, blk_lse)
             out = out * torch.exp(lse - new_lse).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new_lse).unsqueeze(-1)
             lse = new_lse
-            if t < ring.size - 1:
-                kv = ring.shift(kv)
+            if nxt is not None:
+                kv = nxt.wait()
         ctx.save_for_backward(q, k, v, q_pos, out, lse)
         ctx.ring, ctx.seq_len, ctx.window = ring, seq_len, window
         return out.to(q.dtype)
@@ -113,8 +138,12 @@ class _RingAttention(torch.autograd.Function):
         delta = (do * out).sum(-1, keepdim=True)  # (b, h, s, 1)
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v]).float()
-        dkv = torch.zeros_like(kv)
+        # The key/value block travels ahead (sent before its compute); the gradient accumulated for
+        # it by the previous ranks follows separately and is needed only after the compute, so both
+        # transfers overlap this rank's work. After ``size`` hops the gradient is back home.
+        dkv_in: _Shift | None = None
         for t in range(ring.size):
+            nxt = ring.start(kv, _KV) if t < ring.size - 1 else None
             src = (ring.rank - t) % ring.size
             k_pos = cp_positions(seq_len, src, ring.size, q.device)
             kk, vv = _expand_kv(kv[0], groups), _expand_kv(kv[1], groups)
@@ -126,14 +155,13 @@ class _RingAttention(torch.autograd.Function):
             ds = p * (dp - delta)
             dq += torch.matmul(ds, kk) * scale
             dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+            dkv = torch.zeros_like(kv) if dkv_in is None else dkv_in.wait()
             dkv[0] += _fold_kv(dk, groups)
             dkv[1] += _fold_kv(dv, groups)
-            # Pass the block and its accumulated gradient on; after size shifts the gradient is home.
-            if t < ring.size - 1:
-                moved = ring.shift(torch.cat([kv, dkv]))
-                kv, dkv = moved[:2], moved[2:]
-            else:
-                dkv = ring.shift(dkv)
+            dkv_in = ring.start(dkv, _DKV)  # on to the next rank; the previous rank's arrives
+            if nxt is not None:
+                kv = nxt.wait()
+        dkv = dkv_in.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

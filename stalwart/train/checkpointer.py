@@ -147,7 +147,7 @@ class Checkpointer:
         if step == end:
             return
         if self.snapshots is not None and step % self.cfg.memory_interval == 0:
-            self.snapshots.save(step, self.core.model, self.core.optimizer, self.trainer_state())
+            self.snapshots.save_async(step, self.core.model, self.core.optimizer, self.trainer_state())
         if self.cfg.interval and step % self.cfg.interval == 0:
             with self._phase("checkpoint"):
                 self.save()

@@ -1,0 +1,120 @@
+"""Checkpoint I/O at disk speed: hashing direct-I/O streams, verified single-pass reads, parallel shard
+files, loading the earlier on-disk layout, and snapshots taken off the loop."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from stalwart.checkpoint import writer
+from stalwart.checkpoint.direct_io import HashingWriteStream, read_verified
+from stalwart.checkpoint.inspect import digest
+from stalwart.checkpoint.loader import rng_state
+from stalwart.checkpoint.snapshot import SnapshotStore
+from test_checkpoint_unit import manager, tiny, train_step
+
+pytestmark = pytest.mark.unit
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("where", ["disk", "shm"])
+def test_hashing_stream_and_verified_read_round_trip_exact_bytes(tmp_path, where):
+    base = tmp_path if where == "disk" else Path("/dev/shm")  # tmpfs: no O_DIRECT, buffered fallback
+    if not base.is_dir():
+        pytest.skip("no /dev/shm")
+    seen = {}
+    chunk = 8192
+    for n in (0, 1, 4096, 3 * chunk + 123):
+        data = os.urandom(n)
+        path = base / f"stalwart-io-test-{os.getpid()}-{n}.bin"
+        try:
+            with HashingWriteStream(path, on_close=lambda name, sha, size: seen.update({name: (sha, size)}),
+                                    chunk=chunk) as s:
+                for i in range(0, n, 5000):  # writes that straddle chunk boundaries
+                    s.write(data[i:i + 5000])
+                assert s.tell() == n
+            assert path.read_bytes() == data
+            assert seen[path.name] == (hashlib.sha256(data).hexdigest(), n)
+            got, sha = read_verified(path, chunk=chunk)
+            assert bytes(got) == data and sha == hashlib.sha256(data).hexdigest()
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def test_large_shards_are_written_by_parallel_writers_and_load_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "PARALLEL_FROM", 1)
+    model, opt = tiny()
+    train_step(model, opt, 1)
+    m = manager(tmp_path, async_save=False)
+    path = m.save(1, model, opt, {"tokens_seen": 1})
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    shards = sorted(n for n in manifest if n.endswith(".distcp"))
+    assert shards == ["__0_0.distcp", "__0_1.distcp"]
+    for name in shards:  # hashed while writing == hashed from the file
+        assert manifest[name]["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
+    before = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
+    fresh, fresh_opt = tiny(seed=4)
+    train_step(fresh, fresh_opt, 9)
+    m.load(path, fresh, fresh_opt)
+    assert _same({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, before)
+
+
+def test_checkpoint_in_the_earlier_layout_still_loads(tmp_path):
+    """Stock DCP writer (one file per rank, zip CRCs, page cache) + a manifest: what earlier versions wrote."""
+    model, opt = tiny()
+    train_step(model, opt, 1)
+    path = tmp_path / "step-1"
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(path), single_file_per_rank=True),
+             no_dist=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": 1, "tokens_seen": 1}))
+    (path / "rng-rank0.json").write_text(json.dumps(rng_state()))
+    files = {f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+             for f in path.iterdir()}
+    (path / "manifest.json").write_text(json.dumps({"step": 1, "files": files, "world_size": 1}))
+    new = manager(tmp_path / "new", async_save=True)
+    new.save(1, model, opt, {"tokens_seen": 1})
+    new.wait()
+    fresh, fresh_opt = tiny(seed=7)
+    train_step(fresh, fresh_opt, 5)
+    assert manager(tmp_path).resolve_resume() == path
+    loaded = manager(tmp_path).load(path, fresh, fresh_opt)
+    assert loaded.step == 1
+    assert _same({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()},
+                 {"model": model.state_dict(), "optim": opt.state_dict()})
+    assert digest(path, "model.") == digest(tmp_path / "new" / "step-1", "model.")
+
+
+def test_snapshot_is_staged_off_the_loop_and_holds_the_state_of_its_step(tmp_path):
+    model, opt = tiny()
+    train_step(model, opt, 1)
+    before = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
+    store = SnapshotStore(tmp_path / "job", 0, 1)
+    store.save_async(1, model, opt, {"tokens_seen": 1})
+    train_step(model, opt, 2)  # its optimizer step waits for the copy, then mutates the weights
+    size = store.wait()
+    assert size == store.memory_bytes and store.last_stall_s >= 0
+    assert store.newest_complete_step() == 1
+    fresh, fresh_opt = tiny(seed=3)
+    train_step(fresh, fresh_opt, 7)
+    assert store.load(1, fresh, fresh_opt) == {"step": 1, "tokens_seen": 1}
+    assert _same({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, before)
+    assert not _same(before["model"], model.state_dict())  # the later step did change the live weights
