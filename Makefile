@@ -24,9 +24,12 @@ env: $(STAMP)
 train: $(STAMP)
 	$(BIN)/stalwart train --config default
 
-## Run the whole test suite (what CI runs): all three tiers.
+## Run the whole test suite (what CI runs): all three tiers, on TEST_WORKERS pytest-xdist workers
+## (2 by default, the CI machine's cores; a fixed number, since a container's CPU count can overstate
+## its share).
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
 ## The fast tier: pure-logic unit tests, under two minutes. Run it on every change.
 test-fast: $(TEST_STAMP)

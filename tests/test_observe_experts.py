@@ -48,5 +48,8 @@ def test_report_shows_the_expert_heat_map(browser, tmp_path):
     WebDriverWait(browser, 20).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#experts rect.ex-cell")) == 4 * 12
     assert [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#expert-layer option")] == ["layer 1", "layer 2"]
-    assert browser.find_elements(By.CSS_SELECTOR, "#chart-balance path.series")
+    balance = browser.find_element(By.ID, "chart-balance")
+    assert int(balance.get_attribute("data-points")) == 12
+    assert balance.get_attribute("data-series") == "max/mean load (layer mean),max/mean per EP rank"
+    assert balance.find_elements(By.CSS_SELECTOR, "canvas")  # drawn by uPlot
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []

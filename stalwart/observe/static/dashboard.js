@@ -164,8 +164,11 @@ function plotPairs(box, named) {
   box.replaceChildren();
   const series = [{label: "step"}, ...named.filter(([, p]) => p.length).map(([name], i) =>
     ({label: name, stroke: COLORS[i], width: 1.5, spanGaps: true, points: {show: false}}))];
+  const data = uPlot.join(parts);
   box._u = new uPlot({width: Math.max(300, box.clientWidth - 4), height: 200, series,
-                      scales: {x: {time: false}}}, uPlot.join(parts), box);
+                      scales: {x: {time: false}}}, data, box);
+  box.dataset.points = String(data[0].length);
+  box.dataset.series = series.slice(1).map((x) => x.label).join(",");
 }
 
 // ---------------------------------------------------------------- runs, header, panels
