@@ -5,6 +5,7 @@ import json
 import pytest
 
 from stalwart.config import ConfigError, load
+from stalwart.config.fault import validate_timeouts
 from stalwart.config.job import JobConfig
 from stalwart.ft.detect import (
     BUDGET_EXHAUSTED,
@@ -16,7 +17,6 @@ from stalwart.ft.detect import (
     StragglerDetector,
     check_heartbeat,
 )
-from stalwart.config.job import validate_timeouts
 from stalwart.ft.plan import (
     ChaosSchedule,
     FaultPlanError,
