@@ -9,10 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from stalwart.config import ConfigError, help_text, load
-from stalwart.config.loading import split_args
-from stalwart.config.rl import RLConfig
+from stalwart.config.loading import find_config, split_args
+from stalwart.config.rl import RLConfig, SandboxOnlyConfig
 
-USAGE = """usage: stalwart rl sandbox --program FILE --tests FILE [--sandbox.key VALUE ...]
+USAGE = """usage: stalwart rl --config FILE|NAME [--section.key VALUE ...]
+       stalwart rl sandbox --program FILE --tests FILE [--sandbox.key VALUE ...]
+
+`stalwart rl --config rl_code` fine-tunes a small policy on a few examples of a verifiable code task, then
+trains it with GRPO on one controller driving generator, trainer and reward-worker actor meshes; it writes
+a run directory (metrics.jsonl with reward_mean per step, summary.json with final_reward_mean on held-out
+problem instances).
+
+`stalwart rl sandbox`
 
 Runs a Python program (reads stdin, writes stdout) against a JSON list of {"input": str, "output": str}
 cases in the reward sandbox (bubblewrap: no network, read-only /usr only, private /tmp; rlimits on CPU,
@@ -35,12 +43,12 @@ def _read(flag: str, value: str | bool | None) -> str:
 
 def sandbox_main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE + "\n\nSandbox limits (--sandbox.key VALUE):\n" + help_text(RLConfig))
+        print(USAGE + "\n\nSandbox limits (--sandbox.key VALUE):\n" + help_text(SandboxOnlyConfig))
         return 0
     from stalwart.rl.sandbox import Sandbox, parse_cases
 
     found, overrides = split_args(argv, {"--program": True, "--tests": True})
-    cfg = load(RLConfig, None, overrides).sandbox
+    cfg = load(SandboxOnlyConfig, None, overrides).sandbox
     program = _read("--program", found.get("--program"))
     cases = parse_cases(_read("--tests", found.get("--tests")), f"--tests {found['--tests']}")
     print(Sandbox(cfg).score(program, cases).to_json())
@@ -51,6 +59,13 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "sandbox":
         return sandbox_main(argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE + "\n\nOptions (--section.key VALUE):\n" + help_text(RLConfig))
         return 0
-    raise ConfigError(f"unknown rl command '{argv[0]}'. {USAGE.splitlines()[0]}")
+    if not argv[0].startswith("-"):
+        raise ConfigError(f"unknown rl command '{argv[0]}'. {USAGE.splitlines()[0]}")
+    found, overrides = split_args(argv, {"--config": True})
+    config = found.get("--config")
+    cfg = load(RLConfig, find_config(config) if isinstance(config, str) else None, overrides)
+    from stalwart.rl.driver import run_rl_job
+
+    return run_rl_job(cfg)

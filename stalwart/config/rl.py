@@ -1,10 +1,19 @@
-"""The `stalwart rl` configuration tree. So far: the sandbox that runs generated programs."""
+"""The `stalwart rl` configuration tree: the task, the warm-up fine-tuning, the GRPO algorithm, the
+three meshes (generators, trainers, reward workers) and the sandbox that scores generated programs.
+
+The trainers reuse the training sections (model, optimizer, parallelism, comm), the generators the
+inference engine's, the controller its own: one config tree, each component gets its section.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from stalwart.config.core import option, section
+from stalwart.config.controller import ControllerConfig
+from stalwart.config.core import ConfigError, option, section
+from stalwart.config.job import CommConfig, MetricsConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig
+from stalwart.config.serve import EngineConfig
 
 
 @dataclass
@@ -22,5 +31,115 @@ class SandboxConfig:
 
 
 @dataclass
+class SandboxOnlyConfig:
+    """What `stalwart rl sandbox` reads: the sandbox section alone."""
+    sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
+
+    def __post_init__(self) -> None:
+        n = self.workers.trainers
+        if self.rl.prompts_per_step % n:
+            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of workers.trainers "
+                              f"({n}): every trainer rank trains the same number of groups")
+        p = self.parallelism
+        if max(p.tp, p.pp, p.cp, p.ep) > 1:
+            raise ConfigError("the RL trainer mesh runs data parallel layouts (FSDP or replicated) only: set "
+                              "parallelism.tp, pp, cp and ep to 1")
+        need = self.rl.prompts_per_step * max(self.rl.group_size, self.rl.eval_samples)
+        if self.engine.max_seqs < self.rl.group_size:
+            raise ConfigError(f"engine.max_seqs ({self.engine.max_seqs}) must hold at least one group "
+                              f"(rl.group_size = {self.rl.group_size}); {need} lets a step's groups run at once")
+
+
+@dataclass
+class TaskConfig:
+    held_out_fraction: float = option("Share of every problem family's instances kept out of fine-tuning and RL; "
+                                      "the final reward is measured on them.", 0.3, min=0.05, max=0.9)
+    tests: int = option("Hidden test cases per problem instance (reward = passed / tests).", 3, min=1, max=50)
+    vocab_size: int = option("BPE vocabulary trained on the training instances' prompts and programs.", 512,
+                             min=300, max=8192)
+
+
+@dataclass
+class SFTConfig:
+    examples_per_family: int = option("Training instances per problem family in the warm-up fine-tuning set "
+                                      "(0 = no fine-tuning: RL starts from the seeded initialisation).", 2, min=0)
+    steps: int = option("Full-batch optimizer steps of the warm-up fine-tuning.", 60, min=0)
+    lr: float = option("Learning rate of the warm-up fine-tuning (constant, AdamW).", 1e-3, min=0.0)
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = option("RL optimizer steps.", 60, min=1)
+    prompts_per_step: int = option("Problem instances per step (each gets group_size responses).", 16, min=1)
+    group_size: int = option("Responses per prompt; advantages are relative to the group.", 8, min=2)
+    temperature: float = option("Sampling temperature of the rollouts.", 1.0, min=0.05, max=2.0)
+    top_k: int = option("Sample among this many most likely tokens (0 = all).", 0, min=0)
+    max_tokens: int = option("Longest response, tokens.", 32, min=1)
+    clip_low: float = option("PPO clip: the ratio is kept above 1 - clip_low for negative advantages.", 0.2,
+                             min=0.0, max=1.0)
+    clip_high: float = option("PPO clip: the ratio is kept below 1 + clip_high for positive advantages.", 0.2,
+                              min=0.0)
+    kl_coef: float = option("Weight of the k3 KL estimate to the frozen reference policy (the fine-tuned model); "
+                            "0 = no reference kept.", 0.0, min=0.0)
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = option(
+        "How token losses become one number: every response token weighs the same, or per response (sum or "
+        "mean of its tokens) then the mean over responses.", "token-mean")
+    scale_advantages: bool = option("Divide advantages by the group's standard deviation (GRPO); false keeps "
+                                    "only the centring (Dr. GRPO).", True)
+    micro_batch: int = option("Responses per forward/backward on one trainer rank.", 32, min=1)
+    grad_clip: float = option("Clip the global gradient norm to this (0 = no clipping).", 1.0, min=0.0)
+    mode: Literal["sync", "async"] = option(
+        "sync: generate, score, train, update the generators, in turn; async: the generators produce step "
+        "N+1's rollouts while the trainers train on step N's (off-policy by at most rl.max_offpolicy_steps).",
+        "sync")
+    max_offpolicy_steps: int = option("async: a sample generated by weights version v is trained on at step s only "
+                                      "if s - 1 - v <= this (0 = on-policy only); staler samples are dropped and "
+                                      "regenerated.", 1, min=0)
+    logprobs: Literal["engine", "exact"] = option(
+        "Where the old log-probabilities come from: 'engine' = those the generator sampled with (KV-cached "
+        "decoding; they differ from the trainer's recompute by rounding, reported as logprob_mismatch); 'exact' = "
+        "the generator re-scores each response with the trainer's forward on the trainer's micro-batch shape, so "
+        "the mismatch is exactly zero on CPU (costs one forward pass per response, reported as rescore_s).",
+        "exact")
+    eval_interval: int = option("Measure the mean reward on the held-out instances every this many steps "
+                                "(and at the start and end).", 10, min=1)
+    eval_samples: int = option("Samples per held-out instance in an evaluation (at rl.temperature).", 4, min=1)
+
+    def __post_init__(self) -> None:
+        if self.clip_low >= 1.0:
+            raise ConfigError(f"rl.clip_low ({self.clip_low}) must be below 1 (the ratio's lower bound is 1 - clip_low)")
+
+
+@dataclass
+class WorkersConfig:
+    generators: int = option("Generator actors (inference engines), each one process.", 1, min=1)
+    trainers: int = option("Trainer actors: one process each, one gloo group, laid out by [parallelism].", 1,
+                           min=1)
+    reward_workers: int = option("Reward worker actors; each runs up to reward_threads sandboxes at once.", 1,
+                                 min=1)
+    reward_threads: int = option("Sandboxes one reward worker runs at once.", 2, min=1)
+    reward_timeout_s: float = option("A scoring call still running after this long counts its worker as hung: it "
+                                     "is killed and replaced, and its programs are scored again elsewhere.",
+                                     120.0, min=1.0)
+    snapshot_interval: int = option("Every this many RL steps the controller keeps a full copy of the trainers' "
+                                    "model and optimizer state; a failed trainer costs at most the steps since, "
+                                    "replayed from the journal.", 5, min=1)
+    generate_timeout_s: float = option("A generation call still running after this long counts its generator as "
+                                       "hung (killed, replaced, its prompts generated again).", 300.0, min=1.0)
+
+
+@dataclass
 class RLConfig:
+    run: RunConfig = section(RunConfig, "Run identity and reproducibility.")
+    model: ModelConfig = section(ModelConfig, "Policy model architecture (the trainers' and generators' one model).")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer of the RL phase (constant learning rate).")
+    parallelism: ParallelismConfig = section(ParallelismConfig, "Parallel layout of the trainer mesh.")
+    comm: CommConfig = section(CommConfig, "Collective algorithms of the trainer mesh.")
+    engine: EngineConfig = section(EngineConfig, "The generators' inference engine.")
+    metrics: MetricsConfig = section(MetricsConfig, "Metrics and progress display.")
+    controller: ControllerConfig = section(ControllerConfig, "Actor supervision (poll interval, spares, recovery).")
+    task: TaskConfig = section(TaskConfig, "The verifiable code task and its held-out split.")
+    sft: SFTConfig = section(SFTConfig, "Warm-up supervised fine-tuning before RL.")
+    rl: GRPOConfig = section(GRPOConfig, "The GRPO algorithm and the sync/async schedule.")
+    workers: WorkersConfig = section(WorkersConfig, "How many actors each mesh has.")
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")

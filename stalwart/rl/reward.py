@@ -1,0 +1,49 @@
+"""The reward worker actor: scores generated programs against hidden test cases in the sandbox.
+
+One actor process runs up to ``threads`` sandboxes at once (each sandbox is its own bubblewrap process
+tree, so threads here only wait). A program that hangs, crashes or misbehaves costs its own reward
+(0, with the sandbox's reason); the worker itself never runs any of it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from monarch.actor import Actor, endpoint
+
+
+class RewardActor(Actor):
+    def __init__(self) -> None:
+        self.sandbox = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.busy_s = 0.0
+
+    @endpoint
+    def warm(self) -> int:
+        import stalwart.rl.sandbox  # noqa: F401
+
+        return os.getpid()
+
+    @endpoint
+    def setup(self, sandbox_cfg: Any, threads: int) -> int:
+        from stalwart.rl.sandbox import Sandbox
+
+        self.sandbox = Sandbox(sandbox_cfg)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sandbox")
+        return os.getpid()
+
+    @endpoint
+    def score(self, jobs: list[tuple[str, list[tuple[str, str]]]]) -> dict[str, Any]:
+        """jobs: (program source, [(input, expected output), ...]) -> one verdict per job, in order:
+        (reward, passed, total, reason)."""
+        from stalwart.rl.sandbox import Case
+
+        t0 = time.perf_counter()
+        verdicts = list(self.pool.map(lambda job: self.sandbox.score(job[0], [Case(i, o) for i, o in job[1]]), jobs))
+        seconds = time.perf_counter() - t0
+        self.busy_s += seconds
+        return {"verdicts": [(v.reward, v.passed, v.total, v.reason) for v in verdicts], "seconds": seconds,
+                "pid": os.getpid()}

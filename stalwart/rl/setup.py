@@ -1,0 +1,76 @@
+"""What an RL run is made of before any process starts: the task split, the fine-tuning set, the
+tokenizer, the model shape and the row length. Pure functions of the config (no clocks, no processes);
+the tokenizer is trained on the training instances' text only, so a held-out instance's prompt is never
+seen, not even by the vocabulary's merges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from stalwart.config.rl import RLConfig
+from stalwart.rl.rollout import MASK, TOKEN, WEIGHT, CHANNELS
+from stalwart.rl.tasks import Instance, split
+
+
+def prompt_text(inst: Instance) -> str:
+    return f"# {inst.prompt}\n"
+
+
+@dataclass
+class TaskSetup:
+    train: list[Instance]
+    held_out: list[Instance]
+    sft: list[Instance]
+
+    @classmethod
+    def of(cls, cfg: RLConfig) -> "TaskSetup":
+        seed = cfg.run.seed
+        train, held = split(seed, cfg.task.held_out_fraction)
+        by_family: dict[str, list[Instance]] = {}
+        for inst in sorted(train, key=lambda i: hashlib.sha256(f"{seed}/sft/{i.key}".encode()).digest()):
+            by_family.setdefault(inst.family, []).append(inst)
+        n = cfg.sft.examples_per_family
+        sft = [i for fam in sorted(by_family) for i in by_family[fam][:n]]
+        return cls(train, held, sft)
+
+
+def tokenizer_texts(setup: TaskSetup) -> list[str]:
+    return [prompt_text(i) + i.solution for i in setup.train]
+
+
+def build_tokenizer(setup: TaskSetup, vocab_size: int):
+    from stalwart.data.tokenizer import train_bpe
+
+    return train_bpe(tokenizer_texts(setup) * 4, vocab_size)
+
+
+def max_prompt_tokens(tok, instances: list[Instance]) -> int:
+    return max(len(tok.encode(prompt_text(i)).ids) for i in instances)
+
+
+def sft_rows(tok, eos: int, examples: list[Instance], length: int, pad: int, ranks: int) -> list[
+        tuple[np.ndarray, np.ndarray]]:
+    """One micro-batch per trainer rank (examples dealt round-robin): inputs and packed rows whose mask
+    covers the program and its end token, weighted so the ranks' losses add up to the token mean."""
+    seqs = [(tok.encode(prompt_text(i)).ids, tok.encode(i.solution).ids + [eos]) for i in examples]
+    weight = ranks / max(sum(len(c) for _, c in seqs), 1)
+    out = []
+    for r in range(ranks):
+        mine = seqs[r::ranks]
+        x = np.full((len(mine), length), pad, dtype=np.int64)
+        rows = np.zeros((len(mine), length, CHANNELS), dtype=np.float64)
+        rows[..., TOKEN] = pad
+        for j, (p, c) in enumerate(mine):
+            seq = p + c
+            if len(seq) - 1 > length:
+                raise ValueError(f"fine-tuning example of {len(seq)} tokens exceeds the row length {length + 1}")
+            x[j, :len(seq) - 1] = seq[:-1]
+            rows[j, :len(seq) - 1, TOKEN] = seq[1:]
+            rows[j, len(p) - 1:len(seq) - 1, MASK] = 1.0
+            rows[j, :, WEIGHT] = weight
+        out.append((x, rows))
+    return out
