@@ -3,6 +3,7 @@ task's families and its held-out split."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,3 +79,76 @@ def test_held_out_instances_are_never_trained_on_and_cover_every_family():
         assert any(i.family == fam.name for i in train) and any(i.family == fam.name for i in held), fam.name
     assert split(seed=0, fraction=0.25) == (train, held) and split(seed=1, fraction=0.25)[1] != held
     assert Instance("add", (7,)).solution == "print(int(input())+7)"
+
+
+# ---------------------------------------------------------------- rollouts and the trainer's objective
+def _group(step, index, rewards, version=0, prompt=(5, 6, 7)):
+    from stalwart.rl.rollout import Group, GroupRequest
+    from stalwart.rl.tasks import Instance
+
+    req = GroupRequest(step, index, Instance("add", (3,)), tuple(range(len(rewards))))
+    responses = [[10 + i, 11, 2][: 1 + i % 3] for i in range(len(rewards))]
+    logps = [[-0.5 - 0.1 * j for j in range(len(r))] for r in responses]
+    return Group(req, list(prompt), responses, logps, version, rewards=list(rewards))
+
+
+def test_step_plans_are_seeded_and_distinct_per_step():
+    from stalwart.rl.rollout import plan_step
+    from stalwart.rl.tasks import split
+
+    pool, _ = split(0, 0.3)
+    a, b = plan_step(3, 0, pool, 8, 4), plan_step(3, 0, pool, 8, 4)
+    assert a == b and len({q.instance.key for q in a}) == 8  # no instance twice in one step
+    assert plan_step(4, 0, pool, 8, 4) != a and plan_step(3, 1, pool, 8, 4) != a
+    seeds = [s for q in a for s in q.seeds]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_staleness_bound():
+    from stalwart.rl.rollout import admissible, staleness
+
+    # step s trains with weights version s - 1
+    assert staleness(4, 5) == 0 and admissible(4, 5, 0)
+    assert staleness(3, 5) == 1 and admissible(3, 5, 1) and not admissible(3, 5, 0)
+    assert not admissible(2, 5, 1) and not admissible(5, 5, 3)  # too old; from the future
+
+
+def test_packed_rows_line_up_targets_old_logprobs_and_mask():
+    from stalwart.rl.rollout import ADVANTAGE, MASK, OLD_LOGP, ON_POLICY, TOKEN, pack_group
+
+    g = _group(1, 0, [1.0, 0.0, 0.0])
+    inputs, rows = pack_group(g, np.array([2.0, -1.0, -1.0]), 8, 0, 0.5, 0, False)
+    assert inputs.shape == (3, 8) and rows.shape[:2] == (3, 8)
+    # response 2 is [12, 11, 2]: the prompt's last position (2) predicts its first token
+    assert inputs[2, :5].tolist() == [5, 6, 7, 12, 11] and rows[2, :5, TOKEN].tolist() == [6, 7, 12, 11, 2]
+    assert rows[2, :, MASK].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+    assert rows[2, 2:5, OLD_LOGP].tolist() == pytest.approx([-0.5, -0.6, -0.7])
+    assert rows[0, 2, ADVANTAGE] == 2.0 and rows[1, 2, ADVANTAGE] == -1.0 and rows[0, 3, MASK] == 0
+    assert rows[..., ON_POLICY].min() == 1.0
+    assert pack_group(g, np.zeros(3), 8, 0, 0.5, 1, False)[1][..., ON_POLICY].max() == 0.0
+
+
+@pytest.mark.parametrize("how", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(how):
+    """Two ranks with two micro-batches each: the runner divides by the micro-batches and data
+    parallelism averages the ranks, so each part's weighted loss must add up to grpo.policy_loss on
+    the whole batch."""
+    from stalwart.rl.grpo import policy_loss
+    from stalwart.rl.objective import GRPOObjective, token_logprobs
+    from stalwart.rl.rollout import MASK, OLD_LOGP, TOKEN, advantages, aggregation_weights, pack_group
+
+    torch.manual_seed(0)
+    groups = [_group(1, i, [float(i % 2), 1.0, 0.0, 0.5]) for i in range(4)]
+    adv = advantages([g.rewards for g in groups], True)
+    w = aggregation_weights(groups, how, ranks=2, micro_per_rank=2)
+    packed = [pack_group(g, a, 6, 0, w, 0, False) for g, a in zip(groups, adv)]
+    logits = [torch.randn(4, 6, 16) for _ in groups]
+    obj = GRPOObjective(0.2, 0.2, how, 0.0)
+    parts = [obj(lg, torch.from_numpy(rows)) for lg, (_, rows) in zip(logits, packed)]
+    ranks = [(parts[0] + parts[2]) / 2, (parts[1] + parts[3]) / 2]  # rank r gets groups r, r + 2
+    distributed = (ranks[0] + ranks[1]) / 2
+    rows = torch.from_numpy(np.concatenate([r for _, r in packed]))
+    logp = token_logprobs(torch.cat(logits), rows[..., TOKEN].long())
+    ref = policy_loss(logp, rows[..., OLD_LOGP].float(), torch.from_numpy(np.concatenate(adv)).float(),
+                      rows[..., MASK], how=how)
+    assert float(distributed) == pytest.approx(float(ref.loss), rel=1e-5)

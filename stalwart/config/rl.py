@@ -35,20 +35,6 @@ class SandboxOnlyConfig:
     """What `stalwart rl sandbox` reads: the sandbox section alone."""
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
 
-    def __post_init__(self) -> None:
-        n = self.workers.trainers
-        if self.rl.prompts_per_step % n:
-            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of workers.trainers "
-                              f"({n}): every trainer rank trains the same number of groups")
-        p = self.parallelism
-        if max(p.tp, p.pp, p.cp, p.ep) > 1:
-            raise ConfigError("the RL trainer mesh runs data parallel layouts (FSDP or replicated) only: set "
-                              "parallelism.tp, pp, cp and ep to 1")
-        need = self.rl.prompts_per_step * max(self.rl.group_size, self.rl.eval_samples)
-        if self.engine.max_seqs < self.rl.group_size:
-            raise ConfigError(f"engine.max_seqs ({self.engine.max_seqs}) must hold at least one group "
-                              f"(rl.group_size = {self.rl.group_size}); {need} lets a step's groups run at once")
-
 
 @dataclass
 class TaskConfig:
@@ -143,3 +129,18 @@ class RLConfig:
     rl: GRPOConfig = section(GRPOConfig, "The GRPO algorithm and the sync/async schedule.")
     workers: WorkersConfig = section(WorkersConfig, "How many actors each mesh has.")
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
+
+    def __post_init__(self) -> None:
+        n = self.workers.trainers
+        if self.rl.prompts_per_step % n:
+            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of workers.trainers "
+                              f"({n}): every trainer rank trains the same number of groups")
+        p = self.parallelism
+        if max(p.tp, p.pp, p.cp, p.ep) > 1:
+            raise ConfigError("the RL trainer mesh runs data parallel layouts (FSDP or replicated) only: set "
+                              "parallelism.tp, pp, cp and ep to 1")
+        need = self.rl.prompts_per_step * max(self.rl.group_size, self.rl.eval_samples)
+        if self.engine.max_seqs < self.rl.group_size:
+            raise ConfigError(f"engine.max_seqs ({self.engine.max_seqs}) must hold at least one group "
+                              f"(rl.group_size = {self.rl.group_size}); {need} lets a step's groups run at once")
+

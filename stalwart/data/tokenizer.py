@@ -16,9 +16,13 @@ from stalwart.data.corpus import Corpus, DataError
 EOS = "<|endoftext|>"
 
 
-def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+def train_bpe(texts: list[str], vocab_size: int, individual_digits: bool = False) -> Tokenizer:
+    """A byte-level BPE; ``individual_digits`` keeps every digit its own token (no merges across or
+    into digits), so a number reads the same wherever it appears."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if individual_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

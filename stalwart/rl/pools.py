@@ -76,7 +76,7 @@ class Pool:
 
     def _replace(self, rank: int, err: ActorsFailed, endpoint: str) -> None:
         for f in err.failures:
-            self.events("rl_worker_failure", mesh=self.kind, rank=rank, endpoint=endpoint, **f.as_event())
+            self.events("rl_worker_failure", mesh=self.kind, endpoint=endpoint, **f.as_event())
         by = self.mesh.replace(rank)
         self.replacements += 1
         reply = self.mesh.wait(self.mesh.call("warm", (), ranks=[rank]), self.timeout_s, f"{self.kind} warm")

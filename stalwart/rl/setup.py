@@ -45,7 +45,9 @@ def tokenizer_texts(setup: TaskSetup) -> list[str]:
 def build_tokenizer(setup: TaskSetup, vocab_size: int):
     from stalwart.data.tokenizer import train_bpe
 
-    return train_bpe(tokenizer_texts(setup) * 4, vocab_size)
+    # Digits are single tokens: a constant in the prompt and the same constant in the program are the
+    # same tokens, so the policy can learn to copy it rather than memorise one program per instance.
+    return train_bpe(tokenizer_texts(setup) * 4, vocab_size, individual_digits=True)
 
 
 def max_prompt_tokens(tok, instances: list[Instance]) -> int:
