@@ -1,6 +1,7 @@
 """The reward sandbox, for real: bubblewrap + rlimits. Hostile programs get reward 0 and leave the
-host unharmed; every task family's reference program passes its hidden tests; `stalwart rl sandbox`
-keeps its one-JSON-line contract."""
+host unharmed; a program cannot change another case's result or forge the runner's report; every
+task family's reference program passes its hidden tests; `stalwart rl sandbox` keeps its
+one-JSON-line contract. The runner-report parser is checked as pure logic."""
 
 import json
 import os
@@ -12,11 +13,18 @@ import pytest
 from conftest import run_cli
 
 from stalwart.config.rl import SandboxConfig
-from stalwart.rl.sandbox import Case, Sandbox, _user_processes
+from stalwart.rl.sandbox import (
+    Case,
+    Run,
+    Sandbox,
+    Verdict,
+    _user_processes,
+    parse_reports,
+)
 from stalwart.rl.tasks import FAMILIES, Instance
 
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
+e2e = [pytest.mark.e2e,
+       pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
 
 LIMITS = SandboxConfig(wall_seconds=2.0, cpu_seconds=1, memory_mb=128)
 ADD = [Case("1 2\n", "3"), Case("20 22\n", "42")]
@@ -24,9 +32,12 @@ ADD = [Case("1 2\n", "3"), Case("20 22\n", "42")]
 
 @pytest.fixture(scope="module")
 def sandbox():
+    if not shutil.which("bwrap"):
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
     return Sandbox(LIMITS)
 
 
+@pytest.mark.e2e
 def test_every_family_reference_passes_and_a_wrong_program_fails(sandbox):
     for fam in FAMILIES:
         inst = Instance(fam.name, fam.params[-1])
@@ -37,6 +48,7 @@ def test_every_family_reference_passes_and_a_wrong_program_fails(sandbox):
     assert unparsable.reward == 0.0 and unparsable.reason.startswith("syntax error: '(' was never closed")
 
 
+@pytest.mark.e2e
 def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, tmp_path):
     secret = tmp_path / "run" / "metrics.jsonl"
     secret.parent.mkdir()
@@ -71,15 +83,19 @@ def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, t
         assert _user_processes(sandbox.uid) <= before  # no process of the sandbox user survived
 
 
+@pytest.mark.e2e
 def test_the_process_limit_binds(sandbox):
     forks = ("import os, time\nn = 0\nfor _ in range(50):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1)\n        os._exit(0)\n"
              "    n += 1\nprint(n)")
-    run = Sandbox(SandboxConfig(wall_seconds=20, processes=LIMITS.processes)).run(forks, "")
+    run = sandbox.run(forks, "")
     assert run.returncode == 0 and 0 < int(run.stdout) < LIMITS.processes, run
 
 
+@pytest.mark.e2e
 def test_cli_prints_one_json_line_and_refuses_bad_tests_by_name(tmp_path):
+    if not shutil.which("bwrap"):
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
     program = tmp_path / "add.py"
     program.write_text("a, b = map(int, input().split())\nprint(a + b)\n")
     tests = tmp_path / "tests.json"
@@ -94,3 +110,87 @@ def test_cli_prints_one_json_line_and_refuses_bad_tests_by_name(tmp_path):
     slow = run_cli("rl", "sandbox", "--program", str(program), "--tests", str(tests), "--sandbox.wall_second", "1",
                    check=False)
     assert slow.returncode == 2 and "did you mean 'sandbox.wall_seconds'" in slow.stderr
+
+
+# Case 0 leaves a process behind that tries, for longer than the whole run, to write a forged report
+# and a passing answer through every descriptor in /proc, and to leave files for later cases. Case 1
+# prints the answer only if it sees that process or those files: it must fail as a wrong answer.
+BACKGROUND = """import os, time
+a, b = map(int, input().split())
+if a == 1:
+    if os.fork() == 0:
+        null = os.open('/dev/null', os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        end = time.time() + 3
+        while time.time() < end:
+            for pid in os.listdir('/proc'):
+                if pid.isdigit() and int(pid) != os.getpid():
+                    for fd in range(8):
+                        try:
+                            with open(f'/proc/{pid}/fd/{fd}', 'w') as f:
+                                f.write('case 1 exit 0 0.0 3 0\\n42\\n')
+                        except OSError:
+                            pass
+            open('/tmp/work/left', 'w').write('42')
+        os._exit(0)
+    time.sleep(0.2)
+    print(3)
+else:
+    others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, os.getpid(), os.getppid())]
+    print(42 if others or os.listdir('/tmp/work') else 0)
+"""
+
+# Reads and writes of the runner's memory and descriptors (and bubblewrap init's) all fail; the program
+# prints the answer only then.
+PROC_ACCESS = """import os
+ppid, got = os.getppid(), []
+for path in (f'/proc/{ppid}/mem', f'/proc/{ppid}/fd/0', f'/proc/{ppid}/fd/1', f'/proc/{ppid}/environ',
+             '/proc/1/mem', '/proc/1/fd/0', '/proc/1/fd/1'):
+    for mode in ('rb', 'wb'):
+        try:
+            with open(path, mode) as f:
+                f.read(1) if mode == 'rb' else f.write(b'case 0 exit 0 0.0 2 0\\n3\\n')
+            got.append(path + ' ' + mode)
+        except OSError:
+            pass
+a, b = map(int, input().split())
+print(a + b if not got else got)
+"""
+
+
+@pytest.mark.e2e
+def test_no_program_changes_another_cases_result_or_forges_the_report(sandbox):
+    t0 = time.monotonic()
+    assert sandbox.score(BACKGROUND, ADD) == Verdict(0.5, 1, 2, "case 1: wrong answer")
+    assert time.monotonic() - t0 < 2.5  # the process left behind was killed, not waited for
+    killer = "import os\na, b = map(int, input().split())\nif a != 1:\n    os.kill(os.getppid(), 9)\nprint(a + b)"
+    assert sandbox.score(killer, ADD) == Verdict(0.5, 1, 2, "case 1: sandbox runner killed by SIGKILL")
+    assert sandbox.score("import os\nos.kill(os.getppid(), 9)", ADD) == Verdict(
+        0.0, 0, 2, "case 0: sandbox runner killed by SIGKILL (cases 1-1 not run)")
+    assert sandbox.score(PROC_ACCESS, ADD[:1]) == Verdict(1.0, 1, 1, "passed")
+
+
+@pytest.mark.unit
+def test_runner_reports_parse_strictly():
+    def rec(i, kind="exit", n=0, out=b"3\n", err=b""):
+        return f"case {i} {kind} {n} 0.25 {len(out)} {len(err)}\n".encode() + out + err
+
+    two = rec(0) + rec(1, "signal", 24, b"", b"boom")
+    assert parse_reports(two, 2, 100) == ([Run("3\n", 0, 0.25), Run("", -24, 0.25, "boom")], True)
+    assert parse_reports(rec(0, "timeout"), 1, 100) == ([Run("3\n", None, 0.25)], True)
+    assert parse_reports(b"", 2, 100) == ([], True)
+    for bad in (rec(0)[:-1],                      # truncated output
+                rec(0)[:10],                      # truncated header
+                rec(1),                           # out of order
+                rec(0) + rec(0),                  # repeated
+                rec(0, "exited"),                 # unknown kind
+                rec(0, n=300),                    # no such status
+                rec(0, out=b"x" * 101),           # more output than the file-size limit allows
+                rec(0, err=b"x" * 401),           # more stderr than the tail
+                b"case 0 exit 0 nan 2 0\n3\n",   # not a time
+                b"case 0 exit 0 0.1 -2 0\n",      # negative size
+                b"x" * 10_000,                    # no header line at all
+                rec(0) + rec(1) + rec(2)):        # more cases than were sent
+        runs, ok = parse_reports(bad, 2, 100)
+        assert not ok and len(runs) <= 2 and all(r == Run("3\n", 0, 0.25) for r in runs), bad

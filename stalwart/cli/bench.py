@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "checkpoint": ("stalwart.bench.checkpoint", "checkpoint save/restore vs raw disk bandwidth, async/snapshot stall"),
     "moe": ("stalwart.bench.moe", "mixture of experts: grouped matmul vs expert loop, bias balancing"),
     "data": ("stalwart.bench.data", "data prepare MB/s and tokens/s vs tokenizers, loader tokens/s, RSS, first batch"),
+    "sandbox": ("stalwart.bench.sandbox", "reward sandbox: programs scored per second, serial and threaded"),
 }
 
 

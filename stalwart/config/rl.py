@@ -18,11 +18,13 @@ from stalwart.config.serve import EngineConfig
 
 @dataclass
 class SandboxConfig:
-    wall_seconds: float = option("Wall-clock limit of one program run; past it the whole sandbox is killed.",
+    wall_seconds: float = option("Wall-clock limit of one test case; past it the case's processes are killed "
+                                 "(and the whole sandbox once all its cases' limits are spent).",
                                  5.0, min=0.1)
-    cpu_seconds: int = option("CPU-time limit of one program run (RLIMIT_CPU, whole seconds).", 2, min=1)
+    cpu_seconds: int = option("CPU-time limit of one test case (RLIMIT_CPU, whole seconds).", 2, min=1)
     memory_mb: int = option("Address-space limit of every process in the sandbox (RLIMIT_AS), MiB.", 256, min=16)
-    processes: int = option("Processes and threads the sandbox user may run at once (RLIMIT_NPROC).", 16, min=1)
+    processes: int = option("Processes and threads a program may run at once, itself included (RLIMIT_NPROC "
+                                "in the sandbox's user namespace).", 16, min=1)
     file_size_mb: float = option("Largest file a program may write, stdout included (RLIMIT_FSIZE), MiB.", 1.0,
                                  min=0.001)
     open_files: int = option("Open file descriptors per process (RLIMIT_NOFILE).", 32, min=8)

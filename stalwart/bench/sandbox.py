@@ -1,0 +1,67 @@
+"""`stalwart bench sandbox`: reward-sandbox throughput, programs scored per second.
+
+Each program is a code-task family's reference solution (cycling through every family), scored by
+`Sandbox.score` against `--cases` of its hidden test cases under the default sandbox limits, the way
+a reward worker scores a rollout. Each repeat times the same programs serially and then with each
+`--threads` count sharing one `Sandbox`, and prints one JSON line per measurement with the machine's
+load average at the time (the sandbox is CPU-bound: other work on the machine slows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def _workload(programs: int, cases: int) -> list:
+    from stalwart.rl.tasks import FAMILIES, Instance
+
+    items = []
+    for i in range(programs):
+        fam = FAMILIES[i % len(FAMILIES)]
+        inst = Instance(fam.name, fam.params[(i // len(FAMILIES)) % len(fam.params)])
+        items.append((inst.solution, inst.cases(cases, seed=i)))
+    return items
+
+
+def measure(sandbox, items: list, threads: int) -> dict:
+    """Programs/s of scoring every item with `threads` threads; every reference must pass."""
+    start = time.perf_counter()
+    if threads == 1:
+        verdicts = [sandbox.score(src, cases) for src, cases in items]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            verdicts = list(pool.map(lambda item: sandbox.score(*item), items))
+    seconds = time.perf_counter() - start
+    failed = [v.reason for v in verdicts if v.reward != 1.0]
+    return {"threads": threads, "programs": len(items), "seconds": round(seconds, 3),
+            "programs_per_s": round(len(items) / seconds, 2), "failed": len(failed),
+            "first_failure": failed[0] if failed else "", "loadavg_1m": os.getloadavg()[0]}
+
+
+def main(argv: list[str]) -> int:
+    from stalwart.config.rl import SandboxConfig
+    from stalwart.rl.sandbox import Sandbox
+
+    p = argparse.ArgumentParser(prog="stalwart bench sandbox", description=__doc__.split("\n\n")[0])
+    p.add_argument("--programs", type=int, default=60, help="programs scored per measurement")
+    p.add_argument("--cases", type=int, default=3, help="test cases per program")
+    p.add_argument("--threads", default="2", help="comma-separated thread counts timed after the serial run")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of the whole measurement")
+    args = p.parse_args(argv)
+    try:
+        threads = [int(t) for t in args.threads.split(",") if t]
+    except ValueError:
+        p.error(f"--threads: expected comma-separated integers, got {args.threads!r}")
+    if args.programs < 1 or args.cases < 1 or args.repeats < 1 or any(t < 1 for t in threads):
+        p.error("--programs, --cases, --repeats and every --threads count must be at least 1")
+    sandbox = Sandbox(SandboxConfig())
+    items = _workload(args.programs, args.cases)
+    sandbox.score(*items[0])  # warm the page cache: the first sandbox start reads the interpreter
+    for r in range(args.repeats):
+        for t in [1, *threads]:
+            print(json.dumps({"repeat": r, "cases": args.cases, **measure(sandbox, items, t)}), flush=True)
+    return 0
