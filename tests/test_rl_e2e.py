@@ -110,3 +110,24 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
     assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
     p = run_cli("rl", "--config", "rl_code", "--rl.mode", "sideways", check=False)
     assert p.returncode == 2 and "rl.mode" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_adaptive_balancing_moves_a_worker_between_meshes_and_trains_every_group(tmp_path):
+    """Generation-heavy steps on one generator and two trainers: after the first window the balancer
+    turns a trainer into a generator; the trainers' state crosses the move through a snapshot."""
+    run = tmp_path / "adaptive"
+    run_cli("rl", *TINY, "--rl.group_size", "8", "--rl.max_tokens", "32", "--workers.generators", "1",
+            "--workers.trainers", "2", "--workers.balance", "adaptive", "--workers.balance_window", "2",
+            "--workers.balance_min_gain", "0", "--run.dir", str(run), timeout=400)
+    ev = _events(run)
+    decisions = [e for e in ev if e["event"] == "rl_balance"]
+    assert [e["step"] for e in decisions] == [2]
+    d = decisions[0]
+    assert d["generator_busy_s"] > 0 and d["trainer_busy_s"] > 0
+    moves = [e for e in ev if e["event"] == "rl_rebalance"]
+    assert d["move"] == [2, 1], d  # generation is the longer phase here
+    assert moves[0]["generators"] == [1, 2] and moves[0]["trainers"] == [2, 1]
+    steps = _rl_steps(run)
+    assert [(steps[s]["generators"], steps[s]["trainers"]) for s in (1, 2, 3, 4)] == [(1, 2), (1, 2), (2, 1), (2, 1)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["groups_trained"] == 16

@@ -152,3 +152,20 @@ def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(
     ref = policy_loss(logp, rows[..., OLD_LOGP].float(), torch.from_numpy(np.concatenate(adv)).float(),
                       rows[..., MASK], how=how)
     assert float(distributed) == pytest.approx(float(ref.loss), rel=1e-5)
+
+
+def test_balancer_moves_a_worker_to_the_longer_phase_and_holds_still_near_balance():
+    from stalwart.rl.balance import Layout, critical, decide
+
+    # generation 4 worker-seconds on 1 generator, training 1 on 2 trainers: 4 + 0.5 -> 2 + 1 with 2 and 1
+    move = decide(4.0, 1.0, Layout(1, 2), prompts=16)
+    assert move.to == Layout(2, 1) and "generation is the longer phase" in move.reason
+    assert critical(4.0, 1.0, move.to) == 3.0
+    # training dominates: a generator becomes a trainer
+    assert decide(0.5, 6.0, Layout(2, 1), prompts=16).to == Layout(1, 2)
+    # balanced, or a gain under the threshold: no move
+    assert decide(1.0, 1.0, Layout(1, 1), prompts=16) is None
+    assert decide(2.0, 2.1, Layout(2, 2), prompts=16, min_gain=0.1) is None
+    # trainer counts must divide the prompts: 3 trainers cannot split 16 prompts, so 4 -> 2
+    assert decide(9.0, 1.0, Layout(1, 4), prompts=16).to == Layout(3, 2)
+    assert decide(0.1, 9.0, Layout(3, 1), prompts=16).to == Layout(2, 2)

@@ -112,6 +112,13 @@ class WorkersConfig:
     snapshot_interval: int = option("Every this many RL steps the controller keeps a full copy of the trainers' "
                                     "model and optimizer state; a failed trainer costs at most the steps since, "
                                     "replayed from the journal.", 5, min=1)
+    balance: Literal["fixed", "adaptive"] = option(
+        "fixed: the actor counts above for the whole run; adaptive: every balance_window steps, move one worker "
+        "between the generator and trainer meshes when the measured generation and training time says the step "
+        "would be at least balance_min_gain shorter (changes the trainers' data-parallel degree, so the run is no "
+        "longer bitwise reproducible).", "fixed")
+    balance_window: int = option("Steps of measurements behind each adaptive balancing decision.", 5, min=1)
+    balance_min_gain: float = option("Smallest expected share of the step a move must save.", 0.1, min=0.0, max=1.0)
     generate_timeout_s: float = option("A generation call still running after this long counts its generator as "
                                        "hung (killed, replaced, its prompts generated again).", 300.0, min=1.0)
 

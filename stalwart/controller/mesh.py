@@ -176,6 +176,27 @@ class ActorMesh:
         self.handles[rank] = self._start_one()
         return "new"
 
+    def grow(self) -> int:
+        """One more actor (a started spare when there is one); returns its rank."""
+        if self.spares:
+            handle, _ = self.spares.pop(0)
+            fresh = self._start_one()
+            self.spares.append((fresh, fresh.warm.call_one()))
+        else:
+            handle = self._start_one()
+        self.handles.append(handle)
+        self.n += 1
+        return self.n - 1
+
+    def shrink(self) -> int:
+        """Stop the last actor (SIGKILL: it holds nothing the run still needs); returns its rank."""
+        rank = self.n - 1
+        self.kill(rank)
+        self.pids.pop(rank, None)
+        self.handles.pop()
+        self.n -= 1
+        return rank
+
     def replace_all(self) -> list[str]:
         return [self.replace(r) for r in range(self.n)]
 

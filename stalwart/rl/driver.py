@@ -123,6 +123,13 @@ class RLDriver:
         for r, rep in replies.items():
             self.trainers.pids[r] = rep["pid"]
 
+    def resize_trainers(self, n: int) -> None:
+        """Every trainer (``n`` of them) joins a new process group and rebuilds its RL core."""
+        self.cfg = dataclasses.replace(self.cfg, workers=dataclasses.replace(self.cfg.workers, trainers=n))
+        self.attempt += 1
+        self._join_trainers()
+        self._build_trainers("rl", self.cfg.rl.prompts_per_step // n, self.cfg.rl.steps)
+
     def _build_trainers(self, phase: str, micro_per_rank: int, steps: int) -> dict:
         return self.trainers.call_all("build", (phase, self.args, self.length, micro_per_rank, steps), SETUP_S)[0]
 

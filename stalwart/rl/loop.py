@@ -17,6 +17,7 @@ import numpy as np
 
 from stalwart.controller.mesh import ActorsFailed
 from stalwart.rl import rollout
+from stalwart.rl.balance import Layout, decide
 from stalwart.rl.setup import sft_rows
 
 
@@ -48,6 +49,8 @@ class Stepper:
         self.r = r
         self.ahead = r.max_offpolicy_steps if r.mode == "async" else 0
         self.inflight: dict[int, Any] = {}
+        self.ready: dict[int, tuple[list[rollout.Group], dict[str, float]]] = {}  # generated before a rebalance
+        self.busy: list[tuple[float, float]] = []  # per step: generator and trainer worker-seconds
         self.loads: list[Any] = []
         self.recoveries = 0
         self.snap_step = 0
@@ -68,8 +71,10 @@ class Stepper:
 
     def groups_for(self, s: int) -> tuple[list[rollout.Group], dict[str, float]]:
         d = self.d
-        pending = self.inflight.pop(s, None) or d._send_generate(self.plan(s))
-        groups, fig = d._collect_generate(pending)
+        if s in self.ready:
+            groups, fig = self.ready.pop(s)
+        else:
+            groups, fig = d._collect_generate(self.inflight.pop(s, None) or d._send_generate(self.plan(s)))
         stale = [g for g in groups if not rollout.admissible(g.version, s, self.ahead)]
         fig["regenerated_groups"] = 0
         while stale:  # too old (or, impossible by construction, newer than the trainer): generate again
@@ -85,7 +90,7 @@ class Stepper:
 
     def pack(self, s: int, groups: list[rollout.Group]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
         d, r = self.d, self.r
-        n = d.cfg.workers.trainers
+        n = d.trainers.n
         adv = rollout.advantages([g.rewards for g in groups], r.scale_advantages)
         weight = rollout.aggregation_weights(groups, r.aggregation, n, len(groups) // n)
         per_rank: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
@@ -132,6 +137,7 @@ class Stepper:
             sync_s = time.perf_counter() - t_sync
             if s % d.cfg.workers.snapshot_interval == 0:
                 self.take_snapshot(s)
+            self.busy.append((sum(d.gen.busy_s) - busy0[0], (rec["trainer_s"] + pull_s) * d.trainers.n))
             wall = time.perf_counter() - t0
             rewards = [x for g in groups for x in g.rewards]
             gen_busy = sum(d.gen.busy_s) - busy0[0]
@@ -150,8 +156,18 @@ class Stepper:
                       "step_s": wall, "elapsed_s": time.time() - d.t0,
                       "generator_idle_frac": max(0.0, 1 - gen_busy / (wall * d.gen.n)),
                       "reward_idle_frac": max(0.0, 1 - rew_busy / (wall * d.rew.n)),
-                      "trainer_idle_frac": max(0.0, 1 - trainer_busy / wall)}
+                      "trainer_idle_frac": max(0.0, 1 - trainer_busy / wall),
+                      "generators": d.gen.n, "trainers": d.trainers.n}
             d.metrics.write(record)
+            w = d.cfg.workers
+            if w.balance == "adaptive" and s % w.balance_window == 0 and s < r.steps:
+                recent = self.busy[-w.balance_window:]
+                gen_b, train_b = (sum(b[i] for b in recent) / len(recent) for i in (0, 1))
+                move = decide(gen_b, train_b, Layout(d.gen.n, d.trainers.n), r.prompts_per_step, w.balance_min_gain)
+                d.events("rl_balance", step=s, generator_busy_s=gen_b, trainer_busy_s=train_b, generators=d.gen.n,
+                         trainers=d.trainers.n, move=None if move is None else [move.to.generators, move.to.trainers])
+                if move is not None:
+                    self.rebalance(s, move)
             if s % r.eval_interval == 0 and s != r.steps:
                 self._settle_loads()
                 ev = d.evaluate(f"step-{s}")
@@ -163,6 +179,37 @@ class Stepper:
         self._settle_loads()
         return {"trainer_recoveries": self.recoveries, "staleness_max": self.staleness_max,
                 "groups_trained": len(d.trained), **steps_to}
+
+    # ------------------------------------------------------------------ balancing
+    def rebalance(self, s: int, move) -> None:
+        """Move workers between the generator and trainer meshes after step ``s``: the generations already
+        sent are collected first, the trainers' state goes through a snapshot, and every trainer joins a
+        group of the new size and restores it (each keeps its new shard)."""
+        d = self.d
+        t0 = time.perf_counter()
+        before = (d.gen.n, d.trainers.n)
+        for t in sorted(self.inflight):
+            self.ready[t] = d._collect_generate(self.inflight.pop(t))
+        self._settle_loads()
+        self.take_snapshot(s)
+        while d.trainers.n > move.to.trainers:
+            d.trainers.shrink()
+        while d.gen.n > move.to.generators:
+            d.gen.mesh.shrink()
+            d.gen.busy_s.pop()
+        while d.gen.n < move.to.generators:
+            rank = d.gen.mesh.grow()
+            d.gen.busy_s.append(0.0)
+            d.gen.mesh.pids[rank] = d.gen.mesh.wait(d.gen.mesh.call("warm", (), ranks=[rank]), 600.0, "warm")[rank]
+            d._restore_generator(rank)
+        while d.trainers.n < move.to.trainers:
+            rank = d.trainers.grow()
+            d.trainers.pids[rank] = d.trainers.wait(d.trainers.call("warm", (), ranks=[rank]), 600.0, "warm")[rank]
+        d.resize_trainers(move.to.trainers)
+        d.trainers.call_all("restore", (d.snapshot,), 600.0)
+        d.events("rl_rebalance", step=s, generators=[before[0], d.gen.n], trainers=[before[1], d.trainers.n],
+                 reason=move.reason, seconds=time.perf_counter() - t0, pids={"generators": dict(d.gen.mesh.pids),
+                                                                           "trainers": dict(d.trainers.pids)})
 
     # ------------------------------------------------------------------ trainer recovery
     def take_snapshot(self, s: int) -> None:
@@ -202,12 +249,10 @@ class Stepper:
             d.trainers.wait(err.pending, d.cfg.controller.step_timeout_s + 2.0, "surviving trainers")
         except ActorsFailed:
             pass
-        d.attempt += 1
         for rank, pid in d.trainers.call_all("warm", (), 600.0).items():
             d.trainers.pids[rank] = pid
-        d.store.set(f"attempt-{d.attempt - 1}/abort", "1")
-        d._join_trainers()
-        d._build_trainers("rl", d.cfg.rl.prompts_per_step // d.cfg.workers.trainers, d.cfg.rl.steps)
+        d.store.set(f"attempt-{d.attempt}/abort", "1")
+        d.resize_trainers(d.trainers.n)
         d.trainers.call_all("restore", (d.snapshot,), 600.0)
         applied = {e["step"]: e for e in d.journal.entries if e.get("cmd") == "applied"}
         replayed = 0
