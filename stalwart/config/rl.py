@@ -43,6 +43,8 @@ class TaskConfig:
     held_out_fraction: float = option("Share of every problem family's instances kept out of fine-tuning and RL; "
                                       "the final reward is measured on them.", 0.3, min=0.05, max=0.9)
     tests: int = option("Hidden test cases per problem instance (reward = passed / tests).", 3, min=1, max=50)
+    eval_per_family: int = option("Held-out instances per family in an evaluation (a seeded choice, the same at "
+                                  "every evaluation; 0 = all held-out instances).", 5, min=0)
     vocab_size: int = option("BPE vocabulary trained on the training instances' prompts and programs.", 512,
                              min=300, max=8192)
 
@@ -74,7 +76,9 @@ class GRPOConfig:
         "mean of its tokens) then the mean over responses.", "token-mean")
     scale_advantages: bool = option("Divide advantages by the group's standard deviation (GRPO); false keeps "
                                     "only the centring (Dr. GRPO).", True)
-    micro_batch: int = option("Responses per forward/backward on one trainer rank.", 32, min=1)
+    updates_per_step: int = option("Optimizer steps per RL step: the step's groups split into this many "
+                                   "mini-batches, trained in turn on the same samples (PPO epochs of one pass; "
+                                   "clipping bounds how far the later ones move).", 1, min=1)
     grad_clip: float = option("Clip the global gradient norm to this (0 = no clipping).", 1.0, min=0.0)
     mode: Literal["sync", "async"] = option(
         "sync: generate, score, train, update the generators, in turn; async: the generators produce step "
@@ -144,6 +148,10 @@ class RLConfig:
         if self.rl.prompts_per_step % n:
             raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of workers.trainers "
                               f"({n}): every trainer rank trains the same number of groups")
+        if self.rl.prompts_per_step % (n * self.rl.updates_per_step):
+            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of "
+                              f"workers.trainers x rl.updates_per_step ({n} x {self.rl.updates_per_step}): every "
+                              "update gives every trainer rank the same number of groups")
         p = self.parallelism
         if max(p.tp, p.pp, p.cp, p.ep) > 1:
             raise ConfigError("the RL trainer mesh runs data parallel layouts (FSDP or replicated) only: set "

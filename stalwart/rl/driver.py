@@ -59,12 +59,12 @@ class RLDriver:
 
         self.eos = eos_id(self.tok)
         self.pad = self.eos
-        self.prompt_len = max_prompt_tokens(self.tok, self.task.train + self.task.held_out)
+        self.prompt_len = max_prompt_tokens(self.tok, self.task.train + self.task.evaluated)
         self.length = rollout.row_length(self.prompt_len, cfg.rl.max_tokens)
         self.args = resolve_args(cfg.model, self.tok.get_vocab_size(), self.length + 1)
-        self.prompts = {i.key: self.tok.encode(prompt_text(i)).ids for i in self.task.train + self.task.held_out}
-        self.cases = {i.key: [(c.input, c.output) for c in i.cases(cfg.task.tests, cfg.run.seed)]
-                      for i in self.task.train + self.task.held_out}
+        used = self.task.train + self.task.evaluated
+        self.prompts = {i.key: self.tok.encode(prompt_text(i)).ids for i in used}
+        self.cases = {i.key: [(c.input, c.output) for c in i.cases(cfg.task.tests, cfg.run.seed)] for i in used}
         self.store = dist.TCPStore("127.0.0.1", 0, cfg.workers.trainers, True, timeout=timedelta(seconds=SETUP_S),
                                    wait_for_workers=False)
         self.attempt = 0
@@ -197,7 +197,7 @@ class RLDriver:
         return {"score_s": time.perf_counter() - t0, "programs_run": len(jobs)}
 
     def evaluate(self, tag: str) -> dict[str, Any]:
-        reqs = rollout.eval_plan(self.cfg.run.seed, self.task.held_out, self.cfg.rl.eval_samples, tag)
+        reqs = rollout.eval_plan(self.cfg.run.seed, self.task.evaluated, self.cfg.rl.eval_samples, tag)
         groups, _ = self._collect_generate(self._send_generate(reqs))
         self._score(groups)
         fam: dict[str, list[float]] = {}
@@ -244,7 +244,8 @@ class RLDriver:
         start = self.evaluate("start")
         self._eval_record(0, start)
         self.events("rl_start", held_out_reward=start["held_out_reward"], train_instances=len(self.task.train),
-                    held_out_instances=len(self.task.held_out), sft_examples=len(self.task.sft), mode=cfg.rl.mode)
+                    held_out_instances=len(self.task.held_out),
+                    evaluated_instances=len(self.task.evaluated), sft_examples=len(self.task.sft), mode=cfg.rl.mode)
         curve = run_rl(self)
         final = self.evaluate("final")
         self._eval_record(cfg.rl.steps, final)

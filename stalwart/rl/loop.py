@@ -31,7 +31,7 @@ def sft(d) -> dict[str, Any]:
         d._build_trainers("sft", 1, cfg.sft.steps)
         rows = sft_rows(d.tok, d.eos, d.task.sft, d.length, d.pad, n)
         for s in range(1, cfg.sft.steps + 1):
-            rec = d.trainers.call_all("train", lambda r: (s, [rows[r]]), cfg.controller.step_timeout_s)[0]
+            rec = d.trainers.call_all("train", lambda r: (s, [[rows[r]]]), cfg.controller.step_timeout_s)[0]
             loss = rec["loss"]
             d.metrics.write({"step": s, "kind": "sft", "loss": loss, "grad_norm": rec["grad_norm"],
                              "elapsed_s": time.time() - d.t0})
@@ -88,14 +88,21 @@ class Stepper:
             stale = [g for g in groups if not rollout.admissible(g.version, s, self.ahead)]
         return groups, fig
 
-    def pack(self, s: int, groups: list[rollout.Group]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    def pack(self, s: int, groups: list[rollout.Group]) -> list[list[list[tuple[np.ndarray, np.ndarray]]]]:
+        """Per trainer rank, per update (``rl.updates_per_step`` mini-batches of whole groups), the packed
+        micro-batches (one group each); each update's weights make its own aggregate."""
         d, r = self.d, self.r
         n = d.trainers.n
         adv = rollout.advantages([g.rewards for g in groups], r.scale_advantages)
-        weight = rollout.aggregation_weights(groups, r.aggregation, n, len(groups) // n)
-        per_rank: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
-        for i, (g, a) in enumerate(zip(groups, adv)):
-            per_rank[i % n].append(rollout.pack_group(g, a, d.length, d.pad, weight, s - 1, r.kl_coef > 0))
+        u = r.updates_per_step
+        per_rank: list[list[list]] = [[[] for _ in range(u)] for _ in range(n)]
+        size = len(groups) // u
+        for j in range(u):
+            part = range(j * size, (j + 1) * size)
+            weight = rollout.aggregation_weights([groups[i] for i in part], r.aggregation, n, size // n)
+            for i in part:
+                per_rank[i % n][j].append(rollout.pack_group(groups[i], adv[i], d.length, d.pad, weight, s - 1,
+                                                             r.kl_coef > 0))
         return per_rank
 
     def train(self, s: int, per_rank) -> dict[str, Any]:
@@ -163,7 +170,8 @@ class Stepper:
             if w.balance == "adaptive" and s % w.balance_window == 0 and s < r.steps:
                 recent = self.busy[-w.balance_window:]
                 gen_b, train_b = (sum(b[i] for b in recent) / len(recent) for i in (0, 1))
-                move = decide(gen_b, train_b, Layout(d.gen.n, d.trainers.n), r.prompts_per_step, w.balance_min_gain)
+                move = decide(gen_b, train_b, Layout(d.gen.n, d.trainers.n), r.prompts_per_step // r.updates_per_step,
+                              w.balance_min_gain)
                 d.events("rl_balance", step=s, generator_busy_s=gen_b, trainer_busy_s=train_b, generators=d.gen.n,
                          trainers=d.trainers.n, move=None if move is None else [move.to.generators, move.to.trainers])
                 if move is not None:

@@ -25,8 +25,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class GRPOObjective:
-    def __init__(self, clip_low: float, clip_high: float, how: str, kl_coef: float) -> None:
+    def __init__(self, clip_low: float, clip_high: float, how: str, kl_coef: float,
+                 track_mismatch: bool = True) -> None:
         self.clip_low, self.clip_high, self.how, self.kl_coef = clip_low, clip_high, how, kl_coef
+        self.track_mismatch = track_mismatch
         self.reset()
 
     def reset(self) -> None:
@@ -58,7 +60,7 @@ class GRPOObjective:
 
     @torch.no_grad()
     def _account(self, logp, old, ratio, was_clipped, mask, onpolicy, ref, per_token, logits) -> None:
-        diff = (logp - old).abs() * mask * onpolicy
+        diff = (logp - old).abs() * mask * onpolicy * float(self.track_mismatch)
         probs = torch.softmax(logits.detach().float(), dim=-1)
         entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
         s = self.stats
@@ -67,7 +69,7 @@ class GRPOObjective:
         s[2] += (kl_k3(logp, ref) * mask).sum() if self.kl_coef > 0 else 0.0
         s[3] += diff.sum()
         s[4] = max(float(s[4]), float(diff.max()) if diff.numel() else 0.0)
-        s[5] += (mask * onpolicy).sum()
+        s[5] += (mask * onpolicy).sum() * float(self.track_mismatch)
         s[6] = max(float(s[6]), float((ratio * mask).max()) if ratio.numel() else 0.0)
         s[7] += (per_token * mask).sum()
         s[8] += (entropy * mask).sum()

@@ -20,22 +20,32 @@ def prompt_text(inst: Instance) -> str:
     return f"# {inst.prompt}\n"
 
 
+def _by_family(instances: list[Instance], seed: int, tag: str) -> dict[str, list[Instance]]:
+    """Instances grouped by family, each group in a seeded order."""
+    out: dict[str, list[Instance]] = {}
+    for inst in sorted(instances, key=lambda i: hashlib.sha256(f"{seed}/{tag}/{i.key}".encode()).digest()):
+        out.setdefault(inst.family, []).append(inst)
+    return out
+
+
 @dataclass
 class TaskSetup:
     train: list[Instance]
     held_out: list[Instance]
     sft: list[Instance]
+    evaluated: list[Instance]  # the held-out instances every evaluation measures
 
     @classmethod
     def of(cls, cfg: RLConfig) -> "TaskSetup":
         seed = cfg.run.seed
         train, held = split(seed, cfg.task.held_out_fraction)
-        by_family: dict[str, list[Instance]] = {}
-        for inst in sorted(train, key=lambda i: hashlib.sha256(f"{seed}/sft/{i.key}".encode()).digest()):
-            by_family.setdefault(inst.family, []).append(inst)
         n = cfg.sft.examples_per_family
+        by_family = _by_family(train, seed, "sft")
         sft = [i for fam in sorted(by_family) for i in by_family[fam][:n]]
-        return cls(train, held, sft)
+        m = cfg.task.eval_per_family
+        held_by = _by_family(held, seed, "eval")
+        evaluated = [i for fam in sorted(held_by) for i in (held_by[fam][:m] if m else held_by[fam])]
+        return cls(train, held, sft, evaluated)
 
 
 def tokenizer_texts(setup: TaskSetup) -> list[str]:

@@ -94,36 +94,47 @@ class PolicyTrainerActor(Actor):
         if previous is not None:
             self.core.model.load_state_dict(previous.model.state_dict())
         self.phase = phase
+        self.done = 0
         return {"rank": self.rank, "layout": self.core.dims.describe(), "params": sum(
             p.numel() for p in self.core.model.parameters())}
 
     @endpoint
-    def train(self, step: int, micro: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-        """One optimizer step on this rank's micro-batches (inputs, packed rows)."""
+    def train(self, step: int, updates: list[list[tuple[np.ndarray, np.ndarray]]]) -> dict[str, Any]:
+        """Step ``step``: one optimizer step per entry of ``updates`` (this rank's micro-batches of each:
+        inputs and packed rows), in order. The log-probability mismatch is measured on the first update
+        only: after it the weights are no longer the ones that generated the samples."""
         import torch
         import torch.distributed as dist
 
         from stalwart.data.loader import Batch
-        from stalwart.rl.objective import GRPOObjective, masked_cross_entropy, summarize
+        from stalwart.rl.objective import STATS, GRPOObjective, masked_cross_entropy, summarize
 
         t0 = time.perf_counter()
         core = self.core
-        if core.state.step + 1 != step:
-            raise RuntimeError(f"trainer {self.rank} is at step {core.state.step}; step {step} cannot follow it")
-        batches = [Batch(torch.from_numpy(x), torch.from_numpy(r)) for x, r in micro]
+        if self.done + 1 != step:
+            raise RuntimeError(f"trainer {self.rank} has done step {self.done}; step {step} cannot follow it")
         r = self.cfg.rl
+        records, stats = [], torch.zeros(len(STATS), dtype=torch.float64)
+        for j, micro in enumerate(updates):
+            batches = [Batch(torch.from_numpy(x), torch.from_numpy(rows)) for x, rows in micro]
+            if self.phase != "rl":
+                records.append(core.train_step(batches, loss_fn=masked_cross_entropy))
+                continue
+            objective = GRPOObjective(r.clip_low, r.clip_high, r.aggregation, r.kl_coef, track_mismatch=j == 0)
+            records.append(core.train_step(batches, loss_fn=objective))
+            stats[[0, 1, 2, 3, 5, 7, 8]] += objective.stats[[0, 1, 2, 3, 5, 7, 8]]
+            stats[[4, 6]] = torch.maximum(stats[[4, 6]], objective.stats[[4, 6]])
+        record = {"loss": sum(x["loss"] for x in records) / len(records),
+                  "grad_norm": sum(x["grad_norm"] for x in records) / len(records),
+                  "lr": records[-1]["lr"], "optimizer_steps": core.state.step, "updates": len(records)}
         if self.phase == "rl":
-            objective = GRPOObjective(r.clip_low, r.clip_high, r.aggregation, r.kl_coef)
-            record = core.train_step(batches, loss_fn=objective)
-            stats = objective.stats
             if dist.is_initialized():
                 maxima = stats[[4, 6]].clone()
                 dist.all_reduce(stats)
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
                 stats[[4, 6]] = maxima
             record.update(summarize(stats))
-        else:
-            record = core.train_step(batches, loss_fn=masked_cross_entropy)
+        self.done = step
         record["trainer_s"] = time.perf_counter() - t0
         return record
 
@@ -144,7 +155,7 @@ class PolicyTrainerActor(Actor):
         t0 = time.perf_counter()
         model_sd, _ = self._full_state(False)
         out = to_numpy(dict(model_sd)) if self.rank == 0 else {}
-        return {"weights": out, "gather_s": time.perf_counter() - t0, "step": self.core.state.step}
+        return {"weights": out, "gather_s": time.perf_counter() - t0, "step": self.done}
 
     @endpoint
     def snapshot(self) -> dict[str, Any]:
@@ -152,7 +163,8 @@ class PolicyTrainerActor(Actor):
         model_sd, optim_sd = self._full_state(True)
         if self.rank != 0:
             return {}
-        return {"model": to_numpy(dict(model_sd)), "optim": to_numpy(optim_sd), "step": self.core.state.step}
+        return {"model": to_numpy(dict(model_sd)), "optim": to_numpy(optim_sd), "step": self.done,
+                "optimizer_steps": self.core.state.step}
 
     @endpoint
     def restore(self, snap: dict[str, Any]) -> dict[str, Any]:
@@ -168,8 +180,9 @@ class PolicyTrainerActor(Actor):
         else:
             core.model.load_state_dict(model_sd)
             core.optimizer.load_state_dict(optim_sd)
-        core.state.step = int(snap["step"])
-        return {"rank": self.rank, "step": core.state.step}
+        core.state.step = int(snap["optimizer_steps"])
+        self.done = int(snap["step"])
+        return {"rank": self.rank, "step": self.done}
 
     @endpoint
     def leave(self) -> None:
