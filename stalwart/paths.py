@@ -205,6 +205,12 @@ class RunPaths:
     def excluded(self) -> Path:
         return self.ft_dir / "excluded.json"
 
+    @property
+    def policy(self) -> Path:
+        """`stalwart rl`'s final policy: a run directory of its own (config, tokenizer, checkpoint), so
+        `stalwart generate --run`, `stalwart serve --run` and `stalwart export --run` read it."""
+        return self.root / "policy"
+
     # -- single controller ----------------------------------------------------------------------
     @property
     def controller_dir(self) -> Path:

@@ -249,7 +249,21 @@ class RLDriver:
         curve = run_rl(self)
         final = self.evaluate("final")
         self._eval_record(cfg.rl.steps, final)
+        curve["policy"] = self._save_policy()
         return self._summary(sft_fig, start, final, curve)
+
+    def _save_policy(self) -> str:
+        """The trained policy as a run directory of its own: a training config that names its model
+        shape, the tokenizer, and a checkpoint the trainers write in Stalwart's checkpoint format."""
+        from stalwart.config.job import DataConfig, JobConfig, RunConfig
+
+        out = RunPaths(self.paths.policy)
+        out.root.mkdir(parents=True, exist_ok=True)
+        job = JobConfig(run=RunConfig(name=f"{self.cfg.run.name}-policy", dir=str(out.root), seed=self.cfg.run.seed),
+                        model=self.cfg.model, data=DataConfig(seq_len=self.length + 1))
+        out.config.write_text(to_toml(job))
+        out.tokenizer.write_text(self.tok.to_str(pretty=True))
+        return self.trainers.call_all("save_policy", (str(out.checkpoints),), SETUP_S)[0]
 
     def _eval_record(self, step: int, ev: dict[str, Any]) -> None:
         self.metrics.write({"step": step, "kind": "eval", "held_out_reward": ev["held_out_reward"],

@@ -185,6 +185,20 @@ class PolicyTrainerActor(Actor):
         return {"rank": self.rank, "step": self.done}
 
     @endpoint
+    def save_policy(self, root: str) -> str:
+        """A checkpoint of the policy (model and optimizer) in Stalwart's checkpoint format under ``root``
+        (collective across the trainers under sharding); returns its path."""
+        from pathlib import Path
+
+        from stalwart.checkpoint.manager import CheckpointManager
+        from stalwart.config.job import CheckpointConfig
+
+        mgr = CheckpointManager(Path(root), CheckpointConfig(async_save=False, keep_last=1), self.rank, self.world,
+                                lambda *a, **k: None)
+        path = mgr.save(self.done, self.core.model, self.core.optimizer, {"tokens_seen": 0}, block=True)
+        return str(path)
+
+    @endpoint
     def leave(self) -> None:
         import torch.distributed as dist
 
