@@ -114,7 +114,14 @@ def test_staleness_bound():
 
 
 def test_packed_rows_line_up_targets_old_logprobs_and_mask():
-    from stalwart.rl.rollout import ADVANTAGE, MASK, OLD_LOGP, ON_POLICY, TOKEN, pack_group
+    from stalwart.rl.rollout import (
+        ADVANTAGE,
+        MASK,
+        OLD_LOGP,
+        ON_POLICY,
+        TOKEN,
+        pack_group,
+    )
 
     g = _group(1, 0, [1.0, 0.0, 0.0])
     inputs, rows = pack_group(g, np.array([2.0, -1.0, -1.0]), 8, 0, 0.5, 0, False)
@@ -135,7 +142,14 @@ def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(
     the whole batch."""
     from stalwart.rl.grpo import policy_loss
     from stalwart.rl.objective import GRPOObjective, token_logprobs
-    from stalwart.rl.rollout import MASK, OLD_LOGP, TOKEN, advantages, aggregation_weights, pack_group
+    from stalwart.rl.rollout import (
+        MASK,
+        OLD_LOGP,
+        TOKEN,
+        advantages,
+        aggregation_weights,
+        pack_group,
+    )
 
     torch.manual_seed(0)
     groups = [_group(1, i, [float(i % 2), 1.0, 0.0, 0.5]) for i in range(4)]

@@ -12,7 +12,14 @@ from typing import Literal
 
 from stalwart.config.controller import ControllerConfig
 from stalwart.config.core import ConfigError, option, section
-from stalwart.config.job import CommConfig, MetricsConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RunConfig
+from stalwart.config.job import (
+    CommConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    RunConfig,
+)
 from stalwart.config.serve import EngineConfig
 
 

@@ -27,7 +27,7 @@ from monarch.actor import Actor, endpoint
 from stalwart.config.job import JobConfig
 
 
-def _init_group(rank: int, world: int, store_port: int, attempt: int, timeout_s: float, setup_s: float) -> None:
+def init_group(rank: int, world: int, store_port: int, attempt: int, timeout_s: float, setup_s: float) -> None:
     """The default process group of attempt ``attempt``: the controller serves the TCP store, each
     attempt uses its own key prefix, so a rebuilt group never meets a dead one's keys. Every rank
     first waits (up to ``setup_s``) until all have arrived: a respawned actor takes far longer to
@@ -89,7 +89,7 @@ class TrainerActor(Actor):
         self.rank = rank
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(world)))
         torch.set_num_threads(cfg.launch.threads(world))
-        _init_group(rank, world, store_port, attempt, collective_timeout_s, setup_s)
+        init_group(rank, world, store_port, attempt, collective_timeout_s, setup_s)
         if attempt > 0:  # the run's checkpoints are this job's own now: a rebuild never refuses them
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
         env = DistEnv(rank, world, rank, world, torch.device("cpu"))

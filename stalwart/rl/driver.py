@@ -19,8 +19,8 @@ replayed from the batches the controller kept; a replayed step must reproduce it
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import statistics
 import time
 from datetime import timedelta
 from typing import Any
@@ -35,7 +35,12 @@ from stalwart.metrics.records import EventLog, JsonlWriter
 from stalwart.paths import RunPaths
 from stalwart.rl import rollout
 from stalwart.rl.pools import Pool, deal
-from stalwart.rl.setup import TaskSetup, build_tokenizer, max_prompt_tokens, prompt_text, sft_rows
+from stalwart.rl.setup import (
+    TaskSetup,
+    build_tokenizer,
+    max_prompt_tokens,
+    prompt_text,
+)
 
 SETUP_S = 600.0
 
@@ -201,11 +206,16 @@ class RLDriver:
         groups, _ = self._collect_generate(self._send_generate(reqs))
         self._score(groups)
         fam: dict[str, list[float]] = {}
+        examples: dict[str, dict[str, Any]] = {}
         for g in groups:
-            fam.setdefault(g.request.instance.family, []).extend(g.rewards)
+            inst = g.request.instance
+            fam.setdefault(inst.family, []).extend(g.rewards)
+            if inst.family not in examples:  # one response per family, to read what the policy writes
+                examples[inst.family] = {"prompt": inst.prompt, "program": self._program(g.responses[0]),
+                                         "reward": g.rewards[0], "verdict": g.verdicts[0]}
         allr = [x for g in groups for x in g.rewards]
         return {"held_out_reward": float(np.mean(allr)), "per_family": {k: float(np.mean(v)) for k, v in sorted(fam.items())},
-                "held_out_instances": len(groups)}
+                "held_out_instances": len(groups), "examples": examples}
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
@@ -215,12 +225,11 @@ class RLDriver:
             self._spawn()
             return self._run()
         finally:
-            for mesh in ("trainers",):
-                if hasattr(self, mesh):
-                    getattr(self, mesh).stop()
-            for pool in ("gen", "rew"):
-                if hasattr(self, pool):
-                    getattr(self, pool).mesh.stop()
+            meshes = [getattr(self, "trainers", None)] + [p.mesh for p in (getattr(self, "gen", None),
+                                                                          getattr(self, "rew", None)) if p]
+            for mesh in meshes:
+                if mesh is not None:
+                    mesh.stop()
             if self.journal is not None:
                 self.journal.close()
             self.metrics.close()
@@ -274,16 +283,13 @@ class RLDriver:
         summary = {"kind": "rl", "mode": self.cfg.rl.mode, "steps": self.cfg.rl.steps,
                    "initial_reward_mean": start["held_out_reward"], "final_reward_mean": final["held_out_reward"],
                    "final_per_family": final["per_family"], "initial_per_family": start["per_family"],
+                   "final_examples": final["examples"],
                    "held_out_instances": final["held_out_instances"], "sft": sft_fig,
                    "replacements": {"generator": self.gen.replacements, "reward": self.rew.replacements,
                                     "trainer": curve.get("trainer_recoveries", 0)},
                    "wall_s": time.time() - self.t0, **{k: v for k, v in curve.items() if k != "trainer_recoveries"}}
-        self.paths.summary.write_text(__import__("json").dumps(summary, indent=1))
+        self.paths.summary.write_text(json.dumps(summary, indent=1))
         return summary
-
-
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def run_rl_job(cfg: RLConfig) -> int:

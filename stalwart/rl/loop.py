@@ -31,7 +31,7 @@ def sft(d) -> dict[str, Any]:
         d._build_trainers("sft", 1, cfg.sft.steps)
         rows = sft_rows(d.tok, d.eos, d.task.sft, d.length, d.pad, n)
         for s in range(1, cfg.sft.steps + 1):
-            rec = d.trainers.call_all("train", lambda r: (s, [[rows[r]]]), cfg.controller.step_timeout_s)[0]
+            rec = d.trainers.call_all("train", lambda r, s=s: (s, [[rows[r]]]), cfg.controller.step_timeout_s)[0]
             loss = rec["loss"]
             d.metrics.write({"step": s, "kind": "sft", "loss": loss, "grad_norm": rec["grad_norm"],
                              "elapsed_s": time.time() - d.t0})

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from stalwart.rl.grpo import kl_k3
-from stalwart.rl.rollout import ADVANTAGE, MASK, OLD_LOGP, ON_POLICY, REF_LOGP, TOKEN, WEIGHT
+from stalwart.rl.rollout import (
+    ADVANTAGE,
+    MASK,
+    OLD_LOGP,
+    ON_POLICY,
+    REF_LOGP,
+    TOKEN,
+    WEIGHT,
+)
 
 STATS = ("tokens", "clipped", "kl_sum", "mismatch_sum", "mismatch_max", "onpolicy_tokens", "ratio_max",
          "policy_sum", "entropy_sum")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stalwart.config.rl import RLConfig
-from stalwart.rl.rollout import MASK, TOKEN, WEIGHT, CHANNELS
+from stalwart.rl.rollout import CHANNELS, MASK, TOKEN, WEIGHT
 from stalwart.rl.tasks import Instance, split
 
 
@@ -36,7 +36,7 @@ class TaskSetup:
     evaluated: list[Instance]  # the held-out instances every evaluation measures
 
     @classmethod
-    def of(cls, cfg: RLConfig) -> "TaskSetup":
+    def of(cls, cfg: RLConfig) -> TaskSetup:
         seed = cfg.run.seed
         train, held = split(seed, cfg.task.held_out_fraction)
         n = cfg.sft.examples_per_family

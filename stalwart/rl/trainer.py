@@ -65,12 +65,12 @@ class PolicyTrainerActor(Actor):
              setup_s: float) -> dict[str, Any]:
         import torch
 
-        from stalwart.controller.actor import _init_group
+        from stalwart.controller.actor import init_group
 
         torch.set_num_threads(1)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.core = None
-        _init_group(rank, world, store_port, attempt, timeout_s, setup_s)
+        init_group(rank, world, store_port, attempt, timeout_s, setup_s)
         return {"rank": rank, "pid": os.getpid()}
 
     @endpoint
@@ -107,7 +107,12 @@ class PolicyTrainerActor(Actor):
         import torch.distributed as dist
 
         from stalwart.data.loader import Batch
-        from stalwart.rl.objective import STATS, GRPOObjective, masked_cross_entropy, summarize
+        from stalwart.rl.objective import (
+            STATS,
+            GRPOObjective,
+            masked_cross_entropy,
+            summarize,
+        )
 
         t0 = time.perf_counter()
         core = self.core
@@ -140,7 +145,10 @@ class PolicyTrainerActor(Actor):
 
     def _full_state(self, optimizer: bool) -> tuple[dict, dict | None]:
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         core = self.core
         if not dist.is_initialized():
@@ -170,7 +178,10 @@ class PolicyTrainerActor(Actor):
     def restore(self, snap: dict[str, Any]) -> dict[str, Any]:
         """Load a ``snapshot`` (every rank receives it; each keeps its own shard)."""
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
 
         core = self.core
         model_sd, optim_sd = to_torch(snap["model"]), to_torch(snap["optim"])
