@@ -110,6 +110,16 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
     assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
     p = run_cli("rl", "--config", "rl_code", "--rl.mode", "sideways", check=False)
     assert p.returncode == 2 and "rl.mode" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("rl", "--config", "rl_code", "--task.families", "add,subb", "--run.dir", str(tmp_path / "y"),
+                check=False)
+    assert p.returncode == 2 and "task.families: unknown family subb; choose from add, sub," in p.stderr
+    assert not (tmp_path / "y").exists()
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "summary.json").write_text("{}")
+    p = run_cli("rl", "--config", "rl_code", "--run.dir", str(done), check=False)
+    assert p.returncode == 2 and "already holds a run" in p.stderr
+    assert (done / "summary.json").read_text() == "{}" and sorted(x.name for x in done.iterdir()) == ["summary.json"]
 
 
 def test_adaptive_balancing_moves_a_worker_between_meshes_and_trains_every_group(tmp_path):

@@ -49,11 +49,16 @@ class SandboxOnlyConfig:
 class TaskConfig:
     held_out_fraction: float = option("Share of every problem family's instances kept out of fine-tuning and RL; "
                                       "the final reward is measured on them.", 0.3, min=0.05, max=0.9)
+    families: str = option("Problem families to use, comma-separated (empty = all 22; see stalwart/rl/tasks.py).",
+                           "")
     tests: int = option("Hidden test cases per problem instance (reward = passed / tests).", 3, min=1, max=50)
     eval_per_family: int = option("Held-out instances per family in an evaluation (a seeded choice, the same at "
                                   "every evaluation; 0 = all held-out instances).", 5, min=0)
     vocab_size: int = option("BPE vocabulary trained on the training instances' prompts and programs.", 512,
                              min=300, max=8192)
+
+    def family_names(self) -> list[str]:
+        return [f.strip() for f in self.families.split(",") if f.strip()]
 
 
 @dataclass

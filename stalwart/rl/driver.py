@@ -29,6 +29,7 @@ import numpy as np
 
 from stalwart.config.render import to_toml
 from stalwart.config.rl import RLConfig
+from stalwart.errors import UserError
 from stalwart.controller.journal import Journal
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
 from stalwart.metrics.records import EventLog, JsonlWriter
@@ -52,11 +53,11 @@ class RLDriver:
         run = dataclasses.replace(cfg.run, dir=str(RunPaths.of(cfg.run).root.resolve()))
         self.cfg = cfg = dataclasses.replace(cfg, run=run)
         self.paths = RunPaths.of(cfg.run)
+        self.task = TaskSetup.of(cfg)  # a config mistake is refused before the run directory is touched
         self.paths.root.mkdir(parents=True, exist_ok=True)
         self.paths.config.write_text(to_toml(cfg))
         self.events = EventLog(self.paths.events)
         self.metrics = JsonlWriter(self.paths.metrics)
-        self.task = TaskSetup.of(cfg)
         self.tok = build_tokenizer(self.task, cfg.task.vocab_size)
         self.paths.tokenizer.write_text(self.tok.to_str(pretty=True))
         from stalwart.data.tokenizer import eos_id
@@ -296,7 +297,11 @@ def run_rl_job(cfg: RLConfig) -> int:
     from stalwart.ft.runlock import RunLock
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with RunLock(RunPaths.of(cfg.run)):
+    paths = RunPaths.of(cfg.run)
+    if paths.metrics.exists() or paths.summary.exists():
+        raise UserError(f"run.dir {paths.root} already holds a run (an RL run does not resume); pass another "
+                        "--run.dir or remove that one")
+    with RunLock(paths):
         try:
             s = RLDriver(cfg).run()
         except ActorsFailed as e:

@@ -13,7 +13,8 @@ import numpy as np
 
 from stalwart.config.rl import RLConfig
 from stalwart.rl.rollout import CHANNELS, MASK, TOKEN, WEIGHT
-from stalwart.rl.tasks import Instance, split
+from stalwart.config.core import ConfigError
+from stalwart.rl.tasks import BY_NAME, Instance, split
 
 
 def prompt_text(inst: Instance) -> str:
@@ -39,6 +40,14 @@ class TaskSetup:
     def of(cls, cfg: RLConfig) -> TaskSetup:
         seed = cfg.run.seed
         train, held = split(seed, cfg.task.held_out_fraction)
+        wanted = set(cfg.task.family_names())
+        unknown = sorted(wanted - set(BY_NAME))
+        if unknown:
+            raise ConfigError(f"task.families: unknown famil{'ies' if len(unknown) > 1 else 'y'} "
+                              f"{', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+        if wanted:
+            train = [i for i in train if i.family in wanted]
+            held = [i for i in held if i.family in wanted]
         n = cfg.sft.examples_per_family
         by_family = _by_family(train, seed, "sft")
         sft = [i for fam in sorted(by_family) for i in by_family[fam][:n]]
