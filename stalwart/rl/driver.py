@@ -53,7 +53,7 @@ class RLDriver:
         run = dataclasses.replace(cfg.run, dir=str(RunPaths.of(cfg.run).root.resolve()))
         self.cfg = cfg = dataclasses.replace(cfg, run=run)
         self.paths = RunPaths.of(cfg.run)
-        self.task = TaskSetup.of(cfg)  # a config mistake is refused before the run directory is touched
+        self.task = TaskSetup.of(cfg)
         self.paths.root.mkdir(parents=True, exist_ok=True)
         self.paths.config.write_text(to_toml(cfg))
         self.events = EventLog(self.paths.events)
@@ -298,6 +298,7 @@ def run_rl_job(cfg: RLConfig) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     paths = RunPaths.of(cfg.run)
+    TaskSetup.of(cfg)  # a mistake in the task section is refused before the run directory is touched
     if paths.metrics.exists() or paths.summary.exists():
         raise UserError(f"run.dir {paths.root} already holds a run (an RL run does not resume); pass another "
                         "--run.dir or remove that one")
