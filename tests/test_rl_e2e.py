@@ -20,8 +20,8 @@ from conftest import REPO, cli_env, read_metrics, run_cli
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
 
-TINY = ["--config", "rl_code", "--rl.steps", "4", "--sft.steps", "8", "--rl.prompts_per_step", "4",
-        "--rl.group_size", "4", "--rl.max_tokens", "24", "--rl.eval_interval", "100", "--rl.eval_samples", "1",
+TINY = ["--config", "rl_code", "--rl.mode", "sync", "--rl.logprobs", "exact", "--rl.steps", "4", "--sft.steps", "8",
+        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_tokens", "24", "--rl.eval_interval", "100", "--rl.eval_samples", "1",
         "--task.tests", "2", "--workers.snapshot_interval", "2", "--controller.supervision_poll_s", "0.2"]
 COMPARED = ("reward_mean", "loss", "grad_norm", "logprob_mismatch_max", "clip_fraction", "train_tokens")
 
@@ -150,6 +150,7 @@ def test_rl_raises_the_held_out_reward_of_a_small_task(tmp_path):
     run = tmp_path / "learn"
     out = run_cli("rl", "--config", "rl_code", "--run.dir", str(run), "--task.families",
                   "add,sub,mul,length,list_count,word_count", "--rl.steps", "40", "--rl.prompts_per_step", "8",
+                  "--rl.group_size", "8", "--rl.mode", "sync", "--rl.logprobs", "exact", "--rl.eval_samples", "2",
                   "--rl.updates_per_step", "2", "--optimizer.lr", "5e-4", "--rl.eval_interval", "10",
                   timeout=400).stdout
     s = json.loads((run / "summary.json").read_text())

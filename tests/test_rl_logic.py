@@ -183,3 +183,10 @@ def test_balancer_moves_a_worker_to_the_longer_phase_and_holds_still_near_balanc
     # trainer counts must divide the prompts: 3 trainers cannot split 16 prompts, so 4 -> 2
     assert decide(9.0, 1.0, Layout(1, 4), prompts=16).to == Layout(3, 2)
     assert decide(0.1, 9.0, Layout(3, 1), prompts=16).to == Layout(2, 2)
+
+
+def test_hidden_tests_never_all_share_one_answer():
+    """A constant program ("print('no')" for "greater than 90") must not pass every hidden case."""
+    for seed in (0, 1):
+        for inst in all_instances():
+            assert len({c.output for c in inst.cases(3, seed)}) >= 2, (seed, inst.key)

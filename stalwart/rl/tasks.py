@@ -138,7 +138,9 @@ class Instance:
         return BY_NAME[self.family].program(self.params)
 
     def cases(self, n: int, seed: int) -> list[Case]:
-        """n hidden test cases, distinct inputs where the family has enough of them."""
+        """n hidden test cases, distinct inputs where the family has enough of them, and at least two
+        distinct answers where the instance has them (else a program printing a constant, "no" for
+        "greater than 90", "0" for counting a rare letter, would pass every case)."""
         fam = BY_NAME[self.family]
         rng = random.Random(f"{seed}/{self.key}")
         inputs: list[str] = []
@@ -148,7 +150,14 @@ class Instance:
                 inputs.append(s)
             if len(inputs) == n:
                 break
-        return [Case(s, fam.answer(s, self.params)) for s in inputs]
+        answers = [fam.answer(s, self.params) for s in inputs]
+        if n >= 2 and len(set(answers)) == 1:
+            for _ in range(n * 200):
+                s = fam.make_input(rng, self.params)
+                if s not in inputs and fam.answer(s, self.params) != answers[0]:
+                    inputs[-1], answers[-1] = s, fam.answer(s, self.params)
+                    break
+        return [Case(s, a) for s, a in zip(inputs, answers)]
 
 
 def all_instances() -> list[Instance]:
