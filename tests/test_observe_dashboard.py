@@ -295,3 +295,58 @@ def test_diagnose_reports_only_the_newest_attempt_and_whether_the_run_went_on(tm
     newest = run_cli("diagnose", str(tmp_path), "--json", check=False)
     a = json.loads(newest.stdout)
     assert list(a["ranks"]) == ["1"] and a["attempt"]["attempt"] == 1 and a["attempt"]["older_dumps"] == [0, 2]
+
+
+def _rl_run(root):
+    """An RL-shaped run directory: warm-up lines (kind sft) whose step numbers overlap the RL steps',
+    RL steps, held-out evaluations, and an RL summary."""
+    root.mkdir(parents=True)
+    lines = [{"step": s, "kind": "sft", "loss": 5.0 - 0.1 * s} for s in range(1, 21)]
+    for s in range(1, 31):
+        lines.append({"step": s, "kind": "rl", "reward_mean": s / 40, "loss": 0.01, "grad_norm": 0.5, "kl": 0.001 * s,
+                      "clip_fraction": 0.01, "logprob_mismatch_max": 0.0, "staleness_max": 1 if s > 1 else 0,
+                      "rollout_tokens_per_s": 2000.0, "trainer_tokens_per_s": 4000.0, "generator_idle_frac": 0.3,
+                      "trainer_idle_frac": 0.6})
+    lines += [{"step": s, "kind": "eval", "held_out_reward": 0.1 + s / 50} for s in (0, 10, 20, 30)]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (root / "summary.json").write_text(json.dumps({"kind": "rl", "steps": 30, "initial_reward_mean": 0.1,
+                                                   "final_reward_mean": 0.7}))
+    return root
+
+
+@pytest.mark.unit
+def test_rl_series_keep_the_warm_up_out_of_the_curves(tmp_path):
+    from stalwart.observe.series import RunSeries
+
+    q = RunSeries(_rl_run(tmp_path / "rl")).query()
+    f = q["fields"]
+    assert f["loss"]["y"] == [0.01] * 30  # the sft lines (loss 3.0-4.9 at steps 1-20) are not the RL curve
+    assert f["reward_mean"]["y"][-1] == 0.75 and f["held_out_reward"]["x"] == [0, 10, 20, 30]
+    assert q["last_step"] == 30 and f["staleness_max"]["y"][:2] == [0, 1]
+
+
+@pytest.mark.e2e
+def test_dashboard_shows_rl_charts_only_for_rl_runs(browser, run, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    rl = _rl_run(tmp_path / "runs" / "rl")
+    server, url = serve_in_thread(rl)
+    try:
+        browser.get(url)
+        _wait(browser, "document.body.dataset.rl === '1'")
+        for chart, n in (("chart-reward", 31), ("chart-kl", 30), ("chart-staleness", 30), ("chart-idle", 30)):
+            el = browser.find_element(By.ID, chart)
+            assert el.is_displayed() and int(el.get_attribute("data-points")) == n, chart
+        assert browser.find_element(By.ID, "chart-reward").get_attribute("data-series") == \
+            "rl:reward_mean,rl:held_out_reward"
+        assert browser.find_element(By.ID, "run-status").text == "finished: 30 RL steps, held-out reward 0.1 -> 0.7"
+        _shot(browser, tmp_path, "dashboard-rl.png")
+    finally:
+        _leave(browser, server)
+    server, url = serve_in_thread(run)  # a pre-training run: no RL section
+    try:
+        browser.get(url)
+        _wait(browser, "document.body.dataset.rl === '0'")
+        assert not browser.find_element(By.ID, "chart-reward").is_displayed()
+    finally:
+        _leave(browser, server)

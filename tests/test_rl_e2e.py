@@ -86,23 +86,6 @@ def test_sync_run_is_reproducible_and_loses_nothing_when_workers_are_killed(tmp_
     assert "held-out reward" in out
 
 
-def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_path):
-    run = tmp_path / "async"
-    run_cli("rl", *TINY, "--rl.mode", "async", "--rl.max_offpolicy_steps", "1", "--rl.logprobs", "engine",
-            "--run.dir", str(run), timeout=400)
-    steps = _rl_steps(run)
-    assert sorted(steps) == [1, 2, 3, 4]
-    assert all(m["staleness_max"] <= 1 for m in steps.values())
-    assert steps[1]["staleness_max"] == 0 and any(m["staleness_max"] == 1 for m in steps.values())
-    journal = [json.loads(x) for x in (run / "controller" / "journal.jsonl").read_text().splitlines()]
-    for e in journal:
-        if e["cmd"] == "step":
-            assert all(0 <= e["step"] - 1 - v <= 1 for v in e["versions"]), e
-    # engine log-probabilities: the sampling-time numbers, off by rounding from the trainer's recompute
-    on_policy = [m["logprob_mismatch_max"] for m in steps.values() if m["logprob_mismatch_max"] is not None]
-    assert on_policy and all(0 <= x < 1e-3 for x in on_policy)
-
-
 def test_bad_rl_settings_are_one_line_errors(tmp_path):
     p = run_cli("rl", "--config", "rl_code", "--workers.trainers", "3", "--run.dir", str(tmp_path / "x"),
                 check=False)
@@ -122,6 +105,24 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
     assert (done / "summary.json").read_text() == "{}" and sorted(x.name for x in done.iterdir()) == ["summary.json"]
 
 
+def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_path):
+    run = tmp_path / "async"
+    run_cli("rl", *TINY, "--rl.mode", "async", "--rl.max_offpolicy_steps", "1", "--rl.logprobs", "engine",
+            "--run.dir", str(run), timeout=400)
+    steps = _rl_steps(run)
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert all(m["staleness_max"] <= 1 for m in steps.values())
+    assert steps[1]["staleness_max"] == 0 and any(m["staleness_max"] == 1 for m in steps.values())
+    journal = [json.loads(x) for x in (run / "controller" / "journal.jsonl").read_text().splitlines()]
+    for e in journal:
+        if e["cmd"] == "step":
+            assert all(0 <= e["step"] - 1 - v <= 1 for v in e["versions"]), e
+    # engine log-probabilities: the sampling-time numbers, off by rounding from the trainer's recompute
+    on_policy = [m["logprob_mismatch_max"] for m in steps.values() if m["logprob_mismatch_max"] is not None]
+    assert on_policy and all(0 <= x < 1e-3 for x in on_policy)
+    assert json.loads((run / "summary.json").read_text())["groups_trained"] == 16
+
+
 def test_adaptive_balancing_moves_a_worker_between_meshes_and_trains_every_group(tmp_path):
     """Generation-heavy steps on one generator and two trainers: after the first window the balancer
     turns a trainer into a generator; the trainers' state crosses the move through a snapshot."""
@@ -134,13 +135,12 @@ def test_adaptive_balancing_moves_a_worker_between_meshes_and_trains_every_group
     assert [e["step"] for e in decisions] == [2]
     d = decisions[0]
     assert d["generator_busy_s"] > 0 and d["trainer_busy_s"] > 0
-    moves = [e for e in ev if e["event"] == "rl_rebalance"]
     assert d["move"] == [2, 1], d  # generation is the longer phase here
+    moves = [e for e in ev if e["event"] == "rl_rebalance"]
     assert moves[0]["generators"] == [1, 2] and moves[0]["trainers"] == [2, 1]
     steps = _rl_steps(run)
     assert [(steps[s]["generators"], steps[s]["trainers"]) for s in (1, 2, 3, 4)] == [(1, 2), (1, 2), (2, 1), (2, 1)]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["groups_trained"] == 16
+    assert json.loads((run / "summary.json").read_text())["groups_trained"] == 16
 
 
 def test_rl_raises_the_held_out_reward_of_a_small_task(tmp_path):

@@ -54,6 +54,12 @@ are in each legend</span></div>
 <section><h2>Throughput (tokens/s)</h2><div id="chart-tps" class="chart"></div></section>
 <section><h2>MFU</h2><div id="chart-mfu" class="chart"></div></section>
 <section><h2>Step time (solid) / data wait (dashed), s</h2><div id="chart-step" class="chart"></div></section>
+<section class="rl"><h2>RL reward (solid) / held-out reward (dashed)</h2><div id="chart-reward" class="chart"></div></section>
+<section class="rl"><h2>KL to the reference (solid) / clip fraction (dashed)</h2><div id="chart-kl" class="chart"></div></section>
+<section class="rl"><h2>Log-probability mismatch, generator vs trainer (max)</h2><div id="chart-mismatch" class="chart"></div></section>
+<section class="rl"><h2>Staleness of trained samples, weight versions (max)</h2><div id="chart-staleness" class="chart"></div></section>
+<section class="rl"><h2>Rollout tokens/s (solid) / trainer tokens/s (dashed)</h2><div id="chart-rl-tps" class="chart"></div></section>
+<section class="rl"><h2>Idle share: generators (solid) / trainers (dashed)</h2><div id="chart-idle" class="chart"></div></section>
 <section class="wide"><h2>Per-rank heat map <select id="hm-field"></select></h2><div id="heatmap"></div></section>
 <section class="wide" id="experts-section"><h2>Expert load per step <select id="expert-layer"></select></h2>
 <div id="experts"></div><div id="chart-balance" class="chart"></div></section>

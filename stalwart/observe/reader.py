@@ -15,7 +15,8 @@ from stalwart.observe.goodput import account
 from stalwart.observe.profiler import list_profiles
 from stalwart.paths import RunPaths
 
-TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_bytes")
+TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_bytes",
+                "reward_mean")
 
 
 def _num(v: Any) -> float | None:
@@ -41,7 +42,7 @@ def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 50
     events = read_jsonl(paths.events)
     timings = load_timings(run_dir)
     # NOTE: after a restart, steps are recomputed; the curves show each step's newest record.
-    newest = {m["step"]: m for m in metrics if "loss" in m and "step" in m}
+    newest = {m["step"]: m for m in metrics if "loss" in m and "step" in m and m.get("kind") != "sft"}
     train = [{"step": s, **{k: _num(m.get(k)) for k in TRAIN_FIELDS}, "time": m.get("time")}
              for s, m in sorted(newest.items())]
     evals = [{"step": m["step"], "eval_loss": _num(m.get("eval_loss")), "time": m.get("time")}

@@ -25,8 +25,12 @@ import numpy as np
 from stalwart.observe.downsample import downsample
 from stalwart.paths import RunPaths
 
-FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_bytes")
+FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_bytes",
+          # `stalwart rl` steps (their warm-up fine-tuning lines, kind "sft", are not the run's curve)
+          "reward_mean", "kl", "clip_fraction", "logprob_mismatch_max", "staleness_max", "rollout_tokens_per_s",
+          "trainer_tokens_per_s", "generator_idle_frac", "trainer_idle_frac")
 EVAL = "eval_loss"
+EVALS = (EVAL, "held_out_reward")  # evaluation lines: pre-training's eval loss, RL's held-out reward
 RUN_MARKERS = ("metrics.jsonl", "events.jsonl", "config.toml")
 
 
@@ -120,7 +124,7 @@ class RunSeries:
         self.gen = 0
         self.records = 0
         self.train = _Column(FIELDS)
-        self.eval = _Column((EVAL,))
+        self.eval = _Column(EVALS)
         self.lock = threading.Lock()
 
     def update(self) -> None:
@@ -151,8 +155,8 @@ class RunSeries:
                 except json.JSONDecodeError:
                     continue  # a torn or foreign line: skip it, as the other readers do
         recs = [r for r in recs if isinstance(r, dict) and r.get("step").__class__ is int]
-        changed = self.train.extend([r for r in recs if "loss" in r])
-        changed |= self.eval.extend([r for r in recs if EVAL in r])
+        changed = self.train.extend([r for r in recs if "loss" in r and r.get("kind") != "sft"])
+        changed |= self.eval.extend([r for r in recs if any(f in r for f in EVALS)])
         self.records += len(recs)
         if changed:
             self.gen += 1
@@ -164,7 +168,7 @@ class RunSeries:
             full = since is None or gen != self.gen
             cut = None if full else since
             fields = self.train.view(cut, points)
-            fields[EVAL] = self.eval.view(cut, points)[EVAL]
+            fields.update(self.eval.view(cut, points))
             last = self.train.steps[-1] if self.train.steps else None
             return {"gen": self.gen, "full": full, "last_step": last, "steps_logged": len(self.train.steps),
                     "since": cut, "fields": fields}

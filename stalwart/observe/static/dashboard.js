@@ -8,7 +8,14 @@ const POINTS = 2000;            // per field, downsampled on the server (LTTB)
 const CHARTS = [                 // [element id, fields]; the first field solid, the second dashed
   ["chart-loss", ["loss", "eval_loss"]], ["chart-lr", ["lr"]], ["chart-gnorm", ["grad_norm"]],
   ["chart-tps", ["tokens_per_s"]], ["chart-mfu", ["mfu"]], ["chart-step", ["step_time_s", "data_wait_s"]],
+  // `stalwart rl` runs (their sections are shown only when a picked run has RL steps)
+  ["chart-reward", ["reward_mean", "held_out_reward"]], ["chart-kl", ["kl", "clip_fraction"]],
+  ["chart-mismatch", ["logprob_mismatch_max"]], ["chart-staleness", ["staleness_max"]],
+  ["chart-rl-tps", ["rollout_tokens_per_s", "trainer_tokens_per_s"]],
+  ["chart-idle", ["generator_idle_frac", "trainer_idle_frac"]],
 ];
+const RL_CHARTS = new Set(["chart-reward", "chart-kl", "chart-mismatch", "chart-staleness", "chart-rl-tps",
+                           "chart-idle"]);
 const MARKS = /restart|recover|rollback|resumed|failure|skip|spike|exclu|controller_start/;
 const S = {runs: [], picked: null, focus: null, data: {}, panels: null, charts: {}, sigs: {},
            smooth: 0, log: false, zoomed: false, xrange: null, syncing: false, marks: []};
@@ -75,8 +82,10 @@ function tableFor(fields) {
     const d = S.data[rid];
     if (!d) return;
     fields.forEach((f, fi) => {
-      const s = d.fields[f];
-      if (s && s.x.length) { parts.push([s.x, shown(s.y, fi === 0)]); meta.push({rid, f, ri, fi}); }
+      const s = d.fields[f];   // a field no line of the run carries (all null) is not drawn
+      if (s && s.x.length && s.y.some((v) => v != null)) {
+        parts.push([s.x, shown(s.y, fi === 0)]); meta.push({rid, f, ri, fi});
+      }
     });
   });
   return parts.length ? {data: uPlot.join(parts), meta} : null;
@@ -130,6 +139,9 @@ function newChart(box, t) {
 }
 
 function renderCharts() {
+  const rl = CHARTS.some(([id, fields]) => RL_CHARTS.has(id) && tableFor(fields));
+  document.querySelectorAll("section.rl").forEach((el) => { el.style.display = rl ? "" : "none"; });
+  document.body.dataset.rl = rl ? "1" : "0";
   for (const [id, fields] of CHARTS) {
     const box = byId(id), t = tableFor(fields);
     if (!t) {
@@ -197,9 +209,11 @@ function renderFocus() {
 function renderHeader(p) {
   const s = p && p.summary, last = p && p.last;
   byId("run-name").textContent = S.focus || "";
-  byId("run-status").textContent = s
-    ? `finished: ${s.steps} steps, final loss ${fmt(s.final_loss)}, ${fmt(s.tokens_per_s)} tok/s, ` +
+  byId("run-status").textContent = s && s.kind === "rl"
+    ? `finished: ${s.steps} RL steps, held-out reward ${fmt(s.initial_reward_mean)} -> ${fmt(s.final_reward_mean)}`
+    : s ? `finished: ${s.steps} steps, final loss ${fmt(s.final_loss)}, ${fmt(s.tokens_per_s)} tok/s, ` +
       `MFU ${fmt(100 * (s.mfu || 0))}%`
+    : last && last.reward_mean != null ? `running: RL step ${last.step}, reward ${fmt(last.reward_mean)}`
     : last ? `running: step ${last.step}, loss ${fmt(last.loss)}` : p ? "no metrics yet" : "reading the run...";
   byId("updated").textContent = "updated " + new Date().toLocaleTimeString() + (STATIC ? " (static report)" : " (live)");
 }
