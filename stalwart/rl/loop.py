@@ -116,13 +116,10 @@ class Stepper:
         for s in range(1, r.steps + 1):
             t0 = time.perf_counter()
             busy0 = (sum(d.gen.busy_s), sum(d.rew.busy_s))
-            for t in range(s + 1, min(s + self.ahead, r.steps) + 1):
+            for t in range(s + 1, min(s + self.ahead, r.steps) + 1):  # the generators run ahead meanwhile
                 if t not in self.inflight:
                     self.inflight[t] = d._send_generate(self.plan(t))
             groups, gfig = self.groups_for(s)
-            for t in range(s + 1, min(s + self.ahead, r.steps) + 1):  # keep the generators busy meanwhile
-                if t not in self.inflight:
-                    self.inflight[t] = d._send_generate(self.plan(t))
             sfig = d._score(groups)
             per_rank = self.pack(s, groups)
             stale = [rollout.staleness(g.version, s) for g in groups]
