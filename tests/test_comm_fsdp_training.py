@@ -25,3 +25,10 @@ def test_custom_fsdp_collectives_give_the_same_losses(tmp_path, nproc, algorithm
     assert sorted(want) == sorted(got) == [1, 2, 3, 4]
     for step in want:
         assert abs(want[step] - got[step]) <= 1e-5 * abs(want[step]), (step, want[step], got[step])
+    # By default each block's all-gather runs on the comm thread while the previous block computes; the
+    # same algorithms issued synchronously (--comm.overlap false) give the same bits.
+    ran = json.loads((tmp_path / "custom" / "summary.json").read_text())["custom_collectives"]
+    assert ran["overlapped"] > 0 and ran["launched"] > ran["overlapped"], ran
+    train(tmp_path / "sync", nproc, "--comm.algorithm", algorithm, "--comm.placement", "block", "--comm.overlap", "false")
+    assert json.loads((tmp_path / "sync" / "summary.json").read_text())["custom_collectives"]["overlapped"] == 0
+    assert step_losses(tmp_path / "sync") == got

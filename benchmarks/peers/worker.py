@@ -4,6 +4,11 @@
 
 Prints one JSON line: tokens/s over the timed steps (all processes together), step time, FLOPs per token.
 
+``--dtype bfloat16`` runs every peer in mixed precision, fp32 master weights and optimizer: Stalwart with
+``training.dtype = "bfloat16"``, the others' forward and loss under ``torch.autocast("cpu", torch.bfloat16)``
+(what HF's Trainer does with ``bf16=True``; nanoGPT's train.py autocasts on GPU only, so this is the same
+mechanism applied to its model).
+
 The reference workload, the same in every peer: 4 layers, dim 256, 4 heads, seq 256, micro-batch 8 per
 process, vocab 256, fp32, AdamW (lr 1e-3, weight decay 0.1), gradient clipping at 1.0, random byte tokens.
 Each peer runs its own model code and its usual data-parallel wrapper:
@@ -37,7 +42,7 @@ def _tokens(rank: int, n: int = 4) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen) for _ in range(n)]
 
 
-def _stalwart(rank: int, world: int):
+def _stalwart(rank: int, world: int, dtype: str):
     from stalwart.bench.throughput import reference_args
     from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
                                      TrainingConfig)
@@ -48,15 +53,18 @@ def _stalwart(rank: int, world: int):
     args = reference_args()
     spec = CoreSpec(args, ParallelismConfig(), CommConfig(), OptimizerConfig(lr=1e-3),
                     SchedulerConfig(kind="constant", warmup_steps=0),
-                    TrainingConfig(steps=10**6, global_batch=MICRO * world, micro_batch=MICRO, dtype="float32",
+                    TrainingConfig(steps=10**6, global_batch=MICRO * world, micro_batch=MICRO, dtype=dtype,
                                    device="cpu"), SEQ, accum_steps=1)
     core = TrainCore.build(spec, DistEnv(rank, world, rank, world, torch.device("cpu")))
     batches = [[Batch(b[:, :-1], b[:, 1:])] for b in _tokens(rank)]
     return (lambda i: core.train_step(batches[i % len(batches)])), core.flops_per_token
 
 
-def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int):
-    """forward -> loss -> backward -> clip -> AdamW, DDP-wrapped with more than one process."""
+def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int, dtype: str):
+    """forward -> loss -> backward -> clip -> AdamW, DDP-wrapped with more than one process; forward and
+    loss under bf16 autocast when ``dtype`` is bfloat16."""
+    import contextlib
+
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -66,7 +74,8 @@ def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int):
 
     def step(i: int) -> None:
         b = data[i % len(data)]
-        loss = loss_of(model, b[:, :-1].contiguous(), b[:, 1:].contiguous())
+        with (torch.autocast("cpu", torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()):
+            loss = loss_of(model, b[:, :-1].contiguous(), b[:, 1:].contiguous())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -75,7 +84,7 @@ def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int):
     return step
 
 
-def _nanogpt(rank: int, world: int):
+def _nanogpt(rank: int, world: int, dtype: str):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from nanogpt_model import GPT, GPTConfig
 
@@ -84,10 +93,10 @@ def _nanogpt(rank: int, world: int):
                           dropout=0.0, bias=False))
     n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     flops = 6 * n + 12 * LAYERS * DIM * SEQ  # the same convention as Stalwart's flops_per_token
-    return _plain_loop(model, world, lambda m, x, y: m(x, y)[1], rank), flops
+    return _plain_loop(model, world, lambda m, x, y: m(x, y)[1], rank, dtype), flops
 
 
-def _hf(rank: int, world: int):
+def _hf(rank: int, world: int, dtype: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -102,7 +111,7 @@ def _hf(rank: int, world: int):
         logits = m(input_ids=x).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-    return _plain_loop(model, world, loss_of, rank), flops
+    return _plain_loop(model, world, loss_of, rank, dtype), flops
 
 
 PEERS = {"stalwart": _stalwart, "nanogpt": _nanogpt, "hf": _hf}
@@ -112,7 +121,7 @@ def _run(rank: int, world: int, port: int, opts: dict, out: str) -> None:
     torch.set_num_threads(opts["threads"])
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    step, flops = PEERS[opts["peer"]](rank, world)
+    step, flops = PEERS[opts["peer"]](rank, world, opts["dtype"])
     for i in range(opts["warmup"]):
         step(i)
     if world > 1:
@@ -126,7 +135,7 @@ def _run(rank: int, world: int, port: int, opts: dict, out: str) -> None:
     if rank == 0:
         tokens = opts["steps"] * MICRO * SEQ * world
         with open(out, "w") as fh:
-            json.dump({"peer": opts["peer"], "procs": world, "threads": opts["threads"],
+            json.dump({"peer": opts["peer"], "procs": world, "threads": opts["threads"], "dtype": opts["dtype"],
                        "tokens_per_s": tokens / elapsed, "step_s": elapsed / opts["steps"],
                        "flops_per_token": flops}, fh)
     if world > 1:
@@ -141,10 +150,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="threads per process")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a = p.parse_args(argv)
     import tempfile
 
-    opts = {"peer": a.peer, "threads": a.threads, "steps": a.steps, "warmup": a.warmup}
+    opts = {"peer": a.peer, "threads": a.threads, "steps": a.steps, "warmup": a.warmup, "dtype": a.dtype}
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
         if a.procs == 1:

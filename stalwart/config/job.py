@@ -277,6 +277,9 @@ class CommConfig:
         "the topology's ranks_per_host.", "detect")
     bucket_mb: float = option("Gradients are flattened into buckets of at most this many MiB per all-reduce.",
                               25.0, min=0.001)
+    overlap: bool = option("Run the custom algorithms on a communication thread and prefetch each block's "
+                           "all-gather while the previous block computes (false: every collective blocks the "
+                           "loop where FSDP issues it).", True)
 
 
 @dataclass

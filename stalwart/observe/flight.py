@@ -78,7 +78,9 @@ class FlightRecorder:
         self._armed = False  # "no progress" counts only after the first set_phase / mark_progress
         self.dumps = 0
         self.reasons: list[str] = []  # every dump's reason, oldest first (a later dump replaces the file)
-        self.blocked_s = 0.0  # perf_counter seconds spent inside synchronous collectives on this rank
+        self.blocked_s = 0.0  # perf_counter seconds the loop's thread spent inside synchronous collectives
+        self._loop_thread: int | None = None  # the thread that installed the recorder (the loop's)
+        self._wait_clocks: list[Callable[[], float]] = []
 
     # -- progress markers (called by the PhaseTimer / trainer) ----------------------------------
     def set_phase(self, phase: str | None, step: int | None = None) -> None:
@@ -89,8 +91,14 @@ class FlightRecorder:
         self.last_progress = self.phase_since
 
     def blocked_seconds(self) -> float:
-        """Seconds this rank spent blocked in synchronous collectives so far (a PhaseTimer comm_clock)."""
-        return self.blocked_s
+        """Seconds this rank's loop spent blocked in synchronous collectives so far (a PhaseTimer
+        comm_clock), with what every added wait clock counts (collectives run on another thread)."""
+        return self.blocked_s + sum(clock() for clock in self._wait_clocks)
+
+    def add_wait_clock(self, clock: Callable[[], float]) -> None:
+        """Also count ``clock()`` seconds as blocked: e.g. a communication thread's ``exposed_s``, the
+        loop's waits for collectives that thread runs (its own time there is not the loop's)."""
+        self._wait_clocks.append(clock)
 
     def mark_progress(self, step: int | None = None) -> None:
         if step is not None:
@@ -169,7 +177,7 @@ class FlightRecorder:
                 raise
             finally:
                 local.depth = 0
-                if not async_op:
+                if not async_op and threading.get_ident() == rec._loop_thread:
                     rec.blocked_s += time.perf_counter() - t0
             if async_op and out is not None:
                 rec._track_async(e, out)
@@ -203,6 +211,7 @@ class FlightRecorder:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
+        self._loop_thread = threading.get_ident()
         for name in COLLECTIVES + P2P:
             orig = getattr(c10d, name, None)
             if orig is None or getattr(orig, "_stalwart_flight", False):

@@ -73,5 +73,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         from stalwart.comm.selector import build_selector
 
         shard_group = meshes.fsdp.get_group(meshes.fsdp.ndim - 1)
-        pm.custom_comm_modules = install_on_fsdp(pm.stages, build_selector(comm_cfg, shard_group))
+        pm.comm_thread = install_on_fsdp(pm.stages, build_selector(comm_cfg, shard_group), comm_cfg.overlap)
+        pm.custom_comm_modules = pm.comm_thread.modules
     return pm

@@ -23,6 +23,7 @@ class ParallelModel:
     n_stages: int = 1
     loss_parallel: bool = False
     custom_comm_modules: int = 0  # FSDP modules whose collectives use Stalwart's algorithms
+    comm_thread: object = None  # comm/fsdp_comm.CommThread running them (None: built-in collectives)
     expert_comm: object = None  # ExpertComm: time in the expert all-to-alls (expert parallel only)
     # Mixed precision without FSDP (no mesh): run the stages with parameters cast to this dtype.
     cast_dtype: torch.dtype | None = None

@@ -85,6 +85,9 @@ class Trainer:
                                  peak.tflops * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg),
                                  profile_cfg=cfg.profile)
         self.core = TrainCore(spec, env, dims, self.observer.timer)
+        comm_thread = self.core.pm.comm_thread
+        if comm_thread is not None and self.observer.recorder is not None:
+            self.observer.recorder.add_wait_clock(lambda: comm_thread.exposed_s)
         self.data_loader = data
         self.loader = TimedLoader(data, self.observer)
         self.evaluator = Evaluator(cfg.eval, self.core, val_batches, self.observer)
@@ -155,6 +158,8 @@ class Trainer:
         }
         summary["sample"] = self._sample() if not stopped_early else None
         summary["fault_tolerance"] = self.guard.summary()
+        if self.core.pm.comm_thread is not None:  # the custom collectives, as rank 0 ran them
+            summary["custom_collectives"] = self.core.pm.comm_thread.summary()
         if self.env.is_main and trained:  # a session that trained nothing keeps the previous summary
             write_text_atomic(self.paths.summary, json.dumps(summary, indent=1))
         self.observer.events("stopped" if stopped_early else "finished", step=self.state.step, **{
