@@ -1,7 +1,7 @@
 """Stalwart beside its peers on the reference workload, measured in one interleaved session.
 
     python benchmarks/peer_bench.py --setup            # once: the peers' environment (pinned versions)
-    python benchmarks/peer_bench.py [--repeats 3] [--steps 8] [--configs 1x1,1x2,2x1]
+    python benchmarks/peer_bench.py [--repeats 3] [--steps 8] [--configs 1x1,1x2,2x1] [--dtypes float32,bfloat16]
 
 Peers (see benchmarks/peers/worker.py for exactly what each runs): Stalwart's training core,
 karpathy/nanoGPT's model.py (vendored at a fixed commit, MIT licence) and Hugging Face transformers'
@@ -49,10 +49,10 @@ def setup(venv: Path) -> None:
                    check=True)
 
 
-def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: int) -> dict:
+def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: int, dtype: str = "float32") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([str(py), str(WORKER), "--peer", peer, "--procs", str(procs), "--threads", str(threads),
-                           "--steps", str(steps), "--warmup", str(warmup)],
+                           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype],
                           capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{peer} {procs}x{threads} failed:\n{proc.stderr[-3000:]}")
@@ -60,18 +60,20 @@ def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: i
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Per configuration: every peer's repeats and median, and Stalwart's median over the best peer's."""
+    """Per configuration and precision: every peer's repeats and median, and Stalwart's median over the
+    best peer's."""
     rows = []
-    configs = sorted({(r["procs"], r["threads"]) for r in results}, key=lambda c: (c[0], c[1]))
-    for procs, threads in configs:
-        here = [r for r in results if (r["procs"], r["threads"]) == (procs, threads)]
+    configs = sorted({(r.get("dtype", "float32"), r["procs"], r["threads"]) for r in results},
+                     key=lambda c: (c[0] != "float32", c[1], c[2]))
+    for dtype, procs, threads in configs:
+        here = [r for r in results if (r.get("dtype", "float32"), r["procs"], r["threads"]) == (dtype, procs, threads)]
         runs = {p: [r["tokens_per_s"] for r in here if r["peer"] == p] for p in PEERS}
         medians = {p: statistics.median(v) for p, v in runs.items() if v}
         others = {p: m for p, m in medians.items() if p != "stalwart"}
         best = max(others, key=others.get) if others else None
         ratio = medians["stalwart"] / others[best] if best and "stalwart" in medians else None
-        rows.append({"procs": procs, "threads": threads, "runs": runs, "medians": medians, "best_peer": best,
-                     "ratio": ratio})
+        rows.append({"dtype": dtype, "procs": procs, "threads": threads, "runs": runs, "medians": medians,
+                     "best_peer": best, "ratio": ratio})
     return rows
 
 
@@ -84,7 +86,9 @@ def format_table(rows: list[dict]) -> str:
             v = row["runs"].get(p) or []
             cells.append(f"{row['medians'][p]:,.0f} ({', '.join(f'{x:,.0f}' for x in v)})" if v else "-")
         ratio = f"{row['ratio']:.2f}x vs {NAMES[row['best_peer']]}" if row["ratio"] else "-"
-        lines.append(f"| {row['procs']} process x {row['threads']} thread | " + " | ".join(cells) + f" | {ratio} |")
+        precision = "" if row.get("dtype", "float32") == "float32" else f", {row['dtype']}"
+        lines.append(f"| {row['procs']} process x {row['threads']} thread{precision} | " + " | ".join(cells)
+                     + f" | {ratio} |")
     return "\n".join(lines)
 
 
@@ -104,6 +108,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--configs", default="1x1,1x2,2x1", help="processes x threads per process, comma-separated")
     p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--dtypes", default="float32",
+                   help="precisions, comma-separated: float32 (the reference) and/or bfloat16 (mixed precision: "
+                        "Stalwart's training.dtype, the peers under torch.autocast)")
     p.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     a = p.parse_args(argv)
     if a.setup:
@@ -119,12 +126,13 @@ def main(argv: list[str]) -> int:
     results = []
     for rep in range(a.repeats):
         order = peers[rep % len(peers):] + peers[:rep % len(peers)]
-        for procs, threads in configs:
-            for peer in order:
-                r = measure(py, peer, procs, threads, a.steps, a.warmup)
-                results.append({**r, "repeat": rep})
-                print(f"repeat {rep + 1} {procs}x{threads} {peer:>8}: {r['tokens_per_s']:8.0f} tokens/s "
-                      f"({r['step_s'] * 1e3:.0f} ms/step)", flush=True)
+        for dtype in a.dtypes.split(","):
+            for procs, threads in configs:
+                for peer in order:
+                    r = measure(py, peer, procs, threads, a.steps, a.warmup, dtype)
+                    results.append({**r, "repeat": rep})
+                    print(f"repeat {rep + 1} {procs}x{threads} {dtype} {peer:>8}: {r['tokens_per_s']:8.0f} tokens/s "
+                          f"({r['step_s'] * 1e3:.0f} ms/step)", flush=True)
     print(f"after: {_uptime()}\n")
     print(format_table(summarize(results)))
     if a.json:

@@ -35,3 +35,13 @@ def test_vendored_nanogpt_keeps_its_licence_and_commit():
     source = (BENCH / "peers" / "nanogpt_model.py").read_text()
     assert "MIT License" in source and "Copyright (c) 2022 Andrej Karpathy" in source
     assert "3adf61e154c3fe3fca428ad6bc3818b27a3b8291" in source and "class GPT(nn.Module)" in source
+
+
+def test_table_keeps_precisions_apart():
+    bench = _load("peer_bench", BENCH / "peer_bench.py")
+    results = [{"peer": p, "procs": 1, "threads": 1, "tokens_per_s": x, "dtype": d}
+               for p, d, x in [("stalwart", "bfloat16", 300), ("nanogpt", "bfloat16", 200), ("hf", "bfloat16", 150),
+                               ("stalwart", "float32", 100), ("nanogpt", "float32", 125), ("hf", "float32", 90)]]
+    rows = bench.summarize(results)
+    assert [(r["dtype"], r["ratio"]) for r in rows] == [("float32", pytest.approx(0.8)), ("bfloat16", pytest.approx(1.5))]
+    assert "| 1 process x 1 thread, bfloat16 |" in bench.format_table(rows)
