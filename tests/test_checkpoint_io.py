@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -20,6 +21,7 @@ from stalwart.checkpoint.direct_io import HashingWriteStream, read_verified
 from stalwart.checkpoint.inspect import digest
 from stalwart.checkpoint.loader import rng_state
 from stalwart.checkpoint.snapshot import SnapshotStore
+from stalwart.checkpoint.verify import CheckpointError, verify_checkpoint
 from test_checkpoint_unit import manager, tiny, train_step
 
 pytestmark = pytest.mark.unit
@@ -52,9 +54,11 @@ def test_hashing_stream_and_verified_read_round_trip_exact_bytes(tmp_path, where
                     s.write(data[i:i + 5000])
                 assert s.tell() == n
             assert path.read_bytes() == data
-            assert seen[path.name] == (hashlib.sha256(data).hexdigest(), n)
-            got, sha = read_verified(path, chunk=chunk)
-            assert bytes(got) == data and sha == hashlib.sha256(data).hexdigest()
+            assert seen[path.name] == (xxhash.xxh3_128(data).hexdigest(), n)
+            got, digest = read_verified(path, chunk=chunk)
+            assert bytes(got) == data and digest == xxhash.xxh3_128(data).hexdigest()
+            got, digest = read_verified(path, chunk=chunk, algorithm="sha256")  # manifests written before
+            assert bytes(got) == data and digest == hashlib.sha256(data).hexdigest()
         finally:
             path.unlink(missing_ok=True)
 
@@ -69,7 +73,8 @@ def test_large_shards_are_written_by_parallel_writers_and_load_back(tmp_path, mo
     shards = sorted(n for n in manifest if n.endswith(".distcp"))
     assert shards == ["__0_0.distcp", "__0_1.distcp"]
     for name in shards:  # hashed while writing == hashed from the file
-        assert manifest[name]["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
+        assert manifest[name] == {"xxh3_128": xxhash.xxh3_128((path / name).read_bytes()).hexdigest(),
+                                  "bytes": (path / name).stat().st_size}
     before = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
     fresh, fresh_opt = tiny(seed=4)
     train_step(fresh, fresh_opt, 9)
@@ -101,6 +106,12 @@ def test_checkpoint_in_the_earlier_layout_still_loads(tmp_path):
     assert _same({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()},
                  {"model": model.state_dict(), "optim": opt.state_dict()})
     assert digest(path, "model.") == digest(tmp_path / "new" / "step-1", "model.")
+    shard = path / "__0_0.distcp"  # the earlier manifest's SHA-256 still catches a flipped byte
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(data)
+    with pytest.raises(CheckpointError, match="__0_0.distcp fails its checksum"):
+        verify_checkpoint(path)
 
 
 def test_snapshot_is_staged_off_the_loop_and_holds_the_state_of_its_step(tmp_path):

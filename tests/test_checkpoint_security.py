@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from conftest import TINY_RUN, run_cli
-from stalwart.checkpoint.manager import CheckpointManager, _sha256
+from stalwart.checkpoint.direct_io import HASH, file_digest
+from stalwart.checkpoint.manager import CheckpointManager
 from stalwart.checkpoint.safe_io import read_dcp_metadata
 from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, deserialize
 from stalwart.paths import RunPaths
@@ -45,7 +46,7 @@ def _rehash(ckpt: Path) -> None:
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for name in manifest["files"]:
         f = ckpt / name
-        manifest["files"][name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+        manifest["files"][name] = {HASH: file_digest(f), "bytes": f.stat().st_size}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -1,8 +1,11 @@
 """Loading a verified checkpoint into a model and optimizer, and the RNG state a checkpoint carries.
 
 The bytes come from :func:`~stalwart.checkpoint.verify.verify_checkpoint` (read once, checked against
-the manifest); DCP reads them from memory through the allow-listed reader and planner, so nothing is
-unpickled beyond plain data.
+the manifest); DCP reads them from memory, as they arrive from the disk, through the allow-listed
+reader and planner, so nothing is unpickled beyond plain data. Every digest is compared before the
+loaded state is accepted; a load that fails (a bad checksum, a refused or mismatched checkpoint) may
+have written part of the state into the model and optimizer already, so its caller falls back to
+another checkpoint (``CheckpointManager.load_resume``) or stops.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +62,9 @@ def _quiet_single_process():
 
 def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer | None) -> LoadedState:
-    """Load ``files`` (verified with ``keep=True``) into ``model`` (and ``optimizer``, if given) and
-    restore this rank's RNG state. The verified bytes are released as soon as they are loaded."""
+    """Load ``files`` (from ``verify_checkpoint(keep=True)``) into ``model`` (and ``optimizer``, if
+    given) and restore this rank's RNG state once every shard file has passed its checksum. The bytes
+    are released as soon as they are loaded."""
     path = files.path
     try:
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
@@ -75,17 +78,19 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
     else:
         state = {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
     try:
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=MemoryFileSystemReader(files), planner=SafeLoadPlanner(),
-                     no_dist=no_dist)
-    except UnsafeCheckpointError as e:
-        raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
-    except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (a BaseException)
-        raise CheckpointError(describe_load_failure(path, e)) from None
-    finally:  # the verified bytes are freed as soon as they are loaded; unmapping a large buffer
-        # takes a while, so it happens beside the caller
-        data, files.data = files.data, {}
-        threading.Thread(target=data.clear, name="free-verified", daemon=True).start()
+        try:
+            with _quiet_single_process():
+                dcp.load(state, storage_reader=MemoryFileSystemReader(files), planner=SafeLoadPlanner(),
+                         no_dist=no_dist)
+        except UnsafeCheckpointError as e:
+            files.check()  # a corrupt file is named as corrupt, not as what its bytes made DCP do
+            raise CheckpointError(f"checkpoint {path}: refused: {e}") from None
+        except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (a BaseException)
+            files.check()
+            raise CheckpointError(describe_load_failure(path, e)) from None
+        files.check()  # every digest, before the loaded state is accepted
+    finally:
+        files.release()
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:

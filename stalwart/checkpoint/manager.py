@@ -37,15 +37,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from stalwart.atomic import describe_write_failure, fsync_dir, storage_problem, write_json_atomic, write_text_atomic
 from stalwart.checkpoint import writer as _writer
+from stalwart.checkpoint.direct_io import HASH, file_digest
 from stalwart.checkpoint.loader import LoadedState, load_verified, rng_state, set_rng_state  # noqa: F401 - API
 from stalwart.checkpoint.staging import HostStager, StepHold
 from stalwart.checkpoint.verify import (MANIFEST, CheckpointError, PeerCheckpointError, VerifiedFiles,
                                         verify_checkpoint)
-from stalwart.checkpoint.writer import (SaveJob, all_gather_object, distributed, fsync_file,
-                                        plan_save, sha256_file, write_local)
+from stalwart.checkpoint.writer import SaveJob, all_gather_object, distributed, fsync_file, plan_save, write_local
 from stalwart.paths import CheckpointDir, checkpoint_step
-
-_sha256 = sha256_file
 
 
 def _barrier() -> None:
@@ -224,7 +222,7 @@ class CheckpointManager:
             part = tmp / f"manifest-rank{r}.json"
             files.update(json.loads(part.read_text()))
         for name in (".metadata",):
-            files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+            files[name] = {HASH: file_digest(tmp / name), "bytes": (tmp / name).stat().st_size}
         manifest = {"step": job.step, "files": files, "world_size": self.world_size,
                     "created": time.time(), **self.describe}
         write_json_atomic(tmp / MANIFEST, manifest)
@@ -289,15 +287,25 @@ class CheckpointManager:
 
     def verify(self, path: Path, keep: bool = False) -> dict[str, Any]:
         """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file.
-        ``keep``: hold the verified shard bytes so that ``load(path)`` reads them from memory, not disk."""
-        self._verified = None
-        files = verify_checkpoint(path, keep=keep)
+        ``keep``: check the manifest, sizes and small files now and stream the shard files into memory
+        for ``load(path)``, which checks their digests (a bad one is refused, and fallen back past, at load)."""
+        self.drop_verified()
+        files = verify_checkpoint(path, keep=keep, rank=self.rank)
         if keep:
             self._verified = files
         return files.manifest
 
-    def resolve_resume(self, before: int | None = None) -> Path | None:
-        """The checkpoint to resume from under ``checkpoint.resume``, falling back past bad ones."""
+    def drop_verified(self) -> None:
+        """Forget the checkpoint ``resolve_resume`` started reading (another source was chosen)."""
+        if self._verified is not None:
+            self._verified.release()
+        self._verified = None
+
+    def resolve_resume(self, before: int | None = None, full: bool = False) -> Path | None:
+        """The checkpoint to resume from under ``checkpoint.resume``, falling back past bad ones. Its shard
+        files start streaming in for ``load_resume``, which compares their checksums (and falls back past
+        a bad one); ``full``: compare every checksum before choosing (for tools that read the files
+        themselves)."""
         mode = self.cfg.resume
         if mode == "none":
             return None
@@ -305,13 +313,13 @@ class CheckpointManager:
             path = Path(mode)
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: '{mode}' is not a checkpoint directory")
-            self.verify(path, keep=True)
+            self.verify(path, keep=not full)
             return path
         for path in reversed(self.complete_checkpoints()):
             if before is not None and checkpoint_step(path) >= before:
                 continue
             try:
-                self.verify(path, keep=True)
+                self.verify(path, keep=not full)
                 return path
             except CheckpointError as e:
                 self._fall_back(path, e)
@@ -346,10 +354,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:
-        """Verify (unless ``resolve_resume``/``verify(keep=True)`` just did) and load from the verified bytes."""
+        """Load from the bytes ``resolve_resume``/``verify(keep=True)`` are streaming in (else read them now),
+        accepted once every checksum matches."""
         files, self._verified = self._verified, None
         if files is None or files.path != Path(path):
-            files = verify_checkpoint(path, keep=True)
+            if files is not None:
+                files.release()
+            files = verify_checkpoint(path, keep=True, rank=self.rank)
         return load_verified(files, self.rank, model, optimizer)
 
 

@@ -39,7 +39,7 @@ def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunChec
     tokenizer = load_tokenizer(paths.tokenizer)
     manager = CheckpointManager(paths.checkpoints, CheckpointConfig(resume=checkpoint or "auto"), 0, 1,
                                 lambda *a, **k: None)
-    path = manager.resolve_resume()
+    path = manager.resolve_resume(full=True)  # export reads the files itself: every checksum first
     if path is None:
         raise RunDirError(f"{run_dir} has no complete checkpoint")
     args = resolve_args(cfg.model, tokenizer.get_vocab_size(), cfg.data.seq_len)

@@ -9,7 +9,8 @@ deadlock or mismatch. So Stalwart splits it:
 2. ``plan_save`` (main thread, collectives): DCP's local plans are gathered, rank 0 builds the global
    plan and metadata, each rank gets its final plan back.
 3. ``write_local`` (background thread or inline): pure local file I/O: this rank's ``.distcp`` shard,
-   RNG state, rank 0's trainer state, fsync, and a per-rank manifest of SHA-256 checksums.
+   RNG state, rank 0's trainer state, fsync, and a per-rank manifest of checksums (XXH3-128, see
+   ``direct_io``).
 4. The commit (``CheckpointManager``, main thread): results are gathered, rank 0 writes ``.metadata``
    and the merged manifest and renames the directory.
 
@@ -19,7 +20,6 @@ same bytes.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from contextlib import contextmanager
@@ -34,21 +34,13 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from stalwart.atomic import write_json_atomic
-from stalwart.checkpoint.direct_io import HashingWriteStream
+from stalwart.checkpoint.direct_io import HASH, HashingWriteStream, file_digest
 
 TRAINER_STATE = "trainer_state.json"
 
 
 def fault_point(name: str) -> None:
     """No-op hook at each stage of a save; crash tests replace it (``manager.fault_point``)."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fsync_file(path: Path) -> None:
@@ -73,7 +65,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------- plan + write
-WRITERS = 2  # shard files (and writer threads) per rank for a large shard: hashing one keeps a core busy
+WRITERS = 2  # shard files (and writer threads) per rank for a large shard: serializing one keeps a core busy
 PARALLEL_FROM = 64 << 20  # below this many bytes one file per rank is as fast and keeps the layout simple
 
 
@@ -87,16 +79,16 @@ def _writers(plan: Any) -> int:
 
 class HashingFileSystem(FileSystem):
     """DCP's local filesystem, with shard files written by :class:`HashingWriteStream` (direct I/O,
-    SHA-256 while writing); their digests land in ``digests`` so nothing is re-read to checksum it."""
+    checksummed while writing); their digests land in ``digests`` so nothing is re-read to checksum it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def _record(self, name: str, sha: str, size: int) -> None:
+    def _record(self, name: str, digest: str, size: int) -> None:
         with self._lock:
-            self.digests[name] = {"sha256": sha, "bytes": size}
+            self.digests[name] = {HASH: digest, "bytes": size}
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -162,8 +154,8 @@ def plan_save(step: int, tmp: Path, rank: int, state: dict[str, Any], rng: dict[
 
 @contextmanager
 def _no_zip_crc():
-    """DCP stores each tensor as a torch.save zip record, whose CRC-32 costs about as much CPU as the
-    SHA-256 we compute anyway; the manifest's SHA-256 protects the same bytes, so skip the CRC (torch
+    """DCP stores each tensor as a torch.save zip record, whose CRC-32 costs several times the CPU of
+    the checksum we compute anyway; the manifest's digest protects the same bytes, so skip the CRC (torch
     loads records without one). NOTE: the switch is process-wide while a shard is being written."""
     from torch.utils.serialization import config
 
@@ -192,7 +184,7 @@ def write_local(job: SaveJob) -> list[Any]:
         if f.name in digests:  # hashed while written, durable on close
             entries[f.name] = digests[f.name]
         else:  # small JSON files, already fsynced by the atomic write
-            entries[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+            entries[f.name] = {HASH: file_digest(f), "bytes": f.stat().st_size}
     write_json_atomic(job.tmp / f"manifest-rank{job.rank}.json", entries)
     fault_point("after_rank_manifest")
     return results

@@ -95,6 +95,7 @@ class Checkpointer:
         snap = self.snapshots.newest_complete_step() if (
             self.snapshots is not None and self.cfg.resume == "auto") else None
         if snap is not None and snap > disk_step:
+            self.manager.drop_verified()
             st = self.snapshots.load(snap, model, optimizer)
             source, step, path = "memory", int(st["step"]), self.snapshots.job_dir
         elif path is not None:
