@@ -124,6 +124,7 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None) -
         try:
             previous = StreamingRead(path / name, algorithm, after=previous)
         except OSError as e:
+            out.release()  # the reads already started stop
             raise CheckpointError(f"checkpoint {path}: file {name} cannot be read ({e})") from None
         out.reads[name] = (previous, want)
     if not keep:
