@@ -70,6 +70,11 @@ def _train_step(model, opt, tokens: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def _pair(speeds: list[float]) -> str:
+    """Raw speeds before/after, in MB/s."""
+    return "/".join(f"{v / 1e6:.0f}" for v in speeds)
+
+
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
@@ -166,11 +171,10 @@ def main(argv: list[str]) -> int:
             mb = o.bytes / 1e6
             w, rd = mb / o.sync_s, mb / o.restore_s
             raw_w, raw_r = (sum(x) / len(x) / 1e6 for x in (o.raw_write, o.raw_read))
-            pair = lambda x: "/".join(f"{v / 1e6:.0f}" for v in x)  # noqa: E731
-            print(f"{r:>3} {o.bytes / 1e9:>5.2f} {pair(o.raw_write):>11} {o.sync_s:>7.2f} {w:>9.0f} "
+            print(f"{r:>3} {o.bytes / 1e9:>5.2f} {_pair(o.raw_write):>11} {o.sync_s:>7.2f} {w:>9.0f} "
                   f"{100 * w / raw_w:>5.0f}% {o.async_stall_s:>13.3f} "
                   f"{100 * o.async_stall_s / o.sync_s:>5.1f}% {o.async_total_s:>7.2f} {o.snap_stall_s:>12.3f} "
                   f"{o.snap_total_s:>6.2f} {100 * o.snap_stall_s / o.snap_total_s:>5.1f}% "
-                  f"{pair(o.raw_read):>11} {o.restore_s:>9.2f} {rd:>6.0f} {100 * rd / raw_r:>5.0f}% "
+                  f"{_pair(o.raw_read):>11} {o.restore_s:>9.2f} {rd:>6.0f} {100 * rd / raw_r:>5.0f}% "
                   f"{o.dropped!s:>13} {o.step_s:>6.2f}  {os.getloadavg()[0]:.1f}", flush=True)
     return 0

@@ -2,8 +2,8 @@
 
 The checksum is XXH3-128 (``xxhash``): it detects a torn, truncated or bit-flipped file as surely as a
 cryptographic hash would (a 128-bit digest; random corruption collides with probability 2^-128) at
-18-25 GB/s per core against SHA-256's 1.6-1.8 GB/s measured on the 2-core test machine, where SHA-256
-alone held the save and the verified restore to about half the disk's bandwidth. What it does not do is
+18-25 GB/s per core against SHA-256's 1.6-1.8 GB/s measured on the 2-core test machine, where hashing
+with SHA-256 took a core's worth of time during a save. What it does not do is
 resist a forger; neither did SHA-256 here, since the manifest that holds the digests sits unsigned next
 to the files. Manifests written before carry ``sha256`` and are still verified with it
 (:func:`new_hash` takes the algorithm named in the manifest entry).
@@ -15,7 +15,7 @@ cache is bypassed (no second copy, no dirty-page writeback throttling) and no fi
 checksum it. ``close`` writes the padded tail, truncates to the true length and fsyncs.
 
 Reading: :class:`StreamingRead` reads a whole file into one page-aligned buffer with ``O_DIRECT`` in
-chunks on an I/O thread while another thread hashes the chunks already read, so verification costs no
+chunks on two I/O threads while another thread hashes the chunks already read, so verification costs no
 extra pass over the disk, and hands the bytes to the checkpoint load as they arrive (the load runs
 beside the disk; the digests are checked before the loaded state is accepted).
 
