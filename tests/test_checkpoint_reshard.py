@@ -17,14 +17,18 @@ def _train(run_dir, nproc, *extra):
                    "--training.steps", "5", "--checkpoint.interval", "4", "--sample.max_new_tokens", "0", *extra)
 
 
-@pytest.mark.parametrize("saved_with,resumed_with", [(2, 1), (1, 2)])
+REPLICATE = ("--parallelism.data_parallel", "replicate")
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [((2,), (1,)), ((1,), (2,)), ((2, *REPLICATE), (2,))],
+                         ids=["fsdp2-to-1", "1-to-fsdp2", "ddp2-to-fsdp2"])
 def test_checkpoint_reshards_between_layouts(tmp_path, saved_with, resumed_with):
     straight, resharded = tmp_path / "straight", tmp_path / "resharded"
-    _train(straight, saved_with)
+    _train(straight, *saved_with)
     shutil.copytree(straight, resharded)
     shutil.rmtree(resharded / "checkpoints" / "step-5")
     (resharded / "checkpoints" / "latest").write_text("step-4\n")
-    _train(resharded, resumed_with)
+    _train(resharded, *resumed_with)
     events = [json.loads(x) for x in (resharded / "events.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resumed"]
     assert resumed[-1]["step"] == 4 and resumed[-1]["source"] == "disk"

@@ -5,7 +5,7 @@ balancing on) is trained for 5 steps by the training core under each layout. Rou
 purpose: expert 0 is always chosen and expert 7 never, so under ep=2 rank 0's experts receive about
 three times the tokens of rank 1's and one expert receives none. Per-step losses, the auxiliary loss and
 the step-1 gradients of a router and an expert weight must match the single process. Layouts: ep=2, ep=2 with
-activation checkpointing, pp=2 (2 ranks); ep=2 x dp_shard_mod_ep=2, ep=2 x tp=2, ep=2 x pp=2 (4 ranks).
+activation checkpointing, pp=2, replicated by DDP (2 ranks); ep=2 x dp_shard_mod_ep=2, ep=2 x tp=2, ep=2 x pp=2 (4 ranks).
 """
 
 from __future__ import annotations
@@ -127,9 +127,10 @@ def test_skewed_routing_reaches_the_cases_that_matter(reference):
 
 
 def test_expert_parallel_on_two_ranks_and_pipeline_match_one_process(reference, tmp_path):
-    ep2, ep2_ac, pp2 = spawn(tmp_path, 2, [{"ep": 2}, {"ep": 2, "activation_checkpoint": "full"},
-                                           {"pp": 2, "dp_shard": 1}])
+    ep2, ep2_ac, pp2, ddp2 = spawn(tmp_path, 2, [{"ep": 2}, {"ep": 2, "activation_checkpoint": "full"},
+                                                 {"pp": 2, "dp_shard": 1}, {"data_parallel": "replicate"}])
     assert_matches(reference, ep2, "ep2")
+    assert_matches(reference, ddp2, "replicated (DDP), an expert without tokens")
     assert_matches(reference, ep2_ac, "ep2 with activation checkpointing (all-to-alls recomputed)")
     assert_matches(reference, pp2, "pp2")
 

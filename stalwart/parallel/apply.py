@@ -5,8 +5,10 @@
     3. context parallel (ring attention)
     4. activation checkpointing
     5. torch.compile per block
-    6. FSDP / HSDP      (last: it wraps whatever the earlier steps produced); without a mesh,
-                        mixed precision is a cast at call time (parallel/precision.py)
+    6. data parallel    (last: it wraps whatever the earlier steps produced): DDP's replicate when
+                        every data-parallel rank holds the whole model and nothing else is split
+                        (parallel/replicate.py), FSDP / HSDP otherwise; without FSDP, mixed
+                        precision is a cast at call time (parallel/precision.py)
 
 Each step lives in its own module; this file only decides whether and in which order they run.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stalwart.parallel.dims import LayoutError, Meshes, ParallelDims
+from stalwart.parallel.dims import LayoutError, Meshes, ParallelDims, replicates_whole_model
 from stalwart.parallel.fsdp import apply_fsdp
 from stalwart.parallel.parts import ParallelModel
 
@@ -38,6 +40,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         pm = split_model(model, pp_rank, dims.pp, cfg.pp_schedule, cfg.pp_virtual_stages)
     else:
         pm = ParallelModel(model, [model])
+    replicated = meshes is not None and replicates_whole_model(dims)
     for stage in pm.stages:
         # 2. Tensor + sequence parallel.
         if dims.tp > 1:
@@ -60,14 +63,29 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         apply_activation_checkpointing(stage, cfg.activation_checkpoint)
         if cfg.compile:
             apply_compile(stage)
-        # 6. FSDP / HSDP (on a 1-rank mesh too when mixed precision needs FSDP's casting policy).
-        if meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
+        # 6. Data parallel: replicate (DDP), or FSDP / HSDP (on a 1-rank mesh too when mixed precision
+        # needs FSDP's casting policy).
+        if replicated:
+            from stalwart.parallel.replicate import apply_replicate
+
+            apply_replicate(stage, meshes.dp.get_group())
+            pm.replicated = True
+        elif meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
                        meshes.expert_fsdp, dims.dp)
-    if meshes is None and param_dtype != torch.float32:
+    if (meshes is None or replicated) and param_dtype != torch.float32:
         # No FSDP to cast: the step runs the model through parallel/precision.py's cast, same policy.
         pm.cast_dtype = param_dtype
-    if comm_cfg is not None and comm_cfg.algorithm != "builtin" and meshes is not None and meshes.fsdp.size() > 1:
+    custom = comm_cfg is not None and comm_cfg.algorithm != "builtin"
+    if custom and replicated:
+        # DDP's bucket all-reduce through the topology-aware algorithms, on the comm thread.
+        from stalwart.comm.grads import install_on_replicate
+        from stalwart.comm.selector import build_selector
+
+        group = meshes.dp.get_group()
+        pm.comm_thread = install_on_replicate(pm.stages, build_selector(comm_cfg, group), group, comm_cfg.overlap)
+        pm.custom_comm_modules = pm.comm_thread.modules
+    elif custom and meshes is not None and meshes.fsdp.size() > 1:
         # FSDP's reduce-scatter / all-gather through the topology-aware algorithms.
         from stalwart.comm.fsdp_comm import install_on_fsdp
         from stalwart.comm.selector import build_selector

@@ -44,11 +44,22 @@ def replicates(cfg, replicate_fits: bool) -> bool:
     return mode == "replicate"
 
 
+def replicates_whole_model(dims: "ParallelDims") -> bool:
+    """Whether the data-parallel ranks each hold the whole model and nothing else is split: the layout
+    DDP's replicate serves (one bucketed gradient all-reduce that overlaps backward)."""
+    return dims.dp_replicate > 1 and dims.dp_shard == dims.tp == dims.pp == dims.cp == dims.ep == 1
+
+
 def data_parallel_reason(cfg, dims: "ParallelDims", replicate_fits: bool) -> str:
     """One line for the banner: how the data-parallel ranks hold the model, and why."""
     if dims.dp <= 1:
         return ""
-    how = "replicated (gradients all-reduced)" if dims.dp_shard == 1 else f"sharded over {dims.dp_shard} ranks (FSDP)"
+    if replicates_whole_model(dims):
+        how = "replicated (DDP: gradients all-reduced in buckets during backward)"
+    elif dims.dp_shard == 1:
+        how = "replicated (HSDP: gradients all-reduced)"
+    else:
+        how = f"sharded over {dims.dp_shard} ranks (FSDP)"
     mode = getattr(cfg, "data_parallel", "shard")
     if cfg.dp_replicate != 1 or cfg.dp_shard != -1:
         why = "parallelism.dp_replicate/dp_shard set"

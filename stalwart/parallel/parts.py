@@ -25,6 +25,7 @@ class ParallelModel:
     custom_comm_modules: int = 0  # FSDP modules whose collectives use Stalwart's algorithms
     comm_thread: object = None  # comm/fsdp_comm.CommThread running them (None: built-in collectives)
     expert_comm: object = None  # ExpertComm: time in the expert all-to-alls (expert parallel only)
+    replicated: bool = False  # data parallel by DDP's replicate (parallel/replicate.py): start it once real
     # Mixed precision without FSDP (no mesh): run the stages with parameters cast to this dtype.
     cast_dtype: torch.dtype | None = None
 

@@ -28,6 +28,7 @@ from stalwart.data.loader import Batch
 from stalwart.models.llama import Transformer, TransformerArgs, count_params, flops_per_token
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
+from stalwart.parallel.replicate import start_replicas
 from stalwart.train.dist_env import DistEnv, replica_fits_here
 from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
@@ -108,6 +109,8 @@ class TrainCore:
         self.pm = parallelize(model, dims, self.mesh, spec.parallelism, self.param_dtype, env.rank, spec.comm)
         self.model = self.pm.container  # every parameter this rank owns, under its original name
         materialize_and_init(self.model, self.device, spec.seed, stages=self.pm.stages)
+        if self.pm.replicated:
+            start_replicas(self.pm.stages)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(spec.optimizer, self.model)
         self.opt = GatedOptimizer(self.optimizer)
