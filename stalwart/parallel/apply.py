@@ -8,7 +8,7 @@
     6. data parallel    (last: it wraps whatever the earlier steps produced): DDP's replicate when
                         every data-parallel rank holds the whole model and nothing else is split
                         (parallel/replicate.py), FSDP / HSDP otherwise; without FSDP, mixed
-                        precision is a cast at call time (parallel/precision.py)
+                        precision is a cast of each block as it runs (parallel/precision.py)
 
 Each step lives in its own module; this file only decides whether and in which order they run.
 """
@@ -74,7 +74,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
                        meshes.expert_fsdp, dims.dp)
     if (meshes is None or replicated) and param_dtype != torch.float32:
-        # No FSDP to cast: the step runs the model through parallel/precision.py's cast, same policy.
+        # No FSDP to cast: parallel/precision.py casts each unit's parameters as it runs, same policy.
+        from stalwart.parallel.precision import apply_cast
+
+        for stage in pm.stages:
+            apply_cast(stage, param_dtype)
         pm.cast_dtype = param_dtype
     custom = comm_cfg is not None and comm_cfg.algorithm != "builtin"
     if custom and replicated:

@@ -26,7 +26,7 @@ class ParallelModel:
     comm_thread: object = None  # comm/fsdp_comm.CommThread running them (None: built-in collectives)
     expert_comm: object = None  # ExpertComm: time in the expert all-to-alls (expert parallel only)
     replicated: bool = False  # data parallel by DDP's replicate (parallel/replicate.py): start it once real
-    # Mixed precision without FSDP (no mesh): run the stages with parameters cast to this dtype.
+    # Mixed precision without FSDP (no mesh, or DDP): the dtype parallel/precision.py casts each block to.
     cast_dtype: torch.dtype | None = None
 
     @property

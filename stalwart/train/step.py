@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from stalwart.data.loader import Batch
 from stalwart.models.moe import set_aux_grad_scale
 from stalwart.parallel.parts import ParallelModel
-from stalwart.parallel.precision import call_in_dtype
 from stalwart.parallel.dims import Meshes, ParallelDims
 
 
@@ -87,7 +86,7 @@ class StepRunner:
             inputs, targets, positions = self._prepare(batch)
             with self._loss_context():
                 with self.timer.phase("forward"):
-                    loss = loss_fn(call_in_dtype(model, self.pm.cast_dtype, inputs, positions), targets)
+                    loss = loss_fn(model(inputs, positions), targets)
                 with self.timer.phase("backward"):
                     (loss / len(micro)).backward()
             total += _local(loss.detach())
@@ -118,8 +117,7 @@ class StepRunner:
             for batch in batches:
                 inputs, targets, positions = self._prepare(batch)
                 with self._loss_context():
-                    loss = cross_entropy(call_in_dtype(self.pm.stages[0], self.pm.cast_dtype, inputs, positions),
-                                         targets)
+                    loss = cross_entropy(self.pm.stages[0](inputs, positions), targets)
                 loss_sum += float(_local(loss)) * targets.numel()
                 count += targets.numel()
             return loss_sum, count
