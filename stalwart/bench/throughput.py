@@ -67,6 +67,11 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     tokens = [torch.randint(0, 256, (mb, seq + 1), generator=gen) for _ in range(4)]
     batches = [[Batch(b[:, :-1], b[:, 1:])] for b in tokens]
 
+    replicated = core.pm.replicated
+    if replicated:
+        from stalwart.parallel.replicate import exposed_all_reduce_ms, time_all_reduce
+
+        time_all_reduce(core.pm.stages[0])
     for i in range(opts["warmup"]):
         core.train_step(batches[i % len(batches)])
     if world > 1:
@@ -84,7 +89,10 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "step_s": elapsed / opts["steps"]}
+              "step_s": elapsed / opts["steps"], "layout": "replicated (DDP)" if replicated else
+              ("sharded (FSDP)" if world > 1 else "one process")}
+    if replicated:
+        result.update(exposed_all_reduce_ms(core.pm.stages[0]))  # averaged over warm-up and timed steps
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(result, fh)
@@ -139,7 +147,8 @@ def main(argv: list[str]) -> int:
     results = []
     print(f"reference workload: 4 layers, dim 256, 4 heads, SwiGLU hidden 768, seq 256, micro-batch "
           f"{a.micro_batch}/process, fp32, AdamW, vocab 256; {cores} cores")
-    print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}")
+    print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}  "
+          "layout (gradient all-reduce ms/step: span, exposed after backward's compute)")
     for world in [int(x) for x in a.procs.split(",")]:
         threads = a.threads or max(1, cores // world)
         r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch, "threads": threads,
@@ -147,8 +156,9 @@ def main(argv: list[str]) -> int:
         frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
         r["fraction_of_peak"] = frac
         results.append(r)
+        comm = f" ({r['all_reduce_ms']:.0f}, {r['exposed_ms']:.0f} exposed)" if "exposed_ms" in r else ""
         print(f"{world:>5} {threads:>8} {r['tokens_per_s']:>10.0f} {r['gflops_per_s']:>9.1f} {100 * frac:>8.1f}% "
-              f"{r['step_s']:>7.3f} {r['mem_mib']:>8.0f}", flush=True)
+              f"{r['step_s']:>7.3f} {r['mem_mib']:>8.0f}  {r['layout']}{comm}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)

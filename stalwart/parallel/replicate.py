@@ -60,3 +60,24 @@ def start_replicas(stages: list[nn.Module]) -> None:
 
     for stage in stages:
         replicate.state(stage).lazy_init()
+
+
+def time_all_reduce(stage: nn.Module) -> None:
+    """Have DDP time every step's backward and all-reduce (by default it samples one step in 100)."""
+    from torch.distributed._composable.replicate import replicate
+
+    replicate.state(stage)._ddp._set_ddp_runtime_logging_sample_rate(1)
+
+
+def exposed_all_reduce_ms(stage: nn.Module) -> dict[str, float]:
+    """DDP's own averages over the timed steps, in ms: the all-reduce's span from the first bucket's start
+    to the last one's end, the part of it that ran beside backward's compute, and the rest (exposed: the
+    time backward waited for communication after its compute had ended)."""
+    from torch.distributed._composable.replicate import replicate
+
+    data = replicate.state(stage)._ddp._get_ddp_logging_data()
+    span = data.get("avg_backward_comm_time", 0) / 1e6
+    # DDP's "overlap" runs from the first bucket's start to the end of backward's compute, which can be
+    # later than the last bucket's end: then all of the span was hidden.
+    beside = min(span, data.get("avg_backward_compute_comm_overlap_time", 0) / 1e6)
+    return {"all_reduce_ms": span, "overlapped_ms": beside, "exposed_ms": span - beside}
