@@ -19,7 +19,7 @@ Two settings keep the results what the rest of Stalwart promises:
   the sum is one addition, the same whichever way round, so the layout cannot change a bit and the
   flag (an extra walk of the autograd graph every step, and a warning from DDP) is left off. A
   mixture-of-experts model always sets it: a routed expert no token chose gets no gradient.
-- Mixed precision is the cast at call time (``parallel/precision.py``): DDP has no public casting
+- Mixed precision is the per-block cast of ``parallel/precision.py``: DDP has no public casting
   policy, and the cast gives the policy FSDP applies elsewhere (bf16 compute, fp32 gradients
   reduced, fp32 master weights).
 """
