@@ -89,6 +89,31 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
+def _spawned_rank(rank: int, world: int, target, cases: list, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for i, case in enumerate(cases):
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{i}", rank=rank, world_size=world)
+        try:
+            result = target(case, rank, world)
+        finally:
+            dist.destroy_process_group()
+        with open(f"{tmp}/case{i}-rank{rank}.json", "w") as f:
+            json.dump(result, f)
+
+
+def spawn_gloo(tmp_path: Path, world: int, target, cases: list) -> list[list]:
+    """Run ``target(case, rank, world)`` for each case on ``world`` spawned ranks, each case in a fresh gloo
+    group; returns every case's JSON results, one per rank. ``target`` is a module-level function."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned_rank, args=(world, target, cases, str(tmp_path)), nprocs=world, start_method="spawn")
+    return [[json.loads((tmp_path / f"case{i}-rank{r}.json").read_text()) for r in range(world)]
+            for i in range(len(cases))]
+
+
 def unapplied_file_values(cfg, path: Path) -> list[str]:
     """Dotted keys set in the TOML file ``path`` whose value the loaded config ``cfg`` does not hold."""
     import tomllib

@@ -10,12 +10,12 @@ activation checkpointing, pp=2, replicated by DDP (2 ranks); ep=2 x dp_shard_mod
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
 
+from conftest import spawn_gloo
 from stalwart.config.job import CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig, TrainingConfig
 from stalwart.data.loader import Batch
 from stalwart.models.flavors import MoEArgs, TransformerArgs
@@ -69,26 +69,8 @@ def run_layout(layout: dict, rank: int, world: int) -> dict:
     return {"records": records, "grads": grads, "seconds": time.perf_counter() - t0}
 
 
-def _worker(rank: int, world: int, layouts: list[dict], tmp: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    for i, layout in enumerate(layouts):
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{i}", rank=rank, world_size=world)
-        try:
-            result = run_layout(layout, rank, world)
-        finally:
-            dist.destroy_process_group()
-        with open(f"{tmp}/layout{i}-rank{rank}.json", "w") as f:
-            json.dump(result, f)
-
-
 def spawn(tmp_path, world: int, layouts: list[dict]) -> list[list[dict]]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(world, layouts, str(tmp_path)), nprocs=world, start_method="spawn")
-    return [[json.loads((tmp_path / f"layout{i}-rank{r}.json").read_text()) for r in range(world)]
-            for i in range(len(layouts))]
+    return spawn_gloo(tmp_path, world, run_layout, layouts)
 
 
 def merged_grads(ranks: list[dict]) -> dict[str, torch.Tensor]:

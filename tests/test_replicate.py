@@ -3,11 +3,10 @@ the bfloat16 cast, parameter names are the model's own, and the losses match one
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
+from conftest import spawn_gloo
 from stalwart.config.job import CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig, TrainingConfig
 from stalwart.data.loader import Batch
 from stalwart.models.flavors import TransformerArgs
@@ -21,7 +20,7 @@ ARGS = TransformerArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=6
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 4
 
 
-def train(rank: int, world: int, dtype: str) -> dict:
+def train(dtype: str, rank: int, world: int) -> dict:
     spec = CoreSpec(ARGS, ParallelismConfig(data_parallel="replicate"), CommConfig(), OptimizerConfig(lr=1e-2),
                     SchedulerConfig(warmup_steps=1),
                     TrainingConfig(steps=STEPS, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // world,
@@ -39,26 +38,8 @@ def train(rank: int, world: int, dtype: str) -> dict:
             "bits": {n: p.detach().float().view(torch.int32).sum().item() for n, p in core.model.named_parameters()}}
 
 
-def _worker(rank: int, world: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    for dtype in ("float32", "bfloat16"):
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{dtype}", rank=rank, world_size=world)
-        try:
-            result = train(rank, world, dtype)
-        finally:
-            dist.destroy_process_group()
-        with open(f"{tmp}/{dtype}-rank{rank}.json", "w") as f:
-            json.dump(result, f)
-
-
 def test_replicas_stay_identical_and_match_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
-    got = {d: [json.loads((tmp_path / f"{d}-rank{r}.json").read_text()) for r in range(2)]
-           for d in ("float32", "bfloat16")}
+    got = dict(zip(("float32", "bfloat16"), spawn_gloo(tmp_path, 2, train, ["float32", "bfloat16"])))
     plain = sorted(n for n, _ in TrainCore.build(
         CoreSpec(ARGS, ParallelismConfig(), CommConfig(), OptimizerConfig(), SchedulerConfig(),
                  TrainingConfig(steps=1, global_batch=2, micro_batch=2), seq_len=SEQ, accum_steps=1),
@@ -70,7 +51,7 @@ def test_replicas_stay_identical_and_match_one_process(tmp_path):
         # replicas would drift apart from step 1.)
         assert r0["bits"] == r1["bits"], dtype
     assert got["bfloat16"][0]["cast"] == "torch.bfloat16" and got["float32"][0]["cast"] == "None"
-    one = train(0, 1, "float32")  # the whole batch in one process; the replicas report the mean over both
+    one = train("float32", 0, 1)  # the whole batch in one process; the replicas report the mean over both
     for step, (want, have) in enumerate(zip(one["losses"], got["float32"][0]["losses"]), 1):
         assert abs(have - want) <= 1e-5 * abs(want), (step, want, have)
 
