@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from stalwart.checkpoint import writer
-from stalwart.checkpoint.direct_io import HashingWriteStream, read_verified
+from stalwart.checkpoint.direct_io import HashingWriteStream, ReadArena, StreamingRead, read_digest, units_from_cuts
 from stalwart.checkpoint.inspect import digest
 from stalwart.checkpoint.loader import rng_state
 from stalwart.checkpoint.snapshot import SnapshotStore
@@ -55,10 +55,17 @@ def test_hashing_stream_and_verified_read_round_trip_exact_bytes(tmp_path, where
                 assert s.tell() == n
             assert path.read_bytes() == data
             assert seen[path.name] == (xxhash.xxh3_128(data).hexdigest(), n)
-            got, digest = read_verified(path, chunk=chunk)
-            assert bytes(got) == data and digest == xxhash.xxh3_128(data).hexdigest()
-            got, digest = read_verified(path, chunk=chunk, algorithm="sha256")  # manifests written before
-            assert bytes(got) == data and digest == hashlib.sha256(data).hexdigest()
+            assert read_digest(path, chunk=chunk) == xxhash.xxh3_128(data).hexdigest()
+            assert read_digest(path, chunk=chunk, algorithm="sha256") == hashlib.sha256(data).hexdigest()
+            # Records of odd sizes, read whole through an arena smaller than the file: every byte as
+            # written, each record in one piece, the memory reused as the consumer moves on.
+            cuts = list(range(0, n, 3001)) + [n]
+            read = StreamingRead(path, chunk=chunk, arena=ReadArena(3 * chunk),
+                                 units=units_from_cuts(n, cuts, target=chunk))
+            for a, b in zip(cuts, cuts[1:]):
+                read.consume(a)
+                assert bytes(read.view(a, b - a)) == data[a:b]
+            assert read.result() == xxhash.xxh3_128(data).hexdigest()
         finally:
             path.unlink(missing_ok=True)
 
@@ -129,3 +136,53 @@ def test_snapshot_is_staged_off_the_loop_and_holds_the_state_of_its_step(tmp_pat
     assert store.load(1, fresh, fresh_opt) == {"step": 1, "tokens_seen": 1}
     assert _same({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, before)
     assert not _same(before["model"], model.state_dict())  # the later step did change the live weights
+
+
+def test_read_arena_hands_out_disjoint_spans_and_reuses_them_in_order():
+    import random
+
+    arena = ReadArena(64 * 4096)
+    rng = random.Random(0)
+    live: list[tuple[int, int]] = []
+    high = 0
+    for _ in range(2000):
+        n = rng.choice([1, 4096, 5000, 20 * 4096, 64 * 4096])
+        while True:  # what a reader does: wait (here: give back the oldest) until the span fits
+            at = arena.alloc(n, stop=lambda: True) if live else arena.alloc(n, stop=lambda: False)
+            if at is not None:
+                break
+            arena.free(live.pop(0)[0])
+        span = (at, at + -(-n // 4096) * 4096)
+        assert span[1] <= arena.size and at % 4096 == 0
+        assert all(span[1] <= s or e <= span[0] for s, e in live), (span, live)
+        live.append(span)
+        high = max(high, span[1])
+        if rng.random() < 0.5:
+            arena.free(live.pop(0)[0])
+    assert high == arena.size  # the whole ring was used
+    with pytest.raises(ValueError, match="does not fit"):
+        arena.alloc(arena.size + 1, stop=lambda: False)
+
+
+def test_files_sharing_a_small_arena_stream_through_it_and_an_unread_one_does_not_stall_them(tmp_path):
+    """Three files through an arena of two chunks: the consumer skips the middle file (this rank
+    loads nothing from it), gives each record back as it moves on, and every digest still comes out."""
+    chunk = 8192
+    data = [os.urandom(n) for n in (5 * chunk + 17, 3 * chunk, 4 * chunk - 5)]
+    paths = []
+    for i, d in enumerate(data):
+        paths.append(tmp_path / f"f{i}.bin")
+        paths[-1].write_bytes(d)
+    arena, previous, reads = ReadArena(2 * chunk), None, []
+    for p, d in zip(paths, data):
+        previous = StreamingRead(p, chunk=chunk, arena=arena, after=previous,
+                                 units=units_from_cuts(len(d), range(0, len(d), 1000), target=chunk))
+        reads.append(previous)
+    for i in (0, 2):
+        if i == 2:  # done with the first file, and nothing wanted from the second
+            reads[0].consume(reads[0].size)
+            reads[1].consume(reads[1].size)
+        for a in range(0, len(data[i]), 1000):
+            reads[i].consume(a)
+            assert bytes(reads[i].view(a, min(1000, len(data[i]) - a))) == data[i][a:a + 1000]
+    assert [r.result() for r in reads] == [xxhash.xxh3_128(d).hexdigest() for d in data]

@@ -3,9 +3,10 @@
 ``verify_checkpoint`` checks the manifest, every file's size and checksum (XXH3-128, or SHA-256 in
 manifests written before; ``direct_io``). The large shard files are read once, one after another
 with direct I/O, each hashed as it arrives. For a load (``keep=True``) the manifest, the sizes and the
-small files are checked at once and the shard files keep streaming into memory (``VerifiedFiles``):
-the load that follows reads them from there (``MemoryFileSystemReader``), record by record as they
-arrive, so it runs beside the disk instead of after it, and ``VerifiedFiles.check`` compares every
+small files are checked at once and the shard files keep streaming into a bounded ring of memory
+(``VerifiedFiles``, ``direct_io.ReadArena``): the load that follows reads them from there
+(``MemoryFileSystemReader``), record by record as they arrive, so it runs beside the disk instead of
+after it and holds a few hundred MB however large the checkpoint, and ``VerifiedFiles.check`` compares every
 digest before the loaded state is accepted (``loader.load_verified``). The bytes loaded are exactly
 the bytes whose checksums were checked, even if the files change afterwards; a checkpoint that fails
 is refused by name and ``resume = auto`` falls back past it at load (``CheckpointManager.load_resume``).
@@ -13,20 +14,24 @@ is refused by name and ``resume = auto`` falls back past it at load (``Checkpoin
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
+import pickle
 import threading
-from contextlib import contextmanager
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.futures import Future
 
-from stalwart.checkpoint.direct_io import HASHES, StreamingRead, file_digest
-from stalwart.checkpoint.safe_io import SafeFileSystemReader
+from stalwart.checkpoint.direct_io import (ALIGN, HASHES, READ_ARENA, ReadArena, StreamingRead, file_digest,
+                                           units_from_cuts)
+from stalwart.checkpoint.records import RecordError, tensor_from_record
+from stalwart.checkpoint.safe_io import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from stalwart.checkpoint.writer import TRAINER_STATE
 from stalwart.errors import PeerUserError, UserError
 
@@ -55,15 +60,14 @@ class VerifiedFiles:
         fails its checksum."""
         for name, (read, want) in self.reads.items():
             try:
-                _, digest = read.result()
+                digest = read.result()
             except OSError as e:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read ({e})") from None
             if digest != want:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} fails its checksum (corrupted)")
 
     def release(self) -> None:
-        """Stop any read still going and drop the buffers (unmapping a large one takes a while: done
-        beside the caller)."""
+        """Stop any read still going and drop its memory (unmapping takes a while: done beside the caller)."""
         reads, self.reads = self.reads, {}
         for read, _ in reads.values():
             read.cancel()
@@ -119,10 +123,14 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None) -
             raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
     if rank is not None:
         shards.sort(key=lambda e: not e[0].startswith(f"__{rank}_"))  # stable: by name within each group
+    cuts = _record_bounds(path) if keep else {}
+    units = {name: units_from_cuts((path / name).stat().st_size, cuts.get(name, ())) for name, _ in shards}
+    largest = max((e - s for spans in units.values() for s, e in spans), default=0)
+    arena = ReadArena(max(READ_ARENA, largest + 2 * ALIGN))
     previous = None
     for name, (algorithm, want) in shards:
         try:
-            previous = StreamingRead(path / name, algorithm, after=previous)
+            previous = StreamingRead(path / name, algorithm, after=previous, arena=arena, units=units[name])
         except OSError as e:
             out.release()  # the reads already started stop
             raise CheckpointError(f"checkpoint {path}: file {name} cannot be read ({e})") from None
@@ -135,68 +143,87 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None) -
     return out
 
 
-class _MemoryStream(io.RawIOBase):
-    """A read-only, seekable file over a streaming read's bytes (no copy until a reader asks for bytes;
-    a read waits until those bytes have arrived)."""
-
-    def __init__(self, read: StreamingRead) -> None:
-        self._source, self._pos = read, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._source.size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self._source.size - self._pos))
-        data = self._source.wait_for(self._pos + n)
-        if n >= 1 << 20:  # torch's copy releases the GIL and uses the intra-op threads
-            torch.frombuffer(buf, dtype=torch.uint8, count=n).copy_(
-                torch.frombuffer(data, dtype=torch.uint8, count=n, offset=self._pos))
-        else:
-            memoryview(buf).cast("B")[:n] = data[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-
-class _MemoryFileSystem(FileSystem):
-    def __init__(self, files: VerifiedFiles) -> None:
-        super().__init__()
-        self._files = files
-
-    @contextmanager
-    def create_stream(self, path, mode: str):
-        p = Path(path)
-        if mode == "rb" and p.parent == self._files.path and p.name in self._files.reads:
-            with io.BufferedReader(_MemoryStream(self._files.reads[p.name][0]), buffer_size=1 << 16) as stream:
-                yield stream
-            return
-        with super().create_stream(path, mode) as stream:
-            yield stream
+def _record_bounds(path: Path) -> dict[str, list[int]]:
+    """Where each shard file's records start and end, from the DCP metadata (already checked against
+    the manifest), so that every record is read whole into one span of memory. An unreadable metadata
+    file gives none: the load refuses it by name before it reads a record."""
+    try:
+        with (path / ".metadata").open("rb") as fh:
+            metadata = read_dcp_metadata(fh)
+    except (OSError, UnsafeCheckpointError):
+        return {}
+    cuts: dict[str, list[int]] = defaultdict(list)
+    for info in (metadata.storage_data or {}).values():
+        cuts[info.relative_path] += [info.offset, info.offset + info.length]
+    return cuts
 
 
 class MemoryFileSystemReader(SafeFileSystemReader):
-    """The safe DCP reader, serving shard files from their streaming reads, in the order they are read:
-    files in ``VerifiedFiles.reads`` order, each from its first byte to its last (DCP itself asks for
-    a file's records in the order of the load plan)."""
+    """The safe DCP reader, serving records from the streaming reads of ``VerifiedFiles`` in the order
+    they arrive (files in ``reads`` order, each from its first byte to its last). A tensor record is
+    loaded as soon as its bytes are in memory: read in place (``records.tensor_from_record``) and copied
+    once into its target; a bytes entry goes to the planner's safe ``load_bytes``."""
 
     def __init__(self, files: VerifiedFiles) -> None:
         super().__init__(str(files.path))
-        self.fs = _MemoryFileSystem(files)
+        self._files_path = files.path
+        self._reads = {name: read for name, (read, _) in files.reads.items()}
         self._order = {name: i for i, name in enumerate(files.reads)}
+        self.in_place = 0  # tensor records read in place
 
     def read_data(self, plan, planner):
         def position(item):
             info = self.storage_data[item.storage_index]
             return self._order.get(info.relative_path, len(self._order)), info.offset
 
-        return super().read_data(dataclasses.replace(plan, items=sorted(plan.items, key=position)), planner)
+        names, passed = list(self._reads), 0
+        for item in sorted(plan.items, key=position):
+            info = self.storage_data[item.storage_index]
+            fqn, read = item.storage_index.fqn, self._reads.get(info.relative_path)
+            if read is None:
+                raise CheckpointError(f"checkpoint {self._files_path}: entry '{fqn}' is in file "
+                                      f"{info.relative_path}, which the manifest does not list")
+            for name in names[passed:self._order[info.relative_path]]:  # files this rank is done with
+                self._reads[name].consume(self._reads[name].size)
+            passed = self._order[info.relative_path]
+            read.consume(info.offset)
+            try:
+                record = read.view(info.offset, info.length)
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {self._files_path}: file {info.relative_path}: entry "
+                                      f"'{fqn}': {e}") from None
+            self._load(item, info, record, planner)
+        for read in self._reads.values():
+            read.consume(read.size)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _load(self, item, info, record: memoryview, planner) -> None:
+        fqn = item.storage_index.fqn
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:  # written through DCP storage extensions (Stalwart's own writer uses none)
+            transforms = getattr(self, "transforms", None)
+            if transforms is None:
+                raise CheckpointError(f"checkpoint {self._files_path}: entry '{fqn}' uses DCP storage "
+                                      f"transforms {list(descriptors)}, which this torch cannot read")
+            record = memoryview(bytearray(
+                transforms.transform_load_stream(item, descriptors, io.BytesIO(bytes(record))).read(-1)))
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(record)))
+            return
+        try:
+            tensor = tensor_from_record(record)
+        except RecordError as e:
+            raise CheckpointError(f"checkpoint {self._files_path}: file {info.relative_path}: entry "
+                                  f"'{fqn}' is not a tensor record ({e})") from None
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(f"checkpoint entry '{fqn}' is not plain data: {e}") from None
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"checkpoint {self._files_path}: entry '{fqn}' has shape "
+                                  f"{tuple(tensor.size())}, this model wants {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+        self.in_place += 1
