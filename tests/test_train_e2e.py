@@ -119,8 +119,8 @@ def test_user_errors_are_one_line(tmp_path):
     npy.write_bytes(b"\x93NUMPY\x01\x00" + bytes(200))
     one_line_error(run_cli("train", *TINY_RUN, "--data.path", str(latin), "--run.dir", str(tmp_path / "r1"),
                            check=False), "latin.txt is not valid UTF-8 (byte 3")
-    one_line_error(run_cli("train", *TINY_RUN, "--data.path", str(npy), "--nproc-per-node", "2", check=False),
-                   "binary data files no data.format reads")
+    one_line_error(run_cli("train", *TINY_RUN, "--data.path", str(npy), "--nproc-per-node", "2", "--run.dir",
+                           str(tmp_path / "r2"), check=False), "binary data files no data.format reads")
 
 
 def test_a_run_with_checkpoints_refuses_overwrite_and_a_model_of_another_shape(run_dir):

@@ -3,9 +3,12 @@
 One process, the 125M flavor (110M parameters) with AdamW state (1.42 GB of fp32). Each repeat
 measures, in this order and in one temporary directory (deleted at the end):
 
-- raw write: ``dd if=/dev/zero bs=16M count=64 oflag=direct conv=fsync`` (1 GiB) into one file right
+- raw write: ``dd if=SOURCE bs=16M count=64 oflag=direct conv=fsync`` (1 GiB) into one file right
   before and into a second file right after the sync save (the disk's speed drifts by 2x within a
-  minute on the test machine: the save is compared with the mean of the two, and both are printed);
+  minute on the test machine: the save is compared with the mean of the two, and both are printed).
+  SOURCE is 1 GiB of random bytes in /dev/shm, made once: the raw files hold data like a checkpoint's
+  (on the test machine a file of zeros read back at 1.2 GB/s where random bytes written as recently
+  read at 1.5-2.6 GB/s, so zeros flattered the restore);
 - sync save: ``CheckpointManager.save`` with ``async_save = false``, files durable and committed;
 - async save: the loop's stall (the save call, plus any wait of the next ``optimizer.step`` for the
   background copy, after one real forward/backward of ``--seq`` tokens) and the time until the
@@ -18,7 +21,7 @@ measures, in this order and in one temporary directory (deleted at the end):
   written seconds before may come from that cache too (on the test machine the second file, written
   after the checkpoint, read at 2.3-2.8 GB/s in some repeats against 1.1-1.3 GB/s for the first), so
   the comparison errs against the restore. dd reads with one request in flight; the restore's readers
-  keep two, which this disk serves faster.
+  keep two, which this disk serves faster, into memory they reuse (``direct_io.ReadArena``).
 """
 
 from __future__ import annotations
@@ -79,14 +82,24 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def _repeat(model, opt, tokens, work: Path, r: int, asyn, events: list, flavor: str) -> dict:
+def _random_source(n: int = 1 << 30) -> Path:
+    """``n`` random bytes in /dev/shm (memory, so dd reading it measures only the disk it writes to)."""
+    fd, name = tempfile.mkstemp(prefix="stalwart-bench-src-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    gen = torch.Generator().manual_seed(0)
+    with os.fdopen(fd, "wb") as fh:
+        for _ in range(n // (64 << 20)):
+            fh.write(torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=gen).numpy().tobytes())
+    return Path(name)
+
+
+def _repeat(model, opt, tokens, work: Path, r: int, asyn, events: list, flavor: str, source: Path) -> dict:
     from stalwart.checkpoint.manager import CheckpointManager
     from stalwart.checkpoint.snapshot import SnapshotStore
     from stalwart.config.job import CheckpointConfig
 
     out: dict = {}
     raw = [work / "raw0", work / "raw1"]
-    write_raw = ["if=/dev/zero", "bs=16M", "count=64", "oflag=direct", "conv=fsync"]
+    write_raw = [f"if={source}", "bs=16M", "count=64", "oflag=direct", "conv=fsync"]
     out["raw_write"] = [_dd([*write_raw, f"of={raw[0]}"])]
 
     sync = CheckpointManager(work / f"sync{r}", CheckpointConfig(async_save=False, keep_last=1), 0, 1,
@@ -157,24 +170,28 @@ def main(argv: list[str]) -> int:
           f"{'% sync':>6} {'async s':>7} {'snap stall s':>12} {'snap s':>6} {'% snap':>6} {'raw R MB/s':>11} "
           f"{'restore s':>9} {'MB/s':>6} {'% raw':>6} {'cache dropped':>13} {'step s':>6}  load")
     print(f"{'':>9} {'before/after':>11}{'':>81} {'before/after':>11}")
-    with tempfile.TemporaryDirectory(dir=a.dir, prefix="stalwart-bench-ckpt-") as tmp:
-        from stalwart.checkpoint.manager import CheckpointManager
-        from stalwart.config.job import CheckpointConfig
+    source = _random_source()
+    try:
+        with tempfile.TemporaryDirectory(dir=a.dir, prefix="stalwart-bench-ckpt-") as tmp:
+            from stalwart.checkpoint.manager import CheckpointManager
+            from stalwart.config.job import CheckpointConfig
 
-        events: list = []
-        asyn = CheckpointManager(Path(tmp) / "async", CheckpointConfig(async_save=True, keep_last=1), 0, 1,
-                                 lambda e, **k: events.append(k))
-        asyn.save(1, model, opt, {"tokens_seen": 0}, block=False)  # warm-up: the host buffers are allocated once
-        asyn.wait()
-        for r in range(a.repeats):
-            o = SimpleNamespace(**_repeat(model, opt, tokens, Path(tmp), r, asyn, events, a.flavor))
-            mb = o.bytes / 1e6
-            w, rd = mb / o.sync_s, mb / o.restore_s
-            raw_w, raw_r = (sum(x) / len(x) / 1e6 for x in (o.raw_write, o.raw_read))
-            print(f"{r:>3} {o.bytes / 1e9:>5.2f} {_pair(o.raw_write):>11} {o.sync_s:>7.2f} {w:>9.0f} "
-                  f"{100 * w / raw_w:>5.0f}% {o.async_stall_s:>13.3f} "
-                  f"{100 * o.async_stall_s / o.sync_s:>5.1f}% {o.async_total_s:>7.2f} {o.snap_stall_s:>12.3f} "
-                  f"{o.snap_total_s:>6.2f} {100 * o.snap_stall_s / o.snap_total_s:>5.1f}% "
-                  f"{_pair(o.raw_read):>11} {o.restore_s:>9.2f} {rd:>6.0f} {100 * rd / raw_r:>5.0f}% "
-                  f"{o.dropped!s:>13} {o.step_s:>6.2f}  {os.getloadavg()[0]:.1f}", flush=True)
+            events: list = []
+            asyn = CheckpointManager(Path(tmp) / "async", CheckpointConfig(async_save=True, keep_last=1), 0, 1,
+                                     lambda e, **k: events.append(k))
+            asyn.save(1, model, opt, {"tokens_seen": 0}, block=False)  # warm-up: the host buffers are allocated once
+            asyn.wait()
+            for r in range(a.repeats):
+                o = SimpleNamespace(**_repeat(model, opt, tokens, Path(tmp), r, asyn, events, a.flavor, source))
+                mb = o.bytes / 1e6
+                w, rd = mb / o.sync_s, mb / o.restore_s
+                raw_w, raw_r = (sum(x) / len(x) / 1e6 for x in (o.raw_write, o.raw_read))
+                print(f"{r:>3} {o.bytes / 1e9:>5.2f} {_pair(o.raw_write):>11} {o.sync_s:>7.2f} {w:>9.0f} "
+                      f"{100 * w / raw_w:>5.0f}% {o.async_stall_s:>13.3f} "
+                      f"{100 * o.async_stall_s / o.sync_s:>5.1f}% {o.async_total_s:>7.2f} {o.snap_stall_s:>12.3f} "
+                      f"{o.snap_total_s:>6.2f} {100 * o.snap_stall_s / o.snap_total_s:>5.1f}% "
+                      f"{_pair(o.raw_read):>11} {o.restore_s:>9.2f} {rd:>6.0f} {100 * rd / raw_r:>5.0f}% "
+                      f"{o.dropped!s:>13} {o.step_s:>6.2f}  {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        source.unlink(missing_ok=True)
     return 0
