@@ -82,8 +82,8 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     if world > 1:
         dist.barrier()
     elapsed = time.perf_counter() - t0
-    if opts.get("profile") and rank == 0:
-        _profile(core, batches, opts["profile"])
+    if opts.get("profile"):  # every rank steps (the collectives need them all); rank 0 records and prints
+        _profile(core, batches, opts["profile"], record=rank == 0)
     n_tokens = opts["steps"] * mb * seq * world
     peak = matmul_peak(torch.device("cpu"), torch.float32).tflops * 1e12 if rank == 0 else 0.0  # cached per machine
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
@@ -100,10 +100,15 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
         dist.destroy_process_group()
 
 
-def _profile(core, batches, steps: int) -> None:
-    """Print where one step's time goes (torch.profiler, self time per op, averaged over ``steps``)."""
+def _profile(core, batches, steps: int, record: bool = True) -> None:
+    """Print where one step's time goes (torch.profiler, self time per op, averaged over ``steps``);
+    without ``record`` just run the steps (the other ranks of a profiled multi-process run)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if not record:
+        for i in range(steps):
+            core.train_step(batches[i % len(batches)])
+        return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(steps):
             core.train_step(batches[i % len(batches)])
