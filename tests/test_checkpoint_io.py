@@ -17,7 +17,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from stalwart.checkpoint import writer
-from stalwart.checkpoint.direct_io import HashingWriteStream, ReadArena, StreamingRead, read_digest, units_from_cuts
+from stalwart.checkpoint.direct_io import HashingWriteStream
+from stalwart.checkpoint.read_stream import ReadArena, StreamingRead, read_digest, units_from_cuts
 from stalwart.checkpoint.inspect import digest
 from stalwart.checkpoint.loader import rng_state
 from stalwart.checkpoint.snapshot import SnapshotStore

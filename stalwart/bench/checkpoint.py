@@ -21,7 +21,7 @@ measures, in this order and in one temporary directory (deleted at the end):
   written seconds before may come from that cache too (on the test machine the second file, written
   after the checkpoint, read at 2.3-2.8 GB/s in some repeats against 1.1-1.3 GB/s for the first), so
   the comparison errs against the restore. dd reads with one request in flight; the restore's readers
-  keep two, which this disk serves faster, into memory they reuse (``direct_io.ReadArena``).
+  keep two, which this disk serves faster, into memory they reuse (``read_stream.ReadArena``).
 """
 
 from __future__ import annotations

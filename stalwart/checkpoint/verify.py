@@ -4,7 +4,7 @@
 manifests written before; ``direct_io``). The large shard files are read once, one after another
 with direct I/O, each hashed as it arrives. For a load (``keep=True``) the manifest, the sizes and the
 small files are checked at once and the shard files keep streaming into a bounded ring of memory
-(``VerifiedFiles``, ``direct_io.ReadArena``): the load that follows reads them from there
+(``VerifiedFiles``, ``read_stream.ReadArena``): the load that follows reads them from there
 (``MemoryFileSystemReader``), record by record as they arrive, so it runs beside the disk instead of
 after it and holds a few hundred MB however large the checkpoint, and ``VerifiedFiles.check`` compares every
 digest before the loaded state is accepted (``loader.load_verified``). The bytes loaded are exactly
@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
-from stalwart.checkpoint.direct_io import (ALIGN, HASHES, READ_ARENA, ReadArena, StreamingRead, file_digest,
-                                           units_from_cuts)
+from stalwart.checkpoint.direct_io import ALIGN, HASHES, file_digest
+from stalwart.checkpoint.read_stream import READ_ARENA, ReadArena, StreamingRead, units_from_cuts
 from stalwart.checkpoint.records import RecordError, tensor_from_record
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from stalwart.checkpoint.writer import TRAINER_STATE
