@@ -60,6 +60,10 @@ def test_resume_is_bit_for_bit(tmp_path, nproc):
     train(resumed, "--training.steps", "8", nproc=nproc)
     events = [json.loads(x) for x in (resumed / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "resumed" and e["step"] == 4 for e in events)
+    # Each rank checked the one shard file it wrote (and read only records of the others).
+    resumed_event = next(e for e in events if e["event"] == "resumed")
+    assert resumed_event["shard_files_checked"] == [1] * nproc
+    assert len(list((resumed / "checkpoints" / "step-4").glob("*.distcp"))) == nproc
     assert step_losses(straight) == step_losses(resumed)  # exact float equality, every step
     a, b = straight / "checkpoints" / "step-8", resumed / "checkpoints" / "step-8"
     assert digest(a, "model.") == digest(b, "model.")
@@ -82,13 +86,17 @@ def test_resume_under_four_ddp_replicas_is_bit_for_bit(tmp_path):
     assert digest(a, "model.") == digest(b, "model.")
 
 
-def test_corrupt_newest_checkpoint_falls_back(run_dir):
-    train(run_dir, "--training.steps", "4", "--checkpoint.interval", "2")
-    shard = next((run_dir / "checkpoints" / "step-4").glob("*.distcp"))
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, nproc):
+    """With two ranks the damaged file is rank 1's: rank 0 reads only some records of it and leaves
+    the checksum to rank 1, and both fall back all the same."""
+    run_dir = tmp_path / "run"
+    train(run_dir, "--training.steps", "4", "--checkpoint.interval", "2", nproc=nproc)
+    shard = sorted((run_dir / "checkpoints" / "step-4").glob("*.distcp"))[-1]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    proc = train(run_dir, "--training.steps", "6")
+    proc = train(run_dir, "--training.steps", "6", nproc=nproc)
     assert "falling back" in proc.stdout
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     fallback = [e for e in events if e["event"] == "checkpoint_fallback"]

@@ -34,6 +34,8 @@ class LoadedState:
     path: Path
     step: int
     trainer_state: dict[str, Any]
+    files_checked: tuple[str, ...] = ()  # shard files this rank read whole and checked
+    files_in_part: tuple[str, ...] = ()  # shard files another rank checks, of which this one read records
 
 
 def rng_state() -> dict[str, str]:
@@ -77,6 +79,8 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
+    checked: tuple[str, ...] = ()
+    in_part: tuple[str, ...] = ()
     try:
         try:
             with _quiet_single_process():
@@ -89,6 +93,8 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
             files.check()
             raise CheckpointError(describe_load_failure(path, e)) from None
         files.check()  # every digest, before the loaded state is accepted
+        checked = tuple(name for name, (_, want) in files.reads.items() if want is not None)
+        in_part = tuple(name for name, (_, want) in files.reads.items() if want is None)
     finally:
         files.release()
     if optimizer is not None:
@@ -101,4 +107,5 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
             set_rng_state(json.loads(rng_file.read_text()))
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path}: file {rng_file.name} is malformed ({e})") from None
-    return LoadedState(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state)
+    return LoadedState(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state,
+                       files_checked=checked, files_in_part=in_part)

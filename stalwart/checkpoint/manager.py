@@ -285,12 +285,15 @@ class CheckpointManager:
         """``step-N`` directories, oldest first (``.tmp-*`` ones are partial and ignored)."""
         return self.dir.complete()
 
-    def verify(self, path: Path, keep: bool = False) -> dict[str, Any]:
+    def verify(self, path: Path, keep: bool = False, share: bool = False) -> dict[str, Any]:
         """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file.
         ``keep``: check the manifest, sizes and small files now and stream the shard files into memory
-        for ``load(path)``, which checks their digests (a bad one is refused, and fallen back past, at load)."""
+        for ``load(path)``, which checks their digests (a bad one is refused, and fallen back past, at load).
+        ``share``: the ranks split the shard files' checksums between them (``load_resume`` agrees on
+        the outcome)."""
         self.drop_verified()
-        files = verify_checkpoint(path, keep=keep, rank=self.rank)
+        files = verify_checkpoint(path, keep=keep, rank=self.rank,
+                                  share=(self.rank, self.world_size) if share else None)
         if keep:
             self._verified = files
         return files.manifest
@@ -313,13 +316,13 @@ class CheckpointManager:
             path = Path(mode)
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: '{mode}' is not a checkpoint directory")
-            self.verify(path, keep=not full)
+            self.verify(path, keep=not full, share=not full)
             return path
         for path in reversed(self.complete_checkpoints()):
             if before is not None and checkpoint_step(path) >= before:
                 continue
             try:
-                self.verify(path, keep=not full)
+                self.verify(path, keep=not full, share=not full)
                 return path
             except CheckpointError as e:
                 self._fall_back(path, e)

@@ -10,13 +10,18 @@ after it and holds a few hundred MB however large the checkpoint, and ``Verified
 digest before the loaded state is accepted (``loader.load_verified``). The bytes loaded are exactly
 the bytes whose checksums were checked, even if the files change afterwards; a checkpoint that fails
 is refused by name and ``resume = auto`` falls back past it at load (``CheckpointManager.load_resume``).
+With several ranks (``share``) each shard file is checked whole by one rank, the one that wrote it;
+another rank that needs records from it (replicated entries, a new layout) reads just those, and the
+ranks agree on the outcome before any of them accepts the state.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import pickle
+import re
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -49,21 +54,41 @@ class PeerCheckpointError(CheckpointError, PeerUserError):
 @dataclass
 class VerifiedFiles:
     """A checkpoint whose manifest, sizes and small files are checked, with its shard files streaming
-    into memory: ``reads`` maps a file name to its read and the digest the manifest expects."""
+    into memory: ``reads`` maps a file name to its read and the digest the manifest expects.
+    ``pending``: shard files left to other ranks to verify (``verify_checkpoint(share=...)``); the
+    records this rank's load needs from one are read here too (:meth:`stream`)."""
 
     path: Path
     manifest: dict[str, Any]
-    reads: dict[str, tuple[StreamingRead, str]] = field(default_factory=dict)
+    reads: dict[str, tuple[StreamingRead, str | None]] = field(default_factory=dict)  # None: a part, unchecked
+    pending: dict[str, tuple[str, str]] = field(default_factory=dict)
+    arena: ReadArena | None = None
+    units: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def stream(self, name: str, offsets) -> StreamingRead:
+        """A read of the records at ``offsets`` in shard file ``name``, which another rank checks
+        whole, started now (after the reads already going): just the spans holding them, unhashed."""
+        if name not in self.reads:
+            self.pending.pop(name)
+            units = self.units[name]
+            only = {bisect.bisect_right(units, (o, float("inf"))) - 1 for o in offsets}
+            previous = next(reversed(self.reads.values()))[0] if self.reads else None
+            try:
+                read = StreamingRead(self.path / name, after=previous, arena=self.arena, units=units, only=only)
+            except OSError as e:
+                raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read ({e})") from None
+            self.reads[name] = (read, None)
+        return self.reads[name][0]
 
     def check(self) -> None:
-        """Wait for every shard file; raise CheckpointError naming the first that cannot be read or
-        fails its checksum."""
-        for name, (read, want) in self.reads.items():
+        """Wait for every shard file read here; raise CheckpointError naming the first that cannot be
+        read or fails its checksum."""
+        for name, (read, want) in list(self.reads.items()):
             try:
                 digest = read.result()
             except OSError as e:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read ({e})") from None
-            if digest != want:
+            if want is not None and digest != want:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} fails its checksum (corrupted)")
 
     def release(self) -> None:
@@ -72,6 +97,13 @@ class VerifiedFiles:
         for read, _ in reads.values():
             read.cancel()
         threading.Thread(target=reads.clear, name="free-verified", daemon=True).start()
+
+
+def shard_owner(name: str, world: int) -> int:
+    """The rank that verifies shard file ``name`` when ranks share the work: the rank that wrote it
+    (``__<rank>_<i>.distcp``), modulo the current world size; rank 0 for any other name."""
+    m = re.match(r"__(\d+)_", name)
+    return int(m.group(1)) % world if m else 0
 
 
 def _checksum(meta: dict[str, Any]) -> tuple[str, str]:
@@ -108,11 +140,17 @@ def _entries(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[str
     return manifest, entries
 
 
-def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None) -> VerifiedFiles:
+def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None,
+                      share: tuple[int, int] | None = None) -> VerifiedFiles:
     """Check the manifest and every file's size and checksum; raise CheckpointError naming the bad file.
     ``keep``: return once the manifest, sizes and small files are checked, with the shard files
     streaming into memory for a load, whose ``check()`` compares their digests. ``rank``: read that
-    rank's own shard files first (the ones its load needs first)."""
+    rank's own shard files first (the ones its load needs first). ``share = (rank, world)`` (with
+    ``keep``): stream only the shard files this rank owns (:func:`shard_owner`); the others are read
+    here only for the records the load needs from them (``VerifiedFiles.stream``). Every file is still
+    checked whole by one rank, so the caller must agree on the outcome across ranks
+    (``CheckpointManager.load_resume``): ``world`` ranks read the checkpoint about once between them
+    instead of ``world`` times each."""
     path = Path(path)
     manifest, entries = _entries(path)
     shards = [(n, s) for n, _, s in entries if n.endswith(".distcp")]
@@ -126,11 +164,14 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None) -
     cuts = _record_bounds(path) if keep else {}
     units = {name: units_from_cuts((path / name).stat().st_size, cuts.get(name, ())) for name, _ in shards}
     largest = max((e - s for spans in units.values() for s, e in spans), default=0)
-    arena = ReadArena(max(READ_ARENA, largest + 2 * ALIGN))
+    out.arena, out.units = ReadArena(max(READ_ARENA, largest + 2 * ALIGN)), units
+    if keep and share is not None and share[1] > 1:
+        out.pending = {n: s for n, s in shards if shard_owner(n, share[1]) != share[0]}
+        shards = [(n, s) for n, s in shards if n not in out.pending]
     previous = None
     for name, (algorithm, want) in shards:
         try:
-            previous = StreamingRead(path / name, algorithm, after=previous, arena=arena, units=units[name])
+            previous = StreamingRead(path / name, algorithm, after=previous, arena=out.arena, units=units[name])
         except OSError as e:
             out.release()  # the reads already started stop
             raise CheckpointError(f"checkpoint {path}: file {name} cannot be read ({e})") from None
@@ -166,12 +207,21 @@ class MemoryFileSystemReader(SafeFileSystemReader):
 
     def __init__(self, files: VerifiedFiles) -> None:
         super().__init__(str(files.path))
+        self._files = files
         self._files_path = files.path
-        self._reads = {name: read for name, (read, _) in files.reads.items()}
-        self._order = {name: i for i, name in enumerate(files.reads)}
         self.in_place = 0  # tensor records read in place
 
     def read_data(self, plan, planner):
+        elsewhere: dict[str, list[int]] = defaultdict(list)  # records in files another rank checks
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.relative_path in self._files.pending:
+                elsewhere[info.relative_path].append(info.offset)
+        for name in sorted(elsewhere):
+            self._files.stream(name, elsewhere[name])
+        self._reads = {name: read for name, (read, _) in self._files.reads.items()}
+        self._order = {name: i for i, name in enumerate(self._reads)}
+
         def position(item):
             info = self.storage_data[item.storage_index]
             return self._order.get(info.relative_path, len(self._order)), info.offset

@@ -17,7 +17,7 @@ from typing import Any
 
 from stalwart.checkpoint.manager import (CheckpointError, CheckpointManager, PeerCheckpointError,
                                          newest_complete_checkpoint)
-from stalwart.checkpoint.writer import TRAINER_STATE
+from stalwart.checkpoint.writer import TRAINER_STATE, all_gather_object
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
 
@@ -94,6 +94,7 @@ class Checkpointer:
         disk_step = checkpoint_step(path) if path is not None else -1
         snap = self.snapshots.newest_complete_step() if (
             self.snapshots is not None and self.cfg.resume == "auto") else None
+        extra: dict[str, Any] = {}
         if snap is not None and snap > disk_step:
             self.manager.drop_verified()
             st = self.snapshots.load(snap, model, optimizer)
@@ -102,6 +103,10 @@ class Checkpointer:
             loaded = self.manager.load_resume(path, model, optimizer)
             self.disk_loads += 1
             st, source, step, path = loaded.trainer_state, "disk", loaded.step, loaded.path
+            # How the ranks split the reading: each checks the shard files it wrote and reads records of
+            # the others only where its part of the state is in them (collective, like the load).
+            split = all_gather_object((len(loaded.files_checked), len(loaded.files_in_part)))
+            extra = {"shard_files_checked": [c for c, _ in split], "shard_files_read_in_part": [p for _, p in split]}
         else:
             if self.cfg.init_from_hf:
                 from stalwart.export.hf import load_hf_into
@@ -112,7 +117,7 @@ class Checkpointer:
             return
         self._load_trainer_state(step, st)
         self.resumed_from = path
-        self.log_event("resumed", step=step, path=str(path), source=source)
+        self.log_event("resumed", step=step, path=str(path), source=source, **extra)
 
     def restore_from(self, source: str) -> int | None:
         """Restore the newest state of one kind, ``"memory"`` (a complete in-memory snapshot) or
