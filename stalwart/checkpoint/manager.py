@@ -340,7 +340,7 @@ class CheckpointManager:
         while True:
             loaded, own = None, None
             try:
-                loaded = self.load(path, model, optimizer)
+                loaded = self.load(path, model, optimizer, share=True)
             except CheckpointError as e:
                 own = e
             # Every rank decides alike: a file only one rank reads (its RNG state, its shard) may fail there.
@@ -356,14 +356,16 @@ class CheckpointManager:
             path = older
 
     # ------------------------------------------------------------------ load
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> LoadedState:
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             share: bool = False) -> LoadedState:
         """Load from the bytes ``resolve_resume``/``verify(keep=True)`` are streaming in (else read them now),
-        accepted once every checksum matches."""
+        accepted once every checksum matches (``share``: the ranks split the checksums, see ``verify``)."""
         files, self._verified = self._verified, None
         if files is None or files.path != Path(path):
             if files is not None:
                 files.release()
-            files = verify_checkpoint(path, keep=True, rank=self.rank)
+            files = verify_checkpoint(path, keep=True, rank=self.rank,
+                                      share=(self.rank, self.world_size) if share else None)
         return load_verified(files, self.rank, model, optimizer)
 
 
