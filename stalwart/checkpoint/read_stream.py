@@ -92,6 +92,11 @@ def units_from_cuts(size: int, cuts, target: int = CHUNK) -> list[tuple[int, int
     return units or [(0, 0)]
 
 
+def unit_of(units: list[tuple[int, int]], offset: int) -> int:
+    """The index of the unit (of a partition, in order) that holds byte ``offset``; -1 before the first."""
+    return bisect.bisect_right(units, (offset, float("inf"))) - 1
+
+
 class StreamingRead:
     """One file read with ``O_DIRECT`` on I/O threads into a :class:`ReadArena`, hashed as it arrives.
 
@@ -248,7 +253,7 @@ class StreamingRead:
     def view(self, offset: int, length: int) -> memoryview:
         """Bytes ``[offset, offset + length)``, once the unit holding them is read (unchecked yet). They
         must lie inside one unit and at or after what was consumed; raises the read's error."""
-        i = bisect.bisect_right(self.units, (offset, float("inf"))) - 1
+        i = unit_of(self.units, offset)
         if i < 0 or offset < self._consumed or offset + length > self.units[i][1]:
             raise ValueError(f"{self.path}: bytes [{offset}, {offset + length}) are not inside one unit "
                              f"still held (records overlap or lie outside the file?)")

@@ -17,7 +17,6 @@ ranks agree on the outcome before any of them accepts the state.
 
 from __future__ import annotations
 
-import bisect
 import io
 import json
 import pickle
@@ -34,7 +33,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from stalwart.checkpoint.direct_io import ALIGN, HASHES, file_digest
-from stalwart.checkpoint.read_stream import READ_ARENA, ReadArena, StreamingRead, units_from_cuts
+from stalwart.checkpoint.read_stream import READ_ARENA, ReadArena, StreamingRead, unit_of, units_from_cuts
 from stalwart.checkpoint.records import RecordError, tensor_from_record
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from stalwart.checkpoint.writer import TRAINER_STATE
@@ -71,7 +70,7 @@ class VerifiedFiles:
         if name not in self.reads:
             self.pending.pop(name)
             units = self.units[name]
-            only = {bisect.bisect_right(units, (o, float("inf"))) - 1 for o in offsets}
+            only = {unit_of(units, o) for o in offsets}
             previous = next(reversed(self.reads.values()))[0] if self.reads else None
             try:
                 read = StreamingRead(self.path / name, after=previous, arena=self.arena, units=units, only=only)
