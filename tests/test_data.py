@@ -188,3 +188,14 @@ def test_binary_data_is_refused_by_name(tmp_path):
     (hf / "data-00000-of-00001.arrow").write_bytes(b"ARROW1\x00\x00")
     with pytest.raises(DataError, match=r"state.json is not a readable `datasets` state file"):
         Corpus(str(hf))
+
+
+def test_a_corpus_hashed_wholly_into_validation_still_trains(tmp_path):
+    # One file whose path hashes below the 2% threshold: every document would be held out.
+    import zlib
+
+    name = next(f"doc{i}.txt" for i in range(100_000)
+                if zlib.crc32(str(tmp_path / f"doc{i}.txt").encode()) % 10_000 < 200)
+    (tmp_path / name).write_text("hello world\n" * 50)
+    corpus = Corpus(str(tmp_path / name))
+    assert [d.key for d in corpus.train] == [str(tmp_path / name)] and corpus.val == corpus.train
