@@ -21,7 +21,8 @@ from conftest import TINY_RUN, run_cli
 from stalwart.checkpoint.direct_io import HASH, file_digest
 from stalwart.checkpoint.manager import CheckpointManager
 from stalwart.checkpoint.safe_io import read_dcp_metadata
-from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, deserialize
+from stalwart.checkpoint.blob import SnapshotError, deserialize
+from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import RunPaths
 from stalwart.config.job import CheckpointConfig
 from stalwart.errors import UserError

@@ -19,7 +19,8 @@ import torch
 
 from conftest import REPO, TINY_RUN, cli_env, run_cli, step_losses
 from stalwart.checkpoint.inspect import digest
-from stalwart.checkpoint.snapshot import SnapshotError, SnapshotStore, deserialize, serialize
+from stalwart.checkpoint.blob import SnapshotError, deserialize, serialize
+from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import RunPaths
 from test_checkpoint_unit import tiny, train_step
 
