@@ -24,9 +24,9 @@ from stalwart.parallel.parts import ParallelModel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg, param_dtype: torch.dtype,
-                rank: int = 0, comm_cfg=None) -> ParallelModel:
+                comm_cfg, rank: int = 0) -> ParallelModel:
     """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section;
-    ``comm_cfg``: the comm section (which algorithms FSDP's collectives use)."""
+    ``comm_cfg``: the comm section (DDP's bucket size; which algorithms the gradient collectives use)."""
     # 1. Pipeline split.
     if dims.pp > 1:
         from stalwart.parallel.pipeline import split_model
@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         if replicated:
             from stalwart.parallel.replicate import apply_replicate
 
-            apply_replicate(stage, meshes.dp.get_group())
+            apply_replicate(stage, meshes.dp.get_group(), comm_cfg.bucket_mb)
             pm.replicated = True
         elif meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         for stage in pm.stages:
             apply_cast(stage, param_dtype)
         pm.cast_dtype = param_dtype
-    custom = comm_cfg is not None and comm_cfg.algorithm != "builtin"
+    custom = comm_cfg.algorithm != "builtin"
     if custom and replicated:
         # DDP's bucket all-reduce through the topology-aware algorithms, on the comm thread.
         from stalwart.comm.grads import install_on_replicate

@@ -29,12 +29,6 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-# The first bucket closes at 1 MiB (DDP's default) so the all-reduce of the output layer's gradient
-# starts early; later buckets at this size (a few per block of the reference model, where DDP's default
-# 25 MiB is one bucket for the whole model). Measured 1 / 4 / 25 MiB on the reference workload, two
-# processes: 4915/5601, 5036/5810, 5434/5511 tokens/s, inside this machine's noise.
-BUCKET_CAP_MB = 4.0
-
 
 def keeps_bucket_layout(world: int) -> bool:
     """Whether DDP must keep its first bucket layout (by looking for unused parameters): with more than
@@ -42,9 +36,10 @@ def keeps_bucket_layout(world: int) -> bool:
     return world > 2
 
 
-def apply_replicate(model: nn.Module, group: dist.ProcessGroup, bucket_cap_mb: float = BUCKET_CAP_MB) -> None:
+def apply_replicate(model: nn.Module, group: dist.ProcessGroup, bucket_cap_mb: float) -> None:
     """Replicate ``model`` over ``group`` (it may still be on the meta device: :func:`start_replicas`
-    builds DDP's reducer once the parameters are real); gradients are averaged over its ranks."""
+    builds DDP's reducer once the parameters are real); gradients are averaged over its ranks in buckets
+    of ``bucket_cap_mb`` (``comm.bucket_mb``; the first closes at 1 MiB, DDP's own rule)."""
     from torch.distributed._composable.replicate import replicate
 
     replicate(model, process_group=group, bucket_cap_mb=bucket_cap_mb,

@@ -106,7 +106,7 @@ class TrainCore:
         # from the same bits.
         with torch.device("meta"):
             model = Transformer(a)
-        self.pm = parallelize(model, dims, self.mesh, spec.parallelism, self.param_dtype, env.rank, spec.comm)
+        self.pm = parallelize(model, dims, self.mesh, spec.parallelism, self.param_dtype, spec.comm, env.rank)
         self.model = self.pm.container  # every parameter this rank owns, under its original name
         materialize_and_init(self.model, self.device, spec.seed, stages=self.pm.stages)
         if self.pm.replicated:
