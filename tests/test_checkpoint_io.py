@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from stalwart.checkpoint import writer
 from stalwart.checkpoint.direct_io import HashingWriteStream
-from stalwart.checkpoint.read_stream import ReadArena, StreamingRead, read_digest, units_from_cuts
+from stalwart.checkpoint.read_stream import ReadArena, StreamingRead, read_digest, units_for_records, units_from_cuts
 from stalwart.checkpoint.inspect import digest
 from stalwart.checkpoint.loader import rng_state
 from stalwart.checkpoint.snapshot import SnapshotStore
@@ -187,3 +187,28 @@ def test_files_sharing_a_small_arena_stream_through_it_and_an_unread_one_does_no
             reads[i].consume(a)
             assert bytes(reads[i].view(a, min(1000, len(data[i]) - a))) == data[i][a:a + 1000]
     assert [r.result() for r in reads] == [xxhash.xxh3_128(d).hexdigest() for d in data]
+
+
+def test_a_read_of_a_few_records_reads_about_their_bytes(tmp_path):
+    """A rank that needs three small records of another rank's 4 MiB file reads their pages, not the
+    spans around them: the neighbours close together share a unit, the far one has its own."""
+    size, record = 4 << 20, 3000
+    data = os.urandom(size)
+    path = tmp_path / "shard.distcp"
+    path.write_bytes(data)
+    cuts = [c for a in range(0, size - record, 64 << 10) for c in (a, a + record)] + [size]
+    wanted = [64 << 10, 128 << 10, 3 << 20]
+    units, only = units_for_records(size, cuts, wanted, gap=100 << 10)
+    assert units[0][0] == 0 and units[-1][1] == size and all(a[1] == b[0] for a, b in zip(units, units[1:]))
+    assert sorted(units[u] for u in only) == [(64 << 10, (128 << 10) + record), (3 << 20, (3 << 20) + record)]
+    read = StreamingRead(path, arena=ReadArena(1 << 20), units=units, only=only)
+    for a in wanted:
+        read.consume(a)
+        assert bytes(read.view(a, record)) == data[a:a + record]
+    assert read.result() is None  # a part of a file has no digest
+    fetched = read.bytes_to_read
+    assert fetched <= 2 * ((64 << 10) + 2 * 4096 + record), fetched  # pages of the two units, not 4 MiB
+    # One record larger than the target keeps a unit of its own; nothing wanted: nothing to read.
+    units, only = units_for_records(size, [0, size], [0], target=1 << 20)
+    assert units == [(0, size)] and only == {0}
+    assert units_for_records(size, cuts, []) == ([(0, size)], set())

@@ -63,6 +63,11 @@ def test_resume_is_bit_for_bit(tmp_path, nproc):
     # Each rank checked the one shard file it wrote (and read only records of the others).
     resumed_event = next(e for e in events if e["event"] == "resumed")
     assert resumed_event["shard_files_checked"] == [1] * nproc
+    if nproc == 2:  # rank 0 reads the pages of the step counters in rank 1's file, not the file
+        other = (resumed / "checkpoints" / "step-4" / "__1_0.distcp").stat().st_size
+        assert resumed_event["shard_files_read_in_part"] == [1, 0]
+        read = resumed_event["shard_bytes_read_in_part"]
+        assert 0 < read[0] < other and read[1] == 0, (read, other)
     assert len(list((resumed / "checkpoints" / "step-4").glob("*.distcp"))) == nproc
     assert step_losses(straight) == step_losses(resumed)  # exact float equality, every step
     a, b = straight / "checkpoints" / "step-8", resumed / "checkpoints" / "step-8"

@@ -36,6 +36,7 @@ class LoadedState:
     trainer_state: dict[str, Any]
     files_checked: tuple[str, ...] = ()  # shard files this rank read whole and checked
     files_in_part: tuple[str, ...] = ()  # shard files another rank checks, of which this one read records
+    bytes_in_part: int = 0  # what this rank read of those files
 
 
 def rng_state() -> dict[str, str]:
@@ -81,6 +82,7 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
         state = {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
     checked: tuple[str, ...] = ()
     in_part: tuple[str, ...] = ()
+    bytes_in_part = 0
     try:
         try:
             with _quiet_single_process():
@@ -95,6 +97,7 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
         files.check()  # every digest, before the loaded state is accepted
         checked = tuple(name for name, (_, want) in files.reads.items() if want is not None)
         in_part = tuple(name for name, (_, want) in files.reads.items() if want is None)
+        bytes_in_part = sum(read.bytes_to_read for read, want in files.reads.values() if want is None)
     finally:
         files.release()
     if optimizer is not None:
@@ -108,4 +111,4 @@ def load_verified(files: VerifiedFiles, rank: int, model: torch.nn.Module,
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path}: file {rng_file.name} is malformed ({e})") from None
     return LoadedState(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state,
-                       files_checked=checked, files_in_part=in_part)
+                       files_checked=checked, files_in_part=in_part, bytes_in_part=bytes_in_part)

@@ -92,6 +92,34 @@ def units_from_cuts(size: int, cuts, target: int = CHUNK) -> list[tuple[int, int
     return units or [(0, 0)]
 
 
+def units_for_records(size: int, cuts, offsets, target: int = CHUNK, gap: int = 256 << 10
+                      ) -> tuple[list[tuple[int, int]], set[int]]:
+    """A partition of ``[0, size)`` for reading only the records that start at ``offsets`` (``cuts``:
+    where records start and end), and the indices of its units that hold them: each wanted record lies
+    whole in one unit, neighbours share a unit when fewer than ``gap`` bytes lie between them and the
+    unit stays within ``target`` (a larger record gets a unit of its own), and the bytes between such
+    units are units nobody reads. A few small records of a large file cost about their own size."""
+    points = sorted({c for c in cuts if 0 < c < size} | {size})
+    spans: list[list[int]] = []
+    for start in sorted({o for o in offsets if 0 <= o < size}):
+        end = points[bisect.bisect_right(points, start)]  # the record's end: the next cut (points end at size)
+        if spans and (start < spans[-1][1]  # records overlap: one unit
+                      or (start - spans[-1][1] < gap and max(end, spans[-1][1]) - spans[-1][0] <= target)):
+            spans[-1][1] = max(end, spans[-1][1])
+        else:
+            spans.append([start, end])
+    units: list[tuple[int, int]] = []
+    wanted: set[int] = set()
+    for start, end in spans:
+        if start > (units[-1][1] if units else 0):
+            units.append((units[-1][1] if units else 0, start))
+        wanted.add(len(units))
+        units.append((start, end))
+    if not units or units[-1][1] < size:
+        units.append((units[-1][1] if units else 0, size))
+    return units, wanted
+
+
 def unit_of(units: list[tuple[int, int]], offset: int) -> int:
     """The index of the unit (of a partition, in order) that holds byte ``offset``; -1 before the first."""
     return bisect.bisect_right(units, (offset, float("inf"))) - 1
@@ -135,6 +163,7 @@ class StreamingRead:
         self.arena = arena or ReadArena(max(2 * chunk, max(e - s for s, e in self._io)))
         wanted = range(len(self.units)) if only is None else sorted(u for u in only if 0 <= u < len(self.units))
         self._pieces = [(u, p, min(p + chunk, self._io[u][1])) for u in wanted for p in range(*self._io[u], chunk)]
+        self.bytes_to_read = sum(end - start for _, start, end in self._pieces)
         self._at: list[int | None] = [None] * len(self.units)  # each unit's offset in the arena
         self._left = [0] * len(self.units)  # pieces still to arrive, per unit
         for u, _, _ in self._pieces:

@@ -33,7 +33,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from stalwart.checkpoint.direct_io import ALIGN, HASHES, file_digest
-from stalwart.checkpoint.read_stream import READ_ARENA, ReadArena, StreamingRead, unit_of, units_from_cuts
+from stalwart.checkpoint.read_stream import READ_ARENA, ReadArena, StreamingRead, units_for_records, units_from_cuts
 from stalwart.checkpoint.records import RecordError, tensor_from_record
 from stalwart.checkpoint.safe_io import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from stalwart.checkpoint.writer import TRAINER_STATE
@@ -62,17 +62,17 @@ class VerifiedFiles:
     reads: dict[str, tuple[StreamingRead, str | None]] = field(default_factory=dict)  # None: a part, unchecked
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)
     arena: ReadArena | None = None
-    units: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    cuts: dict[str, list[int]] = field(default_factory=dict)  # where each shard file's records start and end
 
     def stream(self, name: str, offsets) -> StreamingRead:
         """A read of the records at ``offsets`` in shard file ``name``, which another rank checks
         whole, started now (after the reads already going): just the spans holding them, unhashed."""
         if name not in self.reads:
             self.pending.pop(name)
-            units = self.units[name]
-            only = {unit_of(units, o) for o in offsets}
             previous = next(reversed(self.reads.values()))[0] if self.reads else None
             try:
+                size = (self.path / name).stat().st_size
+                units, only = units_for_records(size, self.cuts.get(name, ()), offsets)
                 read = StreamingRead(self.path / name, after=previous, arena=self.arena, units=units, only=only)
             except OSError as e:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read ({e})") from None
@@ -163,7 +163,7 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None,
     cuts = _record_bounds(path) if keep else {}
     units = {name: units_from_cuts((path / name).stat().st_size, cuts.get(name, ())) for name, _ in shards}
     largest = max((e - s for spans in units.values() for s, e in spans), default=0)
-    out.arena, out.units = ReadArena(max(READ_ARENA, largest + 2 * ALIGN)), units
+    out.arena, out.cuts = ReadArena(max(READ_ARENA, largest + 2 * ALIGN)), cuts
     if keep and share is not None and share[1] > 1:
         out.pending = {n: s for n, s in shards if shard_owner(n, share[1]) != share[0]}
         shards = [(n, s) for n, s in shards if n not in out.pending]

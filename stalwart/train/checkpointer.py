@@ -105,8 +105,10 @@ class Checkpointer:
             st, source, step, path = loaded.trainer_state, "disk", loaded.step, loaded.path
             # How the ranks split the reading: each checks the shard files it wrote and reads records of
             # the others only where its part of the state is in them (collective, like the load).
-            split = all_gather_object((len(loaded.files_checked), len(loaded.files_in_part)))
-            extra = {"shard_files_checked": [c for c, _ in split], "shard_files_read_in_part": [p for _, p in split]}
+            split = all_gather_object((len(loaded.files_checked), len(loaded.files_in_part), loaded.bytes_in_part))
+            checked, in_part, in_part_bytes = zip(*split)
+            extra = {"shard_files_checked": list(checked), "shard_files_read_in_part": list(in_part),
+                     "shard_bytes_read_in_part": list(in_part_bytes)}
         else:
             if self.cfg.init_from_hf:
                 from stalwart.export.hf import load_hf_into
