@@ -16,7 +16,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from stalwart.checkpoint import writer
+from stalwart.checkpoint import safe_io, verify, writer
 from stalwart.checkpoint.direct_io import HashingWriteStream
 from stalwart.checkpoint.read_stream import ReadArena, StreamingRead, read_digest, units_for_records, units_from_cuts
 from stalwart.checkpoint.inspect import digest
@@ -86,8 +86,13 @@ def test_large_shards_are_written_by_parallel_writers_and_load_back(tmp_path, mo
     before = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()})
     fresh, fresh_opt = tiny(seed=4)
     train_step(fresh, fresh_opt, 9)
+    parsed = []  # .metadata grows with tensors x shards: the restore parses it once (verify and DCP share it)
+    real = verify.read_dcp_metadata
+    monkeypatch.setattr(verify, "read_dcp_metadata", lambda fh: parsed.append(1) or real(fh))
+    monkeypatch.setattr(safe_io, "read_dcp_metadata", lambda fh: parsed.append(1) or real(fh))
     m.load(path, fresh, fresh_opt)
     assert _same({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, before)
+    assert len(parsed) == 1
 
 
 def test_checkpoint_in_the_earlier_layout_still_loads(tmp_path):

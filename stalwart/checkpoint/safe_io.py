@@ -59,16 +59,25 @@ def read_dcp_metadata(stream) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    def __init__(self, path, *args: Any, **kwargs: Any) -> None:
+    """DCP's file reader with ``.metadata`` read through the allow-list, parsed once per reader (it
+    grows with tensors x shards: at scale it is large, and DCP asks for it more than once) or taken
+    from ``metadata``, parsed by the caller from the same verified file."""
+
+    def __init__(self, path, *args: Any, metadata: Metadata | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
+        self._parsed: dict[str, Metadata] = {}
+        if metadata is not None:
+            self._parsed[str(self._get_metadata_path(None))] = metadata
         # Refuse a crafted or damaged .metadata here, before DCP reads it (DCP logs every failed read
         # with a traceback, then retries a rank-local file that does not exist).
         self.read_metadata()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as fh:
-            metadata = read_dcp_metadata(fh)
+        metadata = self._parsed.get(str(path))
+        if metadata is None:
+            with self.fs.create_stream(path, "rb") as fh:
+                metadata = self._parsed[str(path)] = read_dcp_metadata(fh)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
@@ -63,6 +64,7 @@ class VerifiedFiles:
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)
     arena: ReadArena | None = None
     cuts: dict[str, list[int]] = field(default_factory=dict)  # where each shard file's records start and end
+    metadata: Metadata | None = None  # DCP's, parsed once (the load's reader takes it)
 
     def stream(self, name: str, offsets) -> StreamingRead:
         """A read of the records at ``offsets`` in shard file ``name``, which another rank checks
@@ -160,7 +162,8 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None,
             raise CheckpointError(f"checkpoint {path}: file {name} fails its checksum (corrupted)")
     if rank is not None:
         shards.sort(key=lambda e: not e[0].startswith(f"__{rank}_"))  # stable: by name within each group
-    cuts = _record_bounds(path) if keep else {}
+    out.metadata = _read_metadata(path) if keep else None
+    cuts = _record_bounds(out.metadata)
     units = {name: units_from_cuts((path / name).stat().st_size, cuts.get(name, ())) for name, _ in shards}
     largest = max((e - s for spans in units.values() for s, e in spans), default=0)
     out.arena, out.cuts = ReadArena(max(READ_ARENA, largest + 2 * ALIGN)), cuts
@@ -183,17 +186,21 @@ def verify_checkpoint(path: Path, keep: bool = False, rank: int | None = None,
     return out
 
 
-def _record_bounds(path: Path) -> dict[str, list[int]]:
-    """Where each shard file's records start and end, from the DCP metadata (already checked against
-    the manifest), so that every record is read whole into one span of memory. An unreadable metadata
-    file gives none: the load refuses it by name before it reads a record."""
+def _read_metadata(path: Path) -> Metadata | None:
+    """The DCP metadata (already checked against the manifest); None if unreadable: the load refuses
+    it by name before it reads a record."""
     try:
         with (path / ".metadata").open("rb") as fh:
-            metadata = read_dcp_metadata(fh)
+            return read_dcp_metadata(fh)
     except (OSError, UnsafeCheckpointError):
-        return {}
+        return None
+
+
+def _record_bounds(metadata: Metadata | None) -> dict[str, list[int]]:
+    """Where each shard file's records start and end, so that every record is read whole into one span
+    of memory."""
     cuts: dict[str, list[int]] = defaultdict(list)
-    for info in (metadata.storage_data or {}).values():
+    for info in ((metadata.storage_data if metadata else None) or {}).values():
         cuts[info.relative_path] += [info.offset, info.offset + info.length]
     return cuts
 
@@ -205,7 +212,7 @@ class MemoryFileSystemReader(SafeFileSystemReader):
     once into its target; a bytes entry goes to the planner's safe ``load_bytes``."""
 
     def __init__(self, files: VerifiedFiles) -> None:
-        super().__init__(str(files.path))
+        super().__init__(str(files.path), metadata=files.metadata)
         self._files = files
         self._files_path = files.path
         self.in_place = 0  # tensor records read in place
