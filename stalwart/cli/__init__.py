@@ -13,13 +13,13 @@ from stalwart.errors import UserError
 
 # name -> (module, one-line summary). Keep sorted by how often people type them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("stalwart.cli.train", "train a model (launches workers itself, or runs under torchrun)"),
-    "rl": ("stalwart.cli.rl", "RL post-training tools: run a program against tests in the reward sandbox"),
+    "train": ("stalwart.cli.train", "train a model (launches workers itself, runs under torchrun, or --controller)"),
+    "rl": ("stalwart.cli.rl", "RL post-training (GRPO on one controller); `rl sandbox` scores a program"),
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
     "serve": ("stalwart.serve.cli", "serve a model over an OpenAI-compatible API (batched, KV-cached, --tp/--replicas)"),
     "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),
     "data": ("stalwart.cli.data", "tokenize a corpus once into token shards (prepare); describe them (inspect)"),
-    "bench": ("stalwart.cli.bench", "benchmarks: throughput, collectives"),
+    "bench": ("stalwart.cli.bench", "benchmarks of every subsystem against peers and the hardware (bench --help lists them)"),
     "simulate": ("stalwart.sim.cli", "simulate failures and recovery of a large job (ETTR)"),
     "plan": ("stalwart.planner.cli", "rank parallel layouts for a model on a cluster (MFU, memory)"),
     "dashboard": ("stalwart.cli.dashboard", "serve a live web dashboard of a run directory (localhost)"),
