@@ -46,6 +46,16 @@ def test_bad_values_name_the_field():
         load(JobConfig, None, ["--optimizer.name", "adamm"])
     with pytest.raises(ConfigError, match="data.val_fraction: 0.9 is above the maximum 0.5"):
         load(JobConfig, None, ["--data.val_fraction", "0.9"])
+    for bad in ("nan", "inf", "-inf"):  # float() takes them, and they pass every range check
+        with pytest.raises(ConfigError, match=f"optimizer.lr: expected a finite number, got '{bad}'"):
+            load(JobConfig, None, ["--optimizer.lr", bad])
+
+
+def test_non_finite_numbers_in_a_file_are_refused(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[optimizer]\nlr = nan\n")
+    with pytest.raises(ConfigError, match="optimizer.lr: expected a finite number, got nan"):
+        load(JobConfig, f, [])
 
 
 def test_cross_field_validation():

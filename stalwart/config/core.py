@@ -10,8 +10,10 @@ Nothing here knows about training: the simulator, the planner and the trainer al
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -134,16 +136,17 @@ def _coerce(value: Any, tp: Any, where: str, from_cli: bool) -> Any:
                 pass
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, bool):
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif from_cli and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # TOML and float() both accept nan and inf; no setting means either
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
