@@ -38,6 +38,8 @@ from types import SimpleNamespace
 
 import torch
 
+from stalwart.config.arguments import ArgumentParser
+
 
 def _dd(args: list[str]) -> float:
     """Bytes/s that dd reports."""
@@ -149,8 +151,8 @@ def _repeat(model, opt, tokens, work: Path, r: int, asyn, events: list, flavor: 
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart bench checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="stalwart bench checkpoint", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq", type=int, default=256, help="tokens in the training step run while async work is in flight")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory under /tmp)")

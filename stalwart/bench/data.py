@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stalwart.config.arguments import ArgumentParser
+
 
 def _text_corpus(root: Path, mb: float) -> Path:
     from stalwart.data.corpus import default_corpus_root
@@ -122,7 +124,7 @@ def _rss() -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart bench data", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="stalwart bench data", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=20.0, help="text for the prepare benchmark (MB)")
     p.add_argument("--rss-mb", default="100,1000", help="synthetic token-file sizes for the memory test (MB)")
     p.add_argument("--batches", type=int, default=2000, help="loader batches to time")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.config.serve import EngineConfig
 from stalwart.export.hf import hf_config, to_hf_state
 from stalwart.infer.engine import Engine
@@ -130,8 +131,8 @@ def build(flavor: str, vocab: int, seed: int = 0):
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart bench inference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="stalwart bench inference", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavors", default="tiny:1024,125M:32768", help="flavor:vocab pairs, comma separated")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workloads", default="batch 1,batch 32,mixed")

@@ -6,7 +6,6 @@ come from the run's summary.json (steady-state tokens/s excludes the first three
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.paths import RunPaths
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -47,7 +47,7 @@ def run_layout(nproc: int, extra: list[str], steps: int, workdir: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart bench layouts", description=__doc__)
+    p = ArgumentParser(prog="stalwart bench layouts", description=__doc__)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     p.add_argument("--json", default=None)

@@ -12,13 +12,13 @@ Training throughput with and without expert parallelism is measured with ``stalw
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
 
 import torch
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.models.flavors import FLAVORS
 from stalwart.models.moe import MoE, TopKRouter
 from stalwart.train.experts import imbalance, update_bias
@@ -68,7 +68,7 @@ def balance(seed: int, steps: int, rate: float) -> tuple[float, float]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart bench moe", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="stalwart bench moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=1024, help="tokens per forward (multiple of 128)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="forward+backward passes per timing")

@@ -9,11 +9,12 @@ load average at the time (the sandbox is CPU-bound: other work on the machine sl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from stalwart.config.arguments import ArgumentParser
 
 
 def _workload(programs: int, cases: int) -> list:
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> int:
     from stalwart.config.rl import SandboxConfig
     from stalwart.rl.sandbox import Sandbox
 
-    p = argparse.ArgumentParser(prog="stalwart bench sandbox", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="stalwart bench sandbox", description=__doc__.split("\n\n")[0])
     p.add_argument("--programs", type=int, default=60, help="programs scored per measurement")
     p.add_argument("--cases", type=int, default=3, help="test cases per program")
     p.add_argument("--threads", default="2", help="comma-separated thread counts timed after the serial run")

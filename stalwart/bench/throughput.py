@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import replace
 
+from stalwart.config.arguments import ArgumentParser
+
 REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256, ffn_hidden=768,
                  tie_embeddings=False)
 
@@ -137,8 +139,8 @@ def run(world: int, opts: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart bench throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="stalwart bench throughput", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--procs", default="1,2", help="comma-separated process counts to measure")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="stalwart dashboard", description=(
+    ap = ArgumentParser(prog="stalwart dashboard", description=(
         "Serve a self-contained dashboard of a run directory, or of a directory of runs to compare: loss / eval "
         "loss, learning rate, gradient norm, tokens/s, MFU and step-time curves (zoom, hover, smoothing, log "
         "scale), the per-rank heat map, stragglers, goodput, events, flight-recorder findings and profiler "

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.data.corpus import Corpus, DataError
 from stalwart.data.prepare import TOKENIZER, parse_inputs, prepare
 from stalwart.data.prepared import open_prepared
@@ -16,7 +17,7 @@ USAGE = "usage: stalwart data {prepare,inspect} ...   (stalwart data prepare --h
 
 
 def _prepare_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stalwart data prepare", description=(
+    p = ArgumentParser(prog="stalwart data prepare", description=(
         "Tokenize text (files, directories, globs, JSONL, Parquet, a Hugging Face `datasets.save_to_disk` "
         "directory) with N worker processes into Megatron-style .bin/.idx token shards plus index.json. "
         "Re-running after an interruption keeps finished shards; the same inputs give the same bytes."))
@@ -120,8 +121,8 @@ def _prepare(argv: list[str]) -> int:
 
 
 def inspect_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart data inspect",
-                                description="Sources, documents, tokens and shard checksums of a prepared dataset.")
+    p = ArgumentParser(prog="stalwart data inspect",
+                       description="Sources, documents, tokens and shard checksums of a prepared dataset.")
     p.add_argument("dir")
     p.add_argument("--verify", action="store_true", help="recompute every shard's sha256 and compare")
     args = p.parse_args(argv)

@@ -3,15 +3,15 @@ collective and say what every rank was doing."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="stalwart diagnose", description=(
+    ap = ArgumentParser(prog="stalwart diagnose", description=(
         "Read RUN_DIR/flight/rank-*.json (written by the flight recorder on a hang, exception, SIGTERM or "
         "SIGUSR1) and report the first collective some rank never entered, mismatched collectives, and each "
         "rank's last completed op, op in flight and its age, for the newest attempt that wrote dumps (saying which, and "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from stalwart.config.arguments import ArgumentParser
+
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="stalwart doctor", description=(
+    ap = ArgumentParser(prog="stalwart doctor", description=(
         "Spawn N local processes (gloo) and measure per rank: matmul GFLOP/s, all-reduce latency and bus "
         "bandwidth, ring exchange with the neighbours. Ranks worse than the median by more than --tolerance are "
         "flagged. Exit status 1 when a rank is flagged or the check fails."))
@@ -20,6 +21,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tolerance", type=float, default=0.3, help="allowed fraction worse than the median")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
+    for flag, value in (("--nproc", args.nproc), ("--matmul-n", args.matmul_n), ("--mb", args.mb),
+                        ("--iters", args.iters), ("--threads", args.threads)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1 (got {value})")
+    if not args.tolerance >= 0:
+        ap.error(f"--tolerance is a fraction worse than the median, at least 0 (got {args.tolerance})")
     from stalwart.observe.doctor import format_report, health_check
 
     rep = health_check(args.nproc, args.matmul_n, args.mb, args.iters, args.threads, args.tolerance)

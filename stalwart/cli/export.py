@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 from stalwart.paths import RunPaths
 
@@ -42,8 +43,8 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="stalwart export", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run directory (runs/<name>)")
     p.add_argument("--format", default="hf", choices=["hf"], help="output format (hf = Hugging Face Llama)")
     p.add_argument("--out", required=True, help="output directory")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from stalwart.checkpoint.run_checkpoint import load_run_model
+from stalwart.config.arguments import ArgumentParser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="stalwart generate", description=__doc__)
+    p = ArgumentParser(prog="stalwart generate", description=__doc__)
     p.add_argument("--run", required=True, help="run directory (runs/<name>)")
     p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: newest complete)")
     p.add_argument("--prompt", default="", help="text to continue")

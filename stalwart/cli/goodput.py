@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 from stalwart.paths import RunPaths
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="stalwart goodput", description=(
+    ap = ArgumentParser(prog="stalwart goodput", description=(
         "Split a run's wall time into productive training, lost (recomputed) work, failure detection, "
         "restart/re-initialisation, checkpoint stalls, start-up and other; ETTR = productive / wall. "
         "Reads RUN_DIR/events.jsonl and metrics.jsonl; lists every failure with its detection latency, "

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 
 
@@ -18,7 +18,7 @@ def _window(text: str) -> tuple[int | None, int | None]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="stalwart report", description=(
+    ap = ArgumentParser(prog="stalwart report", description=(
         "Write a self-contained HTML report (the dashboard's content, no server needed) and PNG plots of a run "
         "directory; with --trace also a merged Chrome/Perfetto trace.json of all ranks' phases."))
     ap.add_argument("run_dir", help="the run directory")
