@@ -16,6 +16,7 @@ CASES = [
     ("stalwart.cli.report", [], "the following arguments are required: run_dir"),
     ("stalwart.cli.export", ["--format", "onnx"], "invalid choice: 'onnx'"),
     ("stalwart.bench.sandbox", ["--programs", "0"], "must be at least 1"),
+    ("stalwart.cli.dashboard", [".", "--port", "99999"], "--port must be within 0-65535 (got 99999)"),
 ]
 
 
@@ -26,3 +27,19 @@ def test_a_bad_flag_is_one_line_and_exit_2(module, argv, message, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "--help" in err[0], err
+
+
+def test_the_dashboard_names_the_host_or_the_port_it_cannot_bind(tmp_path):
+    import socket
+
+    from stalwart.cli import dashboard
+    from stalwart.errors import UserError
+
+    with pytest.raises(UserError, match="--host: cannot resolve 'example.invalid'"):
+        dashboard.main([str(tmp_path), "--host", "example.invalid"])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(UserError, match=f"--port: cannot listen on 127.0.0.1:{port} .*choose another --port"):
+            dashboard.main([str(tmp_path), "--port", str(port)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -22,9 +23,18 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if not Path(args.run_dir).is_dir():
         raise UserError(f"no directory at {args.run_dir}: give a run directory or a directory of runs")
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port must be within 0-65535 (got {args.port})")
     from stalwart.observe.server import make_server
 
-    server = make_server(args.run_dir, args.host, args.port)
+    try:
+        server = make_server(args.run_dir, args.host, args.port)
+    except socket.gaierror as e:
+        raise UserError(f"--host: cannot resolve {args.host!r} ({e.strerror}); give an address such as "
+                        "127.0.0.1") from None
+    except OSError as e:
+        raise UserError(f"--port: cannot listen on {args.host}:{args.port} ({e.strerror}); choose another "
+                        "--port, or 0 for any free one") from None
     host, port = server.server_address[:2]
     print(f"stalwart dashboard: serving {args.run_dir} at http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
     try:
