@@ -91,6 +91,29 @@ def test_load_run_from_synthetic_run(tmp_path):
     assert data["stragglers"]["suspects"] == []  # the default slow rank (2) is not in a 2-rank run
 
 
+def test_foreign_lines_and_files_in_a_run_are_skipped_not_fatal(tmp_path):
+    """A line that is JSON but not a record, or a flight file that is not a dump (hand-edited, another
+    tool's), is left out by every reader: the views of the run still work."""
+    from stalwart.observe.diagnose import load_dumps
+    from stalwart.paths import RunPaths
+
+    run = write_synthetic_run(tmp_path / "run", ranks=2, steps=10)
+    paths = RunPaths(run)
+    before = load_run(run)
+    for f in (paths.events, paths.metrics):
+        with f.open("a") as fh:
+            fh.write('[1, 2]\n"text"\n7\n')
+    with paths.timings(0).open("a") as fh:
+        fh.write("[3]\n")
+    after = load_run(run)
+    assert after["train"] == before["train"] and after["goodput"] == before["goodput"]
+    paths.flight_dir.mkdir(exist_ok=True)
+    (paths.flight_dir / "rank-0.json").write_text("[]")
+    (paths.flight_dir / "rank-1.json").write_text('{"rank": "x"}')
+    skipped = []
+    assert load_dumps(run, skipped) == {} and len(skipped) == 2 and "not a flight-recorder dump" in skipped[0]
+
+
 def test_trace_export_is_valid_trace_event_json(tmp_path):
     run = write_synthetic_run(tmp_path / "run", ranks=3, steps=30, slow_rank=2)
     trace = build_trace(load_timings(run), 10, 19)

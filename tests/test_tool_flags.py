@@ -43,3 +43,11 @@ def test_the_dashboard_names_the_host_or_the_port_it_cannot_bind(tmp_path):
         port = busy.getsockname()[1]
         with pytest.raises(UserError, match=f"--port: cannot listen on 127.0.0.1:{port} .*choose another --port"):
             dashboard.main([str(tmp_path), "--port", str(port)])
+
+
+def test_diagnose_names_a_missing_run_directory(tmp_path):
+    from stalwart.cli import diagnose
+    from stalwart.errors import UserError
+
+    with pytest.raises(UserError, match="no run directory at"):
+        diagnose.main([str(tmp_path / "missing")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
@@ -23,7 +24,12 @@ def main(argv: list[str]) -> int:
     from stalwart.observe.diagnose import analyze, format_diagnosis, load_dumps, newest_attempt
     from stalwart.paths import RunPaths
 
-    dumps = load_dumps(args.run_dir)
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"no run directory at {args.run_dir}")
+    skipped: list[str] = []
+    dumps = load_dumps(args.run_dir, skipped)
+    for what in skipped:
+        print(f"warning: skipped {what}", file=sys.stderr)
     if not dumps:
         raise UserError(f"no flight-recorder dumps in {RunPaths(args.run_dir).flight_dir} (send SIGUSR1 to the "
                         "workers of a live job to get some)")

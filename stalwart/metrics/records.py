@@ -53,16 +53,19 @@ class EventLog(JsonlWriter):
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Read a JSON-lines file, skipping a torn last line (a crash mid-write)."""
+    """Read a JSON-lines file of records (objects), skipping a torn last line (a crash mid-write) and any
+    line that is not an object."""
     out = []
     p = Path(path)
     if not p.is_file():
         return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out

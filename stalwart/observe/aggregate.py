@@ -28,9 +28,11 @@ def _tail(path: Path, tail_bytes: int) -> list[dict[str, Any]]:
     out = []
     for line in lines:
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 

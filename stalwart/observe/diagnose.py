@@ -19,14 +19,19 @@ from typing import Any
 from stalwart.paths import RunPaths, rank_files
 
 
-def load_dumps(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+def load_dumps(run_dir: str | Path, skipped: list[str] | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank's flight-recorder dump by rank; a file that is not a dump is left out (and described
+    in ``skipped``, when given)."""
     out: dict[int, dict[str, Any]] = {}
     for rank, p in rank_files(RunPaths(run_dir).flight_dir, ".json").items():
         try:
             d = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        out[int(d.get("rank", rank))] = d
+            if not isinstance(d, dict) or not isinstance(d.get("entries", []), list):
+                raise ValueError("not a flight-recorder dump")
+            out[int(d.get("rank", rank))] = d
+        except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+            if skipped is not None:
+                skipped.append(f"{p} ({e})")
     return out
 
 

@@ -54,6 +54,7 @@ def load_run(run_dir: str | Path, heatmap_steps: int = 200, max_events: int = 50
             summary = json.loads(paths.summary.read_text())
         except json.JSONDecodeError:
             summary = None
+        summary = summary if isinstance(summary, dict) else None
     dumps = load_dumps(run_dir)
     flight = analyze(dumps) if dumps else None
     data = {
