@@ -99,3 +99,31 @@ def write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
 
 def write_json_atomic(path: Path, obj: Any, durable: bool = True, indent: int | None = 1) -> None:
     write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=True), durable)
+
+
+def output_file(path: str | Path, flag: str) -> Path:
+    """The file a command writes when its work is done, checked before the work starts: its directory
+    is made if missing, and it must not be a directory. A UserError names ``flag`` otherwise."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"{flag}: cannot make the directory of {p} ({e.strerror})") from None
+    if p.is_dir():
+        raise StorageError(f"{flag}: {p} is a directory; give a file path")
+    try:  # a real write: permissions alone say nothing for root or for /proc-like filesystems
+        probe = p.with_name(f".{p.name}.{os.getpid()}.probe")
+        probe.open("wb").close()
+        probe.unlink()
+    except OSError as e:
+        raise StorageError(f"{flag}: cannot write into {p.parent} ({_WORDS.get(e.errno) or e.strerror})") from None
+    return p
+
+
+@contextlib.contextmanager
+def writing_output(path: Path, flag: str):
+    """Around the write of an :func:`output_file`: a failure is one line naming ``flag`` and the file."""
+    try:
+        yield
+    except OSError as e:
+        raise StorageError(f"{flag}: cannot write {path} ({_WORDS.get(e.errno) or e.strerror or e})") from None

@@ -44,12 +44,16 @@ def test_plan_help_documents_every_field():
         assert key in text, key
 
 
-def test_plan_bad_input_is_one_line_and_nonzero():
+def test_plan_bad_input_is_one_line_and_nonzero(tmp_path):
+    (tmp_path / "file").write_text("")
     for args in (["--model.flavor", "llama3-7B"], ["--cluster.gpus", "zero"], ["--config", "/nope.toml"],
-                 ["--search.tpp", "1"], ["--workload.global_batch_tokens", "100"]):
+                 ["--search.tpp", "1"], ["--workload.global_batch_tokens", "100"], ["--cluster.nic_gbps", "nan"],
+                 ["--json", str(tmp_path / "file" / "x.json")], ["--json", "/proc/stalwart-plan.json"]):
         proc = run_cli("plan", *args, check=False)
         assert proc.returncode == 2, args
         assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr, proc.stderr
+        if args[0] == "--json":  # refused before the work, naming the flag
+            assert "--json: cannot" in proc.stderr and not proc.stdout, proc.stderr
 
 
 def test_readme_plan_line_scales_the_default_batch_with_the_cluster():
@@ -58,3 +62,17 @@ def test_readme_plan_line_scales_the_default_batch_with_the_cluster():
     bad = run_cli("plan", "--model.flavor", "llama3-405B", "--cluster.gpus", "8192", "--workload.global_batch", "3",
                   check=False)
     assert bad.returncode == 2 and "raise --workload.global_batch" in bad.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`stalwart plan | head -1`: the pipe closes under the writer; no traceback, the status a shell expects."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "plan", "--cluster.gpus", "64"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=cli_env(), cwd=REPO)
+    proc.stdout.close()  # before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and not err.strip(), err

@@ -48,9 +48,10 @@ def test_simulate_help_documents_every_field():
         assert key in text, key
 
 
-def test_simulate_bad_input_is_one_line_and_nonzero():
+def test_simulate_bad_input_is_one_line_and_nonzero(tmp_path):
     for args in (["--job.gpuz", "8"], ["--job.gpus", "many"], ["--config", "missing-preset"],
-                 ["--sweep", "job.gpus"], ["--checkpoint.mode", "lazy"]):
+                 ["--sweep", "job.gpus"], ["--checkpoint.mode", "lazy"], ["--checkpoint.interval_min", "nan"],
+                 ["--plot", str(tmp_path)], ["--json", "/proc/stalwart-sim.json"]):
         proc = run_cli("simulate", *args, check=False)
         assert proc.returncode == 2, args
         assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr, proc.stderr

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from stalwart.atomic import output_file, writing_output
 from stalwart.config import ConfigError, help_text, load, to_dict
 from stalwart.config.loading import split_args
 from stalwart.planner.config import PlanConfig, apply_shape_overrides
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> int:
     flags, rest = split_args(argv, {"--config": True, "--json": True, "--validate": False})
     validate = "--validate" in flags
     cfg = load(PlanConfig, flags.get("--config"), rest)
+    out = output_file(flags["--json"], "--json") if "--json" in flags else None
     doc: dict = {"config": to_dict(cfg)}
     rc = 0
     if validate:
@@ -97,9 +99,9 @@ def main(argv: list[str]) -> int:
         doc["layouts"] = [{"layout": dataclasses.asdict(x.layout), "describe": x.layout.describe(), "fits": x.fits,
                            "memory_bytes": x.memory.to_dict(), "time": x.time.to_dict()} for x in shown]
         doc["explanation"] = explain(shown[0], w, gpu)
-    if "--json" in flags:
-        Path(flags["--json"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(flags["--json"]).write_text(json.dumps(doc, indent=2) + "\n")
+    if out is not None:
+        with writing_output(out, "--json"):
+            out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"\nwrote {flags['--json']}")
     return rc
 

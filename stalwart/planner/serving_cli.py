@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from stalwart.atomic import output_file, writing_output
 from stalwart.config import ConfigError, help_text, load, option, section, to_dict
 from stalwart.config.loading import split_args
 from stalwart.planner.config import ModelSection as PlanModelSection
@@ -133,6 +134,7 @@ def main(argv: list[str]) -> int:
         return 0
     flags, rest = split_args(argv, {"--config": True, "--json": True})
     cfg = load(ServePlanConfig, flags.get("--config"), rest)
+    out = output_file(flags["--json"], "--json") if "--json" in flags else None
     shape, hosts, req = build_shape(cfg.model), build_hosts(cfg.hosts), build_request(cfg)
     result = plan(shape, hosts, req, tuple(cfg.search.tp), tuple(cfg.search.pp))
     print(f"stalwart serve --plan: {cfg.model.flavor} ({_count(shape.params)} params, {cfg.model.params_dtype}), "
@@ -150,12 +152,12 @@ def main(argv: list[str]) -> int:
     print(f"\nchosen: tp={best.tp} pp={best.pp} replicas={best.replicas}")
     for line in result.why:
         print("  " + line)
-    if "--json" in flags:
+    if out is not None:
         doc = {"config": to_dict(cfg), "hosts": dataclasses.asdict(hosts), "shape": dataclasses.asdict(shape),
                "chosen": best.to_dict(), "why": result.why, "ranked": [p.to_dict() for p in shown],
                "rejected": [p.to_dict() for p in result.rejected]}
-        Path(flags["--json"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(flags["--json"]).write_text(json.dumps(doc, indent=2) + "\n")
+        with writing_output(out, "--json"):
+            out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"\nwrote {flags['--json']}")
     return 0
 

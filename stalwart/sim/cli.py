@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stalwart.atomic import output_file, writing_output
 from stalwart.config import ConfigError, help_text, load, to_dict
 from stalwart.sim import report
 from stalwart.sim.cluster import simulate_cluster
@@ -111,6 +112,7 @@ def main(argv: list[str]) -> int:
     flags, sweeps, overrides = parse_args(argv)
     file = find_preset(flags["--config"]) if "--config" in flags else None
     cfg = load(SimConfig, file, overrides)
+    outputs = {flag: output_file(flags[flag], flag) for flag in ("--json", "--plot") if flag in flags}
     points = grid(sweeps) if sweeps else []
     for pt in points:                      # validate every sweep point before spending time
         load(SimConfig, file, overrides + as_overrides(pt))
@@ -134,11 +136,13 @@ def main(argv: list[str]) -> int:
                                  "interval_s": s.model.interval_s,
                                  "wall_time_s": {k: v.mean for k, v in s.buckets_s.items()}})
     print(report.format_table(doc, summary))
-    if "--json" in flags:
-        report.write_json(doc, flags["--json"])
+    if "--json" in outputs:
+        with writing_output(outputs["--json"], "--json"):
+            report.write_json(doc, outputs["--json"])
         print(f"\nwrote {flags['--json']}")
-    if "--plot" in flags:
-        report.write_plot(doc, summary, flags["--plot"])
+    if "--plot" in outputs:
+        with writing_output(outputs["--plot"], "--plot"):
+            report.write_plot(doc, summary, outputs["--plot"])
         print(f"wrote {flags['--plot']}")
     return 0
 
