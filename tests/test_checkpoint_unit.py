@@ -91,6 +91,61 @@ def test_async_save_equals_sync_and_stages_before_the_optimizer_mutates(tmp_path
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("kind", ["disk", "memory"])
+def test_a_background_save_beside_a_cast_forward_saves_the_parameters(tmp_path, kind):
+    """Under the bf16 cast a unit holds bf16 copies in place of its parameters while it runs. The save's
+    writer thread runs while the first block is held inside its forward: what it saves must be the
+    float32 parameters of the step boundary (a state dict read there failed with KeyError at random,
+    or would hold the copies)."""
+    import threading
+
+    from stalwart.checkpoint.snapshot import SnapshotStore
+    from stalwart.parallel.precision import apply_cast
+
+    model, opt = tiny()
+    apply_cast(model, torch.bfloat16)
+    train_step(model, opt, 1)
+    sync = manager(tmp_path / "sync", async_save=False)
+    sync.save(1, model, opt, {"tokens_seen": 1})
+    if kind == "disk":
+        saver = manager(tmp_path / "async", async_save=True)
+        saver.save(1, model, opt, {"tokens_seen": 1})
+        copied = saver._pending.staging.done
+    else:
+        saver = SnapshotStore(tmp_path / "snap", 0, 1)
+        saver.save_async(1, model, opt, {"tokens_seen": 1})
+        copied = saver._inflight[1].done
+    inside = []
+    block = model.layers["0"]
+
+    def hold(_module, _args):  # runs after the cast swapped this block's parameters for bf16 copies
+        inside.append({p.dtype for p in block.parameters()})
+        assert copied.wait(30), "the save never copied the state"
+
+    handle = block.register_forward_pre_hook(hold)
+    try:
+        x = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+        model(x)
+    finally:
+        handle.remove()
+    assert inside == [{torch.bfloat16}]  # the writer really ran while the copies stood in
+    if kind == "disk":
+        saver.wait()
+        assert digest(tmp_path / "sync" / "step-1", "model.") == digest(tmp_path / "async" / "step-1", "model.")
+        assert digest(tmp_path / "sync" / "step-1", "optim.") == digest(tmp_path / "async" / "step-1", "optim.")
+    else:
+        saver.wait()
+        fresh, fresh_opt = tiny(seed=5)
+        apply_cast(fresh, torch.bfloat16)
+        train_step(fresh, fresh_opt, 9)
+        saver.load(1, fresh, fresh_opt)
+        assert all(torch.equal(a, b) and a.dtype == torch.float32
+                   for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert not any(t.name.startswith(("checkpoint-write", "snapshot-")) for t in threading.enumerate()
+                   if t.is_alive() and t is not threading.current_thread() and t.daemon is False)
+
+
+@pytest.mark.unit
 def test_manifest_describes_the_run(tmp_path):
     model, opt = tiny()
     m = CheckpointManager(tmp_path, CheckpointConfig(async_save=True), 0, 1, Events(),

@@ -116,20 +116,16 @@ class CheckpointManager:
         background = self.async_save and not block
         rng, trainer = rng_state(), ({"step": step, **trainer_state} if self.rank == 0 else None)
         future: Future = Future()  # -> (SaveJob, DCP write results)
-        if background and not distributed() and optimizer.state:
-            # Nothing here needs a collective: reading the state dict, copying it to host buffers,
-            # planning and writing all run on the writer thread; the loop only starts it. (An
-            # optimizer without state yet is initialised by get_state_dict with a zero-lr step that
-            # edits its param groups: that stays on the loop's thread, below.)
-            def prepare() -> dict[str, Any]:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                return {"model": model_sd, "optim": optim_sd}
-            pairs = None
+        # The state dict is read here, at the step boundary, never beside the next forward: a unit under
+        # the mixed-precision cast holds its bf16 copies in place of its parameters while it runs, and
+        # a state dict read then would miss them (or hold the copies).
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if background and not distributed():
+            pairs = None  # nothing collective: buffers, copy, planning and writes all go to the writer thread
         else:
             # DCP's planning exchanges plans between ranks: it stays on the main thread with the
             # loop's own collectives; only the copy and the file writes go to the background.
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
             pairs: list | None = []
             if background:
                 state, pairs = self._stager.prepare(state)
@@ -140,7 +136,7 @@ class CheckpointManager:
                 try:
                     try:
                         if pairs is None:
-                            staged, copies = self._stager.prepare(prepare())
+                            staged, copies = self._stager.prepare(state)
                             HostStager.copy(copies)
                         else:
                             HostStager.copy(pairs)

@@ -148,22 +148,16 @@ class SnapshotStore:
         meta = {"step": step, "rank": self.rank, "world": self.world, "layout": self.layout}
         extra = {"trainer": {"step": step, **trainer_state}, "rng": rng_state()}
         group = self._exchange_group()
-        if self.world == 1 and optimizer.state:  # nothing collective: read the state dict off the loop too
-            layout = None
-        else:  # (an optimizer without state is initialised by get_state_dict: on the loop's thread)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            layout = BlobLayout({"meta": meta, "model": model_sd, "optim": optim_sd, **extra})
+        # Read at the step boundary (collective under FSDP), never beside the next forward: a unit under
+        # the mixed-precision cast holds bf16 copies in place of its parameters while it runs.
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         hold = StepHold(optimizer)
         result: dict[str, Any] = {}
 
         def run() -> None:
             try:
                 try:
-                    own = layout
-                    if own is None:
-                        model_sd, optim_sd = get_state_dict(model, optimizer)
-                        own = BlobLayout({"meta": meta, "model": model_sd, "optim": optim_sd, **extra})
-                    blob = own.fill()
+                    blob = BlobLayout({"meta": meta, "model": model_sd, "optim": optim_sd, **extra}).fill()
                 finally:
                     hold.done.set()
                 result["size"] = self._store(step, BlobLayout.seal(blob), group)
