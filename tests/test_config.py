@@ -51,6 +51,13 @@ def test_bad_values_name_the_field():
             load(JobConfig, None, ["--optimizer.lr", bad])
 
 
+def test_a_config_file_that_is_not_text_is_one_error(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_bytes(b"\xff\xfe[training]\n")
+    with pytest.raises(ConfigError, match="not valid TOML \\(not UTF-8 text at byte 0\\)"):
+        load(JobConfig, f, [])
+
+
 def test_non_finite_numbers_in_a_file_are_refused(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[optimizer]\nlr = nan\n")

@@ -323,6 +323,10 @@ def load(cls: type[T], file: str | Path | None = None, overrides: list[str] | No
                 tree = _deep_merge(tree, tomllib.load(fh))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML (not UTF-8 text at byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     cli: dict[str, Any] = {}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(cli, cls, key, value)
