@@ -75,6 +75,13 @@ class RunPaths:
         """From the ``[run]`` config section."""
         return cls(default_run_dir(run_cfg.name, run_cfg.dir))
 
+    @classmethod
+    def holding(cls, checkpoint: str | Path) -> "RunPaths | None":
+        """The run whose ``checkpoints/step-N`` this is, or None for a checkpoint outside a run directory."""
+        checkpoint = Path(checkpoint)
+        run = cls(checkpoint.parent.parent)
+        return run if checkpoint.parent == run.checkpoints and run.config.is_file() else None
+
     def __repr__(self) -> str:
         return f"RunPaths({str(self.root)!r})"
 

@@ -51,3 +51,14 @@ def test_diagnose_names_a_missing_run_directory(tmp_path):
 
     with pytest.raises(UserError, match="no run directory at"):
         diagnose.main([str(tmp_path / "missing")])
+
+
+def test_a_checkpoint_knows_the_run_that_holds_it(tmp_path):
+    from stalwart.paths import RunPaths
+
+    run = RunPaths(tmp_path / "run")
+    run.checkpoint(4).mkdir(parents=True)
+    assert RunPaths.holding(run.checkpoint(4)) is None  # no config.toml: not a run directory
+    run.config.write_text("")
+    assert RunPaths.holding(run.checkpoint(4)).root == run.root
+    assert RunPaths.holding(tmp_path / "loose" / "step-4") is None

@@ -147,6 +147,7 @@ def test_a_run_with_checkpoints_refuses_overwrite_and_a_model_of_another_shape(r
     more = train(run_dir, "--training.steps", "4", "--model.n_layers", "4", nproc=2, check=False)
     one_line_error(more, "dim 64, 2 layers, 4 heads (2 key/value)")
     assert "than the config asks for (dim 64, 4 layers," in more.stderr
+    assert f"resume with the config it was trained with (--config {run_dir / 'config.toml'})" in more.stderr
     fewer = train(run_dir, "--training.steps", "4", "--model.n_layers", "1", check=False)
     one_line_error(fewer, "than the config asks for (dim 64, 1 layers,")
     assert (run_dir / "config.toml").read_bytes() == config

@@ -71,9 +71,11 @@ class Checkpointer:
             return  # unreadable: the load itself names what is wrong
         want = dataclasses.asdict(args)
         if isinstance(saved, dict) and any(saved.get(k) != want[k] for k in SHAPE_FIELDS):
+            owner = RunPaths.holding(path)
+            fix = (f"or resume with the config it was trained with (--config {owner.config})" if owner else
+                   "or give the model settings it was trained with")
             raise CheckpointError(f"checkpoint {path} holds a model of another shape ({_shape(saved)}) than the "
-                                  f"config asks for ({_shape(want)}); train into another --run.dir, or resume "
-                                  f"with the run's own config (--config {paths.config})")
+                                  f"config asks for ({_shape(want)}); train into another --run.dir, {fix}")
 
     # ------------------------------------------------------------------ state
     def trainer_state(self) -> dict[str, Any]:
