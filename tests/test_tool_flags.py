@@ -17,6 +17,10 @@ CASES = [
     ("stalwart.cli.export", ["--format", "onnx"], "invalid choice: 'onnx'"),
     ("stalwart.bench.sandbox", ["--programs", "0"], "must be at least 1"),
     ("stalwart.cli.dashboard", [".", "--port", "99999"], "--port must be within 0-65535 (got 99999)"),
+    ("stalwart.cli.generate", ["--run", ".", "--temperature", "nan"], "--temperature must be a finite number"),
+    ("stalwart.cli.generate", ["--run", ".", "--temperature", "-1"], "--temperature must be a finite number"),
+    ("stalwart.cli.generate", ["--run", ".", "--max-new-tokens", "-5"], "--max-new-tokens must be at least 0"),
+    ("stalwart.cli.generate", ["--run", ".", "--seed", str(2**70)], "--seed must be within"),
 ]
 
 

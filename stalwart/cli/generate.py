@@ -19,6 +19,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=40, help="0 = no top-k filtering")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if a.max_new_tokens < 0:
+        p.error(f"--max-new-tokens must be at least 0 (got {a.max_new_tokens})")
+    if not a.temperature >= 0 or a.temperature == float("inf"):  # nan fails the comparison
+        p.error(f"--temperature must be a finite number, at least 0 (got {a.temperature})")
+    if a.top_k < 0:
+        p.error(f"--top-k must be at least 0 (got {a.top_k})")
+    if not 0 <= a.seed < 2**63:
+        p.error(f"--seed must be within [0, 2^63) (got {a.seed})")
     import torch
 
     from stalwart.data.tokenizer import eos_id
