@@ -120,6 +120,19 @@ def output_file(path: str | Path, flag: str) -> Path:
     return p
 
 
+def output_dir(path: str | Path, flag: str) -> Path:
+    """A directory a command writes into, made if missing; a StorageError naming ``flag`` when it cannot be
+    (a file stands there, a parent is a file, no permission)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise StorageError(f"{flag}: {p} is a file, not a directory; give a directory path")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"{flag}: cannot make the directory {p} ({_WORDS.get(e.errno) or e.strerror})") from None
+    return p
+
+
 @contextlib.contextmanager
 def writing_output(path: Path, flag: str):
     """Around the write of an :func:`output_file`: a failure is one line naming ``flag`` and the file."""

@@ -66,3 +66,19 @@ def test_a_checkpoint_knows_the_run_that_holds_it(tmp_path):
     run.config.write_text("")
     assert RunPaths.holding(run.checkpoint(4)).root == run.root
     assert RunPaths.holding(tmp_path / "loose" / "step-4") is None
+
+
+def test_an_output_directory_that_is_a_file_is_named(tmp_path):
+    from stalwart.cli import report
+    from stalwart.errors import UserError
+    from stalwart.ft.runlock import RunLock
+    from stalwart.paths import RunPaths
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="--out: .*file is a file, not a directory"):
+        report.main([str(tmp_path), "--out", str(tmp_path / "file")])
+    with pytest.raises(UserError, match="--trace-steps: FIRST 3 is after LAST 1"):
+        report.main([str(tmp_path), "--trace", "--trace-steps", "3:1"])
+    with pytest.raises(UserError, match="run.dir: cannot make the directory .*file/run"):
+        RunLock(RunPaths(tmp_path / "file" / "run")).acquire()
+    assert (tmp_path / "file").read_text() == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stalwart.atomic import output_dir
 from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 
@@ -12,9 +13,12 @@ from stalwart.errors import UserError
 def _window(text: str) -> tuple[int | None, int | None]:
     a, _, b = text.partition(":")
     try:
-        return (int(a) if a else None, int(b) if b else None)
+        first, last = (int(a) if a else None, int(b) if b else None)
     except ValueError:
         raise UserError(f"--trace-steps expects FIRST:LAST (e.g. 100:120), got {text!r}") from None
+    if first is not None and last is not None and first > last:
+        raise UserError(f"--trace-steps: FIRST {first} is after LAST {last}; give FIRST:LAST (e.g. {last}:{first})")
+    return first, last
 
 
 def main(argv: list[str]) -> int:
@@ -30,10 +34,12 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if not Path(args.run_dir).is_dir():
         raise UserError(f"no run directory at {args.run_dir}")
+    window = _window(args.trace_steps)
+    if args.out is not None:
+        output_dir(args.out, "--out")
     from stalwart.observe.report import write_report
 
-    res = write_report(args.run_dir, args.out, trace=args.trace, trace_steps=_window(args.trace_steps),
-                       plots=not args.no_plots)
+    res = write_report(args.run_dir, args.out, trace=args.trace, trace_steps=window, plots=not args.no_plots)
     for f in res["files"]:
         print(f)
     from stalwart.observe.profiler import list_profiles

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 
+from stalwart.atomic import output_dir
 from stalwart.errors import UserError
 from stalwart.paths import RunPaths
 
@@ -77,7 +78,7 @@ class RunLock:
             return {}
 
     def acquire(self) -> None:
-        self.paths.root.mkdir(parents=True, exist_ok=True)
+        output_dir(self.paths.root, "run.dir")
         deadline = time.monotonic() + self.wait_same_job_s
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
