@@ -14,6 +14,7 @@ from conftest import run_cli
 
 from stalwart.config.rl import SandboxConfig
 from stalwart.rl.sandbox import (
+    ENV,
     Case,
     Run,
     Sandbox,
@@ -90,6 +91,87 @@ def test_the_process_limit_binds(sandbox):
              "    n += 1\nprint(n)")
     run = sandbox.run(forks, "")
     assert run.returncode == 0 and 0 < int(run.stdout) < LIMITS.processes, run
+
+
+# Every environment a program can read: its own, and that of each process whose /proc/<pid>/environ
+# opens (PID 1 is bubblewrap's init, readable by the sandbox user). It prints the variable names of
+# its own and of PID 1's, and the places where the host's secret shows.
+ENVIRONMENTS = """import json, os
+secret = SECRET.encode()
+seen, pid1 = [], None
+for pid in ['self'] + os.listdir('/proc'):
+    try:
+        with open(f'/proc/{pid}/environ', 'rb') as f:
+            data = f.read()
+    except OSError:
+        continue
+    seen += [f'/proc/{pid}/environ'] if secret in data else []
+    if pid == '1':
+        pid1 = sorted(kv.split(b'=')[0].decode() for kv in data.split(b'\\0') if kv)
+seen += ['os.environ'] if any(secret in (k + '=' + v).encode() for k, v in os.environ.items()) else []
+print(json.dumps({'own': sorted(os.environ), 'pid1': pid1, 'seen': seen}))
+"""
+
+
+@pytest.mark.e2e
+def test_no_process_in_the_sandbox_sees_the_hosts_environment(sandbox, monkeypatch):
+    secret = f"hunter2-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("STALWART_TEST_SECRET_TOKEN", secret)
+    run = sandbox.run(ENVIRONMENTS.replace("SECRET", repr(secret), 1), "")
+    assert run.returncode == 0, run
+    seen = json.loads(run.stdout)
+    assert seen == {"own": sorted([*ENV, "PWD"]), "pid1": sorted(ENV), "seen": []}  # bubblewrap sets PWD
+
+
+# Fills /tmp and /dev/shm with 1 MiB files (the file-size limit) until a write fails, and tries the
+# root and /dev; frees /tmp to print what each got. A second case finds both empty again.
+FILL = """import errno, json, os
+got = []
+for where in ('/tmp', '/dev/shm', '/', '/dev'):
+    mib, error = 0, ''
+    try:
+        while mib < 100:
+            with open(f'{where}/fill{mib}', 'wb') as f:
+                f.write(bytes(1 << 20))
+            mib += 1
+    except OSError as e:
+        error = errno.errorcode[e.errno]
+    got.append([where, mib, error])
+for name in os.listdir('/tmp'):
+    if name.startswith('fill'):
+        os.unlink('/tmp/' + name)
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.e2e
+def test_files_in_tmp_and_dev_shm_hold_at_most_the_memory_limit():
+    if not shutil.which("bwrap"):
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
+    cap = 32  # sandbox.memory_mb: each of /tmp and /dev/shm is a tmpfs of this size
+    runs, failure = Sandbox(SandboxConfig(wall_seconds=5.0, cpu_seconds=2, memory_mb=cap)).execute(FILL, ["", ""])
+    assert len(runs) == 2 and not failure, (runs, failure)
+    for run in runs:
+        assert run.returncode == 0, run
+        (tmp, tmp_mib, tmp_error), (shm, shm_mib, shm_error), *read_only = json.loads(run.stdout)
+        assert cap - 1 <= tmp_mib <= cap and tmp_error == "ENOSPC", run  # a page may hold the case's output
+        assert shm_mib == cap and shm_error == "ENOSPC", run
+        assert read_only == [["/", 0, "EROFS"], ["/dev", 0, "EROFS"]], run
+
+
+@pytest.mark.e2e
+def test_a_program_past_its_wall_clock_limit_is_a_timeout():
+    if not shutil.which("bwrap"):
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
+    sandbox = Sandbox(SandboxConfig(wall_seconds=0.5, cpu_seconds=1, memory_mb=128))
+    t0 = time.monotonic()
+    run = sandbox.run("import os, time\nos.fork()\ntime.sleep(100)", "")
+    assert run.returncode is None and run.out_of_time and run.reason == "wall-clock timeout", run
+    sleeper = "import time\na, b = map(int, input().split())\nif a != 1:\n    time.sleep(100)\nprint(a + b)"
+    assert sandbox.score(sleeper, ADD) == Verdict(0.5, 1, 2, "case 1: wall-clock timeout")
+    assert sandbox.score("import time\ntime.sleep(100)", ADD) == Verdict(
+        0.0, 0, 2, "case 0: wall-clock timeout (cases 1-1 not run)")
+    assert time.monotonic() - t0 < 5  # each sandbox ended at its case's limit, not the whole run's
 
 
 @pytest.mark.e2e

@@ -2,12 +2,15 @@
 
 Each program gets one `bwrap` sandbox for all its cases: new user, PID, network, IPC, UTS and cgroup
 namespaces (no network at all, no other process visible, no further user namespace), the root file
-system made of read-only `/usr` (and its `/lib`, `/bin` links) only, a fresh tmpfs as the working
-directory, the program and the trusted runner (`sandbox_runner.py`) bound read-only, a cleared
-environment, and `--die-with-parent`. `prlimit` caps CPU time, address space, file size (which also
-caps stdout: it goes to a file) and open files; the runner caps processes. Run as root, the sandbox
-drops to the unprivileged user `nobody` first, so the process limit binds (the kernel does not count
-processes against root's limit).
+system made of read-only `/usr` (and its `/lib`, `/bin` links) only, the program and the trusted
+runner (`sandbox_runner.py`) bound read-only, and `--die-with-parent`. The only writable places are
+`/tmp` (the working directory is in it) and `/dev/shm`, each a fresh tmpfs of `sandbox.memory_mb`:
+files live in memory the address-space limit does not see, so the mounts' size bounds them (the root
+and `/dev` are remounted read-only). Bubblewrap itself starts with `ENV` as its whole environment,
+not the host's: it is the sandbox's PID 1, whose /proc/1/environ any program may read. `prlimit` caps
+CPU time, address space, file size (which also caps stdout: it goes to a file) and open files; the
+runner caps processes. Run as root, the sandbox drops to the unprivileged user `nobody` first, so the
+process limit binds (the kernel does not count processes against root's limit).
 
 The host sends the runner only the cases' inputs. The runner runs each case in a forked child with
 its own wall-clock bound and CPU clock, kills every other process of the sandbox after it, and
@@ -17,7 +20,8 @@ result; killing the runner only fails the cases not yet reported.
 
 What it does not stop: it shares the host kernel (a kernel exploit escapes it); CPU and memory
 bandwidth are shared (a program can slow its neighbours within its CPU-time limit); a program sees
-the inputs of its other cases (never their expected outputs); and on kernels before 5.14 the process
+the inputs of its other cases (never their expected outputs); System V shared memory of the sandbox's
+IPC namespace is not bounded by `sandbox.memory_mb`; and on kernels before 5.14 the process
 limit counts every process of the sandbox user, so there it is that user's current count plus
 `sandbox.processes`.
 """
@@ -44,6 +48,10 @@ RUNNER_SOURCE = Path(__file__).with_name("sandbox_runner.py")
 WORK = "/tmp/work"
 STDERR_TAIL = 400
 MAX_SOURCE = 64 * 1024
+# The environment of everything the sandbox starts, bubblewrap included, and of the programs.
+ENV = {"PATH": "/usr/bin:/bin", "HOME": WORK, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+       "PYTHONDONTWRITEBYTECODE": "1"}
+BWRAP_SIZE = (0, 8)  # the first bubblewrap with `--size` for a tmpfs
 
 
 class SandboxError(UserError):
@@ -150,6 +158,15 @@ def find_python(configured: str) -> str:
                        "/usr); install python3 from the system's packages or set sandbox.python")
 
 
+def _bwrap_version(bwrap: str) -> tuple[int, ...]:
+    """bubblewrap's version, e.g. (0, 8, 0); () if it does not say."""
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, env=ENV, timeout=10).stdout
+        return tuple(int(x) for x in out.split()[-1].split("."))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return ()
+
+
 def _user_processes(uid: int) -> int:
     count = 0
     for entry in os.scandir("/proc"):
@@ -227,6 +244,11 @@ class Sandbox:
         self.prlimit = shutil.which("prlimit")
         if not self.bwrap:
             raise SandboxError("bubblewrap is not installed (no 'bwrap' on PATH): apt-get install bubblewrap")
+        version = _bwrap_version(self.bwrap)
+        if version < BWRAP_SIZE:
+            found = ".".join(map(str, version)) or "an unknown version"
+            raise SandboxError(f"{self.bwrap} is {found}; the sandbox needs bubblewrap 0.8.0 or later, whose "
+                               "--size bounds the memory its /tmp and /dev/shm hold")
         self.setpriv = shutil.which("setpriv") if os.geteuid() == 0 else ""
         if not self.prlimit or self.setpriv is None:
             raise SandboxError("prlimit or setpriv is not installed (util-linux): apt-get install util-linux")
@@ -251,13 +273,14 @@ class Sandbox:
         # Root drops to `nobody` through setpriv rather than Popen(user=...), which would rule out vfork
         # and copy the page tables of the (large) reward worker for every program.
         drop = [self.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"] if self.setpriv else []
+        tmpfs = str(c.memory_mb << 20)
+        # Bubblewrap applies these in order: the read-only remounts come after every mount beneath.
         return [*drop, self.prlimit, *limits, "--", self.bwrap, *self._root,
-                "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--dir", WORK, "--chdir", WORK,
-                "--ro-bind", str(folder), "/sandbox",
+                "--dev", "/dev", "--size", tmpfs, "--tmpfs", "/dev/shm", "--proc", "/proc",
+                "--size", tmpfs, "--tmpfs", "/tmp", "--dir", WORK, "--chdir", WORK,
+                "--ro-bind", str(folder), "/sandbox", "--remount-ro", "/dev", "--remount-ro", "/",
                 "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-                "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
-                "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONHASHSEED", "0",
-                "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+                "--clearenv", *(a for name, value in ENV.items() for a in ("--setenv", name, value)),
                 self.python, "-I", RUNNER]
 
     def execute(self, source: str, inputs: list[str]) -> tuple[list[Run], str]:
@@ -279,8 +302,8 @@ class Sandbox:
             for f in folder.iterdir():
                 f.chmod(0o644)
             with open(Path(tmp) / "stderr", "w+b") as err:
-                proc = subprocess.Popen(self._command(folder, nproc), stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+                proc = subprocess.Popen(self._command(folder, nproc), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=err, env=ENV, start_new_session=True)
                 try:
                     out, _ = proc.communicate(b"".join(request), timeout=c.wall_seconds * len(inputs) + 2.0)
                     code: int | None = proc.returncode
