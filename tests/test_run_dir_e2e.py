@@ -119,3 +119,27 @@ def test_killed_worker_restarts_second_run_refused_killed_launcher_takes_its_wor
     assert step_losses(run) == step_losses(clean)
     assert not (run / "run.lock").exists()
     assert not any(_alive(p) for p in _worker_pids(run) if p != os.getpid())
+
+
+def test_ctrl_c_stops_every_worker_in_one_line_and_the_run_resumes(tmp_path):
+    """Ctrl-C reaches the launcher and every worker (one process group): one line, exit 130, no worker
+    left, and the same command resumes from the newest checkpoint."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *COMMON, "--training.steps", "2000",
+           "--nproc-per-node", "2"]
+    launcher = subprocess.Popen(cmd, env=cli_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (run / "checkpoints" / "step-4").is_dir(), 240, "the first checkpoint")
+        workers = _worker_pids(run)
+        os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "stopped by SIGINT; the same command resumes from" in lines[0], err
+    assert not any(_alive(p) for p in workers)
+    again = run_cli("train", "--run.dir", str(run), *COMMON, "--training.steps", "6", "--nproc-per-node", "2")
+    assert any(e["step"] >= 4 for e in _events(run, "resumed")), again.stdout

@@ -180,6 +180,16 @@ def _patched_agent(factory):
         api.LocalElasticAgent, rdzv.TCPStore = saved
 
 
+class _DropMessage:
+    """A logging filter that drops records whose message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
 @contextlib.contextmanager
 def _quiet_process_logs():
     """torch logs every worker it stops and every failed exit with a traceback-like block; the
@@ -189,15 +199,20 @@ def _quiet_process_logs():
     log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     saved = log.level
     log.setLevel(logging.CRITICAL)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    signalled = _DropMessage("death signal")  # a stop by signal is said once, by run_supervised
+    agent_log.addFilter(signalled)
     try:
         yield
     finally:
         log.setLevel(saved)
+        agent_log.removeFilter(signalled)
 
 
 def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,
                    max_restarts: int) -> int:
     """Run torch.distributed.run with our agent; return the documented exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser
 
@@ -271,6 +286,14 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
             code = EXIT_FAILED
             print(f"stalwart train: worker rank {rank} failed with exit code {failure.exitcode} (see its message "
                   "above)", file=sys.stderr)
+    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torch has stopped the workers already
+        from stalwart.checkpoint.manager import newest_complete_checkpoint
+
+        code = 128 + int(e.sigval)
+        newest = newest_complete_checkpoint(paths.checkpoints)
+        then = f"resumes from {newest}" if newest else "starts over (no checkpoint was saved yet)"
+        print(f"stalwart train: stopped by {signal.Signals(e.sigval).name}; the same command {then}",
+              file=sys.stderr, flush=True)
     finally:
         if "sup" in holder:
             holder["sup"].finished(time.time(), code)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 
 import torch
@@ -104,6 +105,10 @@ def _worker_main(cfg: JobConfig) -> int:
         if not (recorded and under_stalwart_launcher()) and not isinstance(e, PeerUserError):
             print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
         _leave(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        if not env.is_distributed:
+            raise  # one process: `stalwart train` says it was interrupted
+        _leave(128 + signal.SIGINT)  # Ctrl-C reached every worker; the launcher says so once
     except RollbackRequested as e:
         if env.is_main:
             print(f"stalwart train: rolling back to the last good state: {e}", file=sys.stderr, flush=True)
