@@ -142,3 +142,98 @@ def test_cli_export_then_init_from_hf(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"stalwart train: error: checkpoint.init_from_hf {hf_dir}: config.json has rope_theta = 500000.0, but this "
         f"run's model has 10000.0 (--model.rope_theta)"]
+
+
+@pytest.mark.unit
+def test_reexport_replaces_the_weights_of_an_earlier_export(tmp_path):
+    import os
+
+    model = build(ARGS)
+    out = tmp_path / "hf"
+    tok = _tokenizer(tmp_path)
+    old_mask = os.umask(0o022)
+    try:
+        export_hf(build(ARGS, seed=3).state_dict(), ARGS, tok, "<|endoftext|>", 0, out, max_shard_bytes=64 * 1024)
+        (out / "README.md").write_text("kept")
+        (out / "model-notes.safetensors.txt").write_text("kept: not a name export writes")
+        files = export_hf(model.state_dict(), ARGS, tok, "<|endoftext|>", 0, out)
+    finally:
+        os.umask(old_mask)
+    weights = sorted(p.name for p in out.iterdir() if "safetensors" in p.name)
+    assert weights == ["model-notes.safetensors.txt", "model.safetensors"] and "model.safetensors" in files
+    assert (out / "README.md").read_text() == "kept"
+    # The weights are readable like every other file of the export (umask 022 -> 0644).
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+    config, tensors = read_hf(out)
+    back = from_hf_state(config, tensors, ARGS)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    # Both layouts side by side (two exports mixed by hand): refused, never guessed.
+    export_hf(model.state_dict(), ARGS, tok, "<|endoftext|>", 0, tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    for p in (tmp_path / "sharded").glob("model*"):
+        p.rename(out / p.name)
+    with pytest.raises(ExportError, match="holds both model.safetensors and model.safetensors.index.json"):
+        read_hf(out)
+
+
+@pytest.mark.unit
+def test_import_refuses_tensors_of_another_shape_than_config_json(tmp_path):
+    small = dataclasses.replace(ARGS, dim=32, ffn_hidden=48)
+    out, ref = tmp_path / "hf", tmp_path / "ref"
+    export_hf(build(ARGS).state_dict(), ARGS, _tokenizer(tmp_path), "<|endoftext|>", 0, out)
+    export_hf(build(small).state_dict(), small, _tokenizer(tmp_path), "<|endoftext|>", 0, ref)
+    (out / "config.json").write_text((ref / "config.json").read_text())  # config of one model, weights of another
+    with pytest.raises(ExportError, match=r"^checkpoint.init_from_hf .*: tensor 'model.embed_tokens.weight' has "
+                                          r"shape \(128, 64\), but config.json describes \(128, 32\)"):
+        load_hf_into(build(small), small, out)
+
+
+def _one_error_line(proc, starts: str) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(starts), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.e2e
+def test_cli_export_and_import_refuse_what_does_not_fit(tmp_path):
+    src, big, hf_dir = tmp_path / "src", tmp_path / "big", tmp_path / "hf"
+    run_cli("train", "--run.dir", str(src), *TINY_RUN, "--training.steps", "2", "--sample.max_new_tokens", "0")
+    run_cli("train", "--run.dir", str(big), *TINY_RUN, "--training.steps", "2", "--sample.max_new_tokens", "0",
+            "--model.dim", "128")
+    # A checkpoint of another run's shape: refused, nothing written.
+    ckpt = big / "checkpoints" / "step-2"
+    line = _one_error_line(run_cli("export", "--run", str(src), "--checkpoint", str(ckpt), "--out", str(hf_dir),
+                                   check=False), f"stalwart export: error: --checkpoint {ckpt}: tensor ")
+    assert "(" in line and "128)" in line and not hf_dir.exists()
+    for bad in ("0", "-1"):
+        _one_error_line(run_cli("export", "--run", str(src), "--out", str(hf_dir), "--max-shard-gb", bad,
+                                check=False), "stalwart export: error: --max-shard-gb must be a positive")
+    assert not hf_dir.exists()
+    # A sharded export replaced by a single-file one: the import reads the new weights.
+    run_cli("export", "--run", str(big), "--out", str(hf_dir), "--max-shard-gb", "0.0005")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    run_cli("export", "--run", str(src), "--out", str(hf_dir))
+    assert sorted(p.name for p in hf_dir.glob("model*")) == ["model.safetensors"]
+    # No --data.tokenizer: the run adopts the HF directory's tokenizer instead of training a new BPE.
+    dst = tmp_path / "dst"
+    run_cli("train", "--run.dir", str(dst), *TINY_RUN, "--training.steps", "1", "--sample.max_new_tokens", "0",
+            "--checkpoint.init_from_hf", str(hf_dir))
+    assert (dst / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
+    # A tokenizer given by path that is not the HF directory's: refused by name.
+    other = tmp_path / "other.json"
+    other.write_text((src / "tokenizer.json").read_text().replace('"<|endoftext|>"', '"<|end|>"'))
+    _one_error_line(run_cli("train", "--run.dir", str(tmp_path / "t1"), *TINY_RUN, "--training.steps", "1",
+                            "--data.tokenizer", str(other), "--checkpoint.init_from_hf", str(hf_dir), check=False),
+                    f"stalwart train: error: data.tokenizer: {other} differs from {hf_dir / 'tokenizer.json'}")
+    # Weights of another shape than config.json says: one line naming the first tensor, before training.
+    big_hf = tmp_path / "big_hf"
+    run_cli("export", "--run", str(big), "--out", str(big_hf))
+    (big_hf / "config.json").write_text((hf_dir / "config.json").read_text())
+    line = _one_error_line(run_cli("train", "--run.dir", str(tmp_path / "t2"), *TINY_RUN, "--training.steps", "1",
+                                   "--checkpoint.init_from_hf", str(big_hf), check=False),
+                           f"stalwart train: error: checkpoint.init_from_hf {big_hf}: tensor 'model.embed_tokens")
+    assert "but config.json describes" in line
+    # No tokenizer.json in the HF directory and none given: refused rather than training a mismatched BPE.
+    (hf_dir / "tokenizer.json").unlink()
+    _one_error_line(run_cli("train", "--run.dir", str(tmp_path / "t3"), *TINY_RUN, "--training.steps", "1",
+                            "--checkpoint.init_from_hf", str(hf_dir), check=False),
+                    f"stalwart train: error: checkpoint.init_from_hf: {hf_dir} has no tokenizer.json")

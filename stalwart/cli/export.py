@@ -27,7 +27,7 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
     from stalwart.checkpoint.safe_io import UnsafeCheckpointError, describe_load_failure
     from stalwart.data.tokenizer import EOS
-    from stalwart.export.hf import export_hf
+    from stalwart.export.hf import export_hf, first_shape_mismatch, model_shapes, shape_words
 
     run = open_run_checkpoint(run_dir, checkpoint)
     path, args, tokenizer = run.path, run.args, run.tokenizer
@@ -38,6 +38,13 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps reader failures
         raise ExportCliError(describe_load_failure(path, e)) from None
     state = {k.removeprefix("model."): v for k, v in flat.items()}
+    bad = first_shape_mismatch(state, model_shapes(args))
+    if bad is not None:
+        name, have, want = bad
+        flag = f"--checkpoint {checkpoint}" if checkpoint else f"checkpoint {path}"
+        raise ExportCliError(f"{flag}: tensor '{name}' has shape {shape_words(have)} in the checkpoint, but the "
+                             f"model {run_dir}/config.toml describes has {shape_words(want)}; export it with "
+                             "--run set to the run that wrote it")
     export_hf(state, args, RunPaths(run_dir).tokenizer, EOS, tokenizer.token_to_id(EOS), out, max_shard_bytes)
     return path
 
@@ -51,6 +58,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: newest complete)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split model.safetensors above this size")
     a = p.parse_args(argv)
+    if not (0 < a.max_shard_gb < float("inf")):
+        p.error(f"--max-shard-gb must be a positive number of gigabytes, got {a.max_shard_gb}")
     out = Path(a.out)
     path = export_run(Path(a.run), out, a.checkpoint, int(a.max_shard_gb * 2**30))
     print(f"exported {path} -> {out} (Hugging Face Llama: config.json, safetensors, tokenizer)", file=sys.stderr)

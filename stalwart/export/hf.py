@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from stalwart.models.flavors import TransformerArgs
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 class ExportError(UserError):
@@ -121,6 +123,31 @@ def args_from_hf(config: dict[str, Any], where: str) -> TransformerArgs:
     return args
 
 
+# ---------------------------------------------------------------------- shapes
+def model_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor in the state dict of the model ``args`` describes (built on the meta device:
+    no memory). A tensor mapped one to one by ``name_map`` has the same shape in the HF layout."""
+    from stalwart.models.llama import Transformer
+
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+
+
+def first_shape_mismatch(have: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]]
+                         ) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """(name, shape in ``have``, shape in ``want``) of the first tensor of ``want`` whose shape differs
+    in ``have``; tensors absent from ``have`` are left to the caller (it names them as missing)."""
+    for name, shape in want.items():
+        t = have.get(name)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) != shape:
+            return name, tuple(t.shape), shape
+    return None
+
+
+def shape_words(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
 # ---------------------------------------------------------------------- export
 def to_hf_state(state: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
     """Stalwart full state dict (unprefixed names) -> HF tensors."""
@@ -139,13 +166,43 @@ def to_hf_state(state: dict[str, torch.Tensor], args: TransformerArgs) -> dict[s
     return out
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
-    """One model.safetensors, or shards + model.safetensors.index.json when larger than max_shard_bytes."""
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file under the process umask (0644 under umask 022)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (0600); give the weights the mode every other
+    # file of the export has.
+    os.chmod(path, _file_mode())
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files an export writes that are present in ``directory``."""
+    return sorted(p for p in directory.iterdir() if p.is_file() and (
+        p.name in (SAFE_SINGLE, SAFE_INDEX) or SAFE_SHARD.fullmatch(p.name)))
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
+    """One model.safetensors, or shards + model.safetensors.index.json when larger than max_shard_bytes.
+    Weight files of an earlier export in ``out`` that this one does not rewrite are removed afterwards
+    (a stale index or single file would otherwise be read instead of the new weights)."""
+    written = _write_weights(tensors, out, max_shard_bytes)
+    for stale in weight_files(out):
+        if stale.name not in written:
+            stale.unlink()
+    return written
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if total <= max_shard_bytes:
-        save_file(tensors, str(out / SAFE_SINGLE), metadata={"format": "pt"})
+        _save_safetensors(tensors, out / SAFE_SINGLE)
         return [SAFE_SINGLE]
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -159,7 +216,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_byt
     names, weight_map = [], {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        _save_safetensors(shard, out / fname)
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     (out / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -208,6 +265,9 @@ def read_hf(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 
     d = Path(directory)
     config = read_config(d)
+    if (d / SAFE_INDEX).is_file() and (d / SAFE_SINGLE).is_file():
+        raise ExportError(f"checkpoint.init_from_hf: {d} holds both {SAFE_SINGLE} and {SAFE_INDEX} (weights of "
+                          "two exports); remove the stale one, or export again into an empty directory")
     if (d / SAFE_INDEX).is_file():
         files = sorted(set(json.loads((d / SAFE_INDEX).read_text())["weight_map"].values()))
     elif (d / SAFE_SINGLE).is_file():
@@ -279,12 +339,20 @@ def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args
                   where: str = "") -> dict[str, torch.Tensor]:
     """HF tensors -> Stalwart full state dict, after checking the shapes agree with ``args``."""
     check_hf_config(config, args, where)
-    state = {}
+    want, state = model_shapes(args), {}
+
+    def check_shape(name: str, have: tuple[int, ...], ours: str) -> None:
+        if have != want[ours]:
+            raise ExportError(f"checkpoint.init_from_hf {where}: tensor '{name}' has shape {shape_words(have)}, "
+                              f"but config.json describes {shape_words(want[ours])} (the weights are not the "
+                              "model config.json describes)")
+
     for ours, theirs in name_map(args):
         if ".moe.router." in ours:
             theirs = hf_moe.router_from_hf_name(theirs, tensors)
         if theirs not in tensors:
             raise ExportError(f"checkpoint.init_from_hf {where}: tensor '{theirs}' is missing")
+        check_shape(theirs, tuple(tensors[theirs].shape), ours)
         t = tensors[theirs].float()
         if ours.endswith("attention.wq.weight"):
             t = from_hf_rope(t, args.n_heads)
@@ -292,7 +360,10 @@ def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args
             t = from_hf_rope(t, args.n_kv_heads)
         state[ours] = t
     if args.moe is not None:
-        state.update(hf_moe.experts_from_hf(tensors, args, where))
+        experts = hf_moe.experts_from_hf(tensors, args, where)
+        for ours, t in experts.items():
+            check_shape(f"{ours} (stacked from the HF expert tensors)", tuple(t.shape), ours)
+        state.update(experts)
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state

@@ -61,7 +61,7 @@ class Trainer:
 
         # Data and tokenizer: rank 0 prepares (or checks) the data and caches the tokenizer, then all ranks
         # open the memory-mapped shards.
-        self.data = build_run_data(cfg.data, self.paths, env.is_main)
+        self.data = build_run_data(cfg.data, self.paths, env.is_main, cfg.checkpoint.init_from_hf)
         self.tokenizer, self.eos = self.data.tokenizer, self.data.eos
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
         Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
