@@ -232,7 +232,8 @@ class CheckpointConfig:
     memory_dir: str = option("Directory for in-memory snapshots ('' = /dev/shm/stalwart-<hash of run.dir>). Must "
                              "be RAM-backed (tmpfs) and outlive the worker processes.", "")
     init_from_hf: str = option("Initialise the weights from a Hugging Face Llama directory (config.json + "
-                               "safetensors) when starting fresh ('' = seeded random init).", "")
+                               "safetensors) when starting fresh, with its tokenizer.json as the run's tokenizer "
+                               "('' = seeded random init).", "")
 
 
 @dataclass
