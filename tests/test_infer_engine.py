@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from stalwart.config.serve import EngineConfig
+from stalwart.errors import UserError
 from stalwart.generate import sample
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.engine import Engine, RequestError
-from stalwart.infer.sampling import SamplingParams
+from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.infer.scheduler import Scheduler, Sequence
 from stalwart.infer.text import TextTail
 from stalwart.models.flavors import TransformerArgs
@@ -204,7 +205,32 @@ def test_requests_the_engine_cannot_take_are_refused_with_the_reason():
         engine.add("c", [500], SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
         engine.add("d", [1], SamplingParams(top_p=0.0))
-    assert not engine.has_work()
+    # A seed torch's generator cannot take: refused before anything enters the scheduler.
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(SamplingError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\]") as e:
+            engine.add("e", [1], SamplingParams(seed=seed))
+        assert e.value.param == "seed"
+    assert not engine.has_work() and not engine.requests
+    with pytest.raises(RequestError, match=r"max_tokens 8 at most") as e:
+        engine.add("f", [1] * 120, SamplingParams(max_tokens=20))
+    assert e.value.param == "max_tokens"
+    # The extremes of the range are taken.
+    engine.add("g", [1], SamplingParams(max_tokens=1, seed=2**64 - 1))
+    engine.add("h", [1], SamplingParams(max_tokens=1, seed=-(2**63)))
+    assert {o.rid for o in engine.step()} == {"g", "h"} and not engine.has_work()
+
+
+@pytest.mark.unit
+def test_a_weight_update_that_fails_its_check_changes_nothing():
+    engine = Engine(build(seed=0), ByteTokenizer(), None, EngineConfig())
+    before = run(engine, prompts(2), GREEDY)
+    state = build(seed=1).state_dict()
+    del state["norm.weight"]
+    with pytest.raises(UserError, match="no tensor 'norm.weight'"):
+        engine.update_weights(lambda: state, 1)
+    assert engine.weight_version == 0 and run(engine, prompts(2), GREEDY) == before
+    engine.update_weights(lambda: build(seed=1).state_dict(), 1)
+    assert engine.weight_version == 1 and run(engine, prompts(2), GREEDY) != before
 
 
 @pytest.mark.unit

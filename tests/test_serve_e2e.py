@@ -1,7 +1,9 @@
 """`stalwart serve` through the real CLI, spoken to with OpenAI's own client: greedy output equals
 `stalwart generate`; tensor parallel, pipeline parallel (from the exported Hugging Face directory) and
 replicas equal one process; streaming chat, weight updates that
-drop nothing, bad input answered with a 4xx while the server keeps serving, clean shutdown."""
+drop nothing (over one process and over tensor- and pipeline-parallel groups), bad input answered with a
+4xx while the server keeps serving, a killed replica the router routes around, quiet shutdown.
+The API's finer points run against an in-process server in test_serve_app.py."""
 
 from __future__ import annotations
 
@@ -62,9 +64,14 @@ class Server:
         r = self.client.completions.create(model=None, prompt=prompts, max_tokens=max_tokens, temperature=0)
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        self.proc.send_signal(sig)
         return self.proc.wait(timeout=60)
+
+    def update(self, source: Path, **fields) -> dict:
+        r = httpx.post(self.url + "/v1/weights", json={"source": str(source), **fields}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
 
 
 def generate(run: Path, prompt: str, n: int) -> str:
@@ -92,8 +99,14 @@ def test_serve_one_process(runs, tmp_path):
         assert chunks[-1].choices[0].finish_reason == "length"
         assert sum(1 for ch in chunks if ch.choices[0].delta.content is not None) == 6
         # Bad input: a clear 4xx each, and the server goes on.
-        with pytest.raises(openai.BadRequestError, match="exceeds the model's context of 160"):
+        with pytest.raises(openai.BadRequestError, match="the model's context of 160"):
             c.completions.create(model="a", prompt="x " * 200, max_tokens=10)
+        # A seed torch cannot take is refused by name; the engine goes on serving.
+        for seed in (99999999999999999999999, -9223372036854775809):
+            with pytest.raises(openai.BadRequestError, match=r"seed must be an integer in \[-2\*\*63") as e:
+                c.completions.create(model="a", prompt="def ", max_tokens=3, seed=seed)
+            assert e.value.body["param"] == "seed"
+        assert server.greedy([PROMPTS[0]]) == batch[:1]
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             c.completions.create(model="gpt-4", prompt="x")
         with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -129,6 +142,13 @@ def test_serve_one_process(runs, tmp_path):
         assert server.greedy([PROMPTS[0]]) == [generate(b, PROMPTS[0], 8)]
         bad = httpx.post(server.url + "/v1/weights", json={"source": str(tmp_path)}, timeout=60)
         assert bad.status_code == 400 and "neither a run directory" in bad.text
+        # Versions are positive and only go forward; unset, the next one.
+        for version, status in ((-7, 400), (7, 409), (3, 409)):
+            r = httpx.post(server.url + "/v1/weights", json={"source": str(a), "version": version}, timeout=60)
+            assert r.status_code == status and r.json()["error"]["param"] == "version", r.text
+        assert server.update(a)["weight_version"] == 8
+        r = c.completions.create(model="a", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert r.choices[0].text == batch[0] and r.system_fingerprint == "stalwart-weights-v8"
         metrics = httpx.get(server.url + "/metrics").text
         assert 'stalwart_serve_requests_total{model="a",outcome="cancelled"} 1.0' in metrics
         assert "stalwart_serve_time_to_first_token_seconds_count" in metrics
@@ -138,24 +158,38 @@ def test_serve_one_process(runs, tmp_path):
 
 @pytest.mark.e2e
 def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path):
-    a, _ = runs
+    a, b = runs
     prompts = [p * k for k in (1, 3) for p in PROMPTS] * 2  # 32 requests, mixed lengths
     one = Server(tmp_path, "--run", str(a))
     try:
         expected = one.greedy(prompts)
+        one.update(b)
+        expected_b = one.greedy(prompts)  # what the weights of run b say
+        assert expected_b != expected
     finally:
         assert one.stop() == 0
     tp = Server(tmp_path, "--run", str(a), "--tp", "2")
     try:
         assert tp.greedy(prompts) == expected
         assert tp.greedy(prompts[:1]) == expected[:1] and tp.greedy(prompts[:4]) == expected[:4]
+        # Weight updates over both processes: from a run directory, then from one of a run's checkpoints.
+        assert tp.update(b)["weight_version"] == 1
+        assert tp.greedy(prompts) == expected_b
+        checkpoint = next((a / "checkpoints").glob("step-*"))
+        assert tp.update(checkpoint)["weight_version"] == 2
+        r = tp.client.completions.create(model=None, prompt=prompts[:4], max_tokens=8, temperature=0)
+        assert [c.text for c in r.choices] == expected[:4] and r.system_fingerprint == "stalwart-weights-v2"
     finally:
-        assert tp.stop() == 0, tp.output()
+        # SIGTERM stops the group quietly: no launcher traceback, no warning from a rank.
+        assert tp.stop(signal.SIGTERM) == 0, tp.output()
+        assert "Traceback" not in tp.output() and "unwaited" not in tp.output(), tp.output()
     # The exported Hugging Face directory, pipeline-split over two processes.
     run_cli("export", "--run", str(a), "--format", "hf", "--out", str(tmp_path / "hf"))
     pp = Server(tmp_path, "--hf", str(tmp_path / "hf"), "--pp", "2")
     try:
         assert pp.greedy(prompts) == expected
+        assert pp.update(b)["weight_version"] == 1
+        assert pp.greedy(prompts[:8]) == expected_b[:8]
     finally:
         assert pp.stop() == 0, pp.output()
     routed = Server(tmp_path, "--run", str(a), "--replicas", "2")
@@ -170,9 +204,22 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert [results[i] for i in range(8)] == expected[:8]
         health = httpx.get(routed.url + "/health").json()
         assert health["status"] == "ok" and all(r["served"] > 0 for r in health["replicas"])
-        # kill -9 of the launcher leaves no replica behind.
         replicas = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _has_parent(p, routed.proc.pid)]
         assert len(replicas) == 2
+        # kill -9 of one replica: every request goes to the other, none fails.
+        dead = replicas.pop()
+        subprocess.run(["kill", "-9", dead.name], check=True)
+        results.clear()
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, routed.greedy([prompts[i]])[0]))
+                   for i in range(10)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert [results.get(i) for i in range(10)] == expected[:10]
+        health = httpx.get(routed.url + "/health").json()
+        assert health["status"] == "degraded" and sorted(r["ok"] for r in health["replicas"]) == [False, True]
+        # kill -9 of the launcher leaves no replica behind.
         routed.proc.kill()
         routed.proc.wait()
         deadline = time.monotonic() + 20
@@ -203,7 +250,9 @@ def test_bad_command_lines_exit_2_with_one_line(runs, tmp_path):
                  ("--run", str(a), "--tp", "3"): "--tp 3 must divide",
                  ("--hf", str(tmp_path)): "--hf: ",
                  ("--run", str(a), "--engine.block_sise", "4"): "did you mean 'engine.block_size'",
-                 ("--run", str(a), "--port", str(busy.getsockname()[1])): "server.port: cannot listen"}
+                 ("--run", str(a), "--port", str(busy.getsockname()[1])): "server.port: cannot listen",
+                 ("--run", str(a), "--host", "999.1.1.1"): "server.host: cannot listen on 999.1.1.1",
+                 ("--run", str(a), "--engine.kv_cache_mb", "nan"): "engine.kv_cache_mb: expected a finite number"}
         for args, message in cases.items():
             r = run_cli("serve", *args, check=False, timeout=120)
             assert r.returncode == 2 and message in r.stderr, (args, r.stderr)

@@ -11,9 +11,11 @@ and sends each step's batch to the other ranks (``infer/group.py``), which run t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
@@ -25,7 +27,12 @@ from stalwart.infer.text import TextTail
 
 
 class RequestError(UserError, ValueError):
-    """A request the engine cannot take (too long, bad parameters); the message says why."""
+    """A request the engine cannot take (too long, bad parameters); the message says why, ``param``
+    names the request field to change."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -111,28 +118,39 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
 
+    def room(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt may generate (the context and the cache allow)."""
+        return min(self.args.max_seq_len, self.scheduler.capacity_tokens()) - prompt_len
+
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise RequestError if the engine cannot take this request (reads nothing that changes)."""
+        """Raise RequestError or SamplingError if the engine cannot take this request (reads nothing
+        that changes)."""
         params.validate()
         if not prompt:
-            raise RequestError("the prompt is empty")
-        limit = self.args.max_seq_len
-        if len(prompt) + params.max_tokens > limit:
-            raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                               f"the model's context of {limit} tokens")
+            raise RequestError("the prompt is empty", "prompt")
         if any(t < 0 or t >= self.args.vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must be in [0, {self.args.vocab_size})")
-        if len(prompt) + params.max_tokens > self.scheduler.capacity_tokens():
-            raise RequestError(f"the request needs {len(prompt) + params.max_tokens} tokens of KV cache; the whole "
-                               f"cache holds {self.scheduler.capacity_tokens()} (raise engine.kv_cache_mb)")
+            raise RequestError(f"prompt token ids must be in [0, {self.args.vocab_size})", "prompt")
+        limit, n = self.args.max_seq_len, len(prompt)
+        if n >= limit:
+            raise RequestError(f"the prompt ({n} tokens) leaves no room for output in the model's context of "
+                               f"{limit} tokens", "prompt")
+        if n + params.max_tokens > limit:
+            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                               f"context of {limit} tokens (max_tokens {limit - n} at most)", "max_tokens")
+        capacity = self.scheduler.capacity_tokens()
+        if n + params.max_tokens > capacity:
+            raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; the whole cache "
+                               f"holds {capacity} (lower max_tokens, or raise engine.kv_cache_mb)", "max_tokens")
 
     def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queue a request; all or nothing: on any error the engine is as it was."""
         self.check(prompt, params)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight")
-        seq = Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens)
-        self.scheduler.add(seq)
-        self.requests[rid] = RequestState(seq, params, params.generator(), TextTail(self.tokenizer, params.stop))
+        state = RequestState(Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens), params,
+                             params.generator(), TextTail(self.tokenizer, params.stop))
+        self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
+        self.requests[rid] = state
 
     def abort(self, rid: str) -> Output | None:
         state = self.requests.pop(rid, None)
@@ -178,6 +196,10 @@ class Engine:
         logits = None
         if m.output is not None:
             logits = m.output(m.norm(h[:, batch.rows]))[0]
+            if isinstance(logits, AsyncCollectiveTensor):
+                # Tensor parallel: the head's all-gather is still in flight. Finish it on every rank,
+                # including those that never read the logits (else torch warns of it at exit).
+                logits = logits.wait()
         else:
             self.pipe.send_hidden(h)
         if self.pipe is not None:
@@ -235,6 +257,27 @@ class Engine:
         return out
 
     # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, read: Callable[[], dict[str, torch.Tensor]], version: int) -> None:
+        """Replace the weights with ``read()``'s (a full state dict), between two steps.
+
+        Over several processes every rank calls this for the same update (rank 0 announces it first,
+        since reading a run checkpoint is itself a collective) and the ranks agree before any copies:
+        if any rank could not read or check the weights, every rank keeps its old ones.
+        """
+        from stalwart.infer.load import check_full_state
+
+        state, error = None, None
+        try:
+            state = read()
+            check_full_state(self.model, state)
+        except Exception as e:  # noqa: BLE001 - reported below, after the ranks agree
+            error = e
+        if self.link is not None and not self.link.agree(error is None) and error is None:
+            error = UserError("another process of this replica could not read these weights")
+        if error is not None:
+            raise error
+        self.load_full_state(state, version)
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor], version: int) -> None:

@@ -6,7 +6,8 @@ needs) as one int64 tensor to every rank; each rank rebuilds the batch and runs 
 forward. Inside a stage the tensor-parallel all-reduces then match; between stages each tp rank sends
 its (replicated) activations to the same tp rank of the next stage, and the last stage's tp rank 0
 sends the logits back to rank 0. Weight updates and shutdown travel the same broadcast, so every rank
-sees the same sequence of commands.
+sees the same sequence of commands. Rank 0 announces a weight update before it reads anything, so
+every rank reads the new weights together (reading a run checkpoint is a collective).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ class StepLink:
 
     def send_stop(self) -> None:
         self._broadcast([STOP])
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok`` (every rank calls this at the same point)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.long)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def receive(self) -> tuple[int, object]:
         msg = self._broadcast(None)
@@ -96,7 +103,7 @@ class PipeLink:
 def follow(engine: Engine, link: StepLink, load) -> None:
     """The loop of a rank other than 0: run each forward rank 0 announces, until it says stop.
 
-    ``load(where)`` returns the full state dict of a weight update (read on every rank).
+    ``load(where)`` returns the full state dict of a weight update (read on every rank, together).
     """
     while True:
         cmd, payload = link.receive()
@@ -104,6 +111,9 @@ def follow(engine: Engine, link: StepLink, load) -> None:
             engine.forward(payload)
         elif cmd == LOAD:
             version, where = payload
-            engine.load_full_state(load(where), version)
+            try:
+                engine.update_weights(lambda: load(where), version)
+            except Exception:  # noqa: BLE001 - rank 0 reports it; every rank kept its old weights
+                pass
         else:
             return

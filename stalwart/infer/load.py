@@ -106,19 +106,25 @@ def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None, stage: int = 0
     return model.eval()
 
 
+def check_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise UserError unless ``state`` has every tensor of ``model`` in its full (unsharded) shape."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise UserError(f"the weights have no tensor {missing[0]!r} ({len(missing)} missing)")
+    for name, param in own.items():
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise UserError(f"weight {name!r} has shape {tuple(state[name].shape)}, the model expects "
+                            f"{tuple(param.shape)}")
+
+
 @torch.no_grad()
 def copy_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a model's parameters, keeping each tensor-parallel rank's shard only."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    check_full_state(model, state)  # everything before changing anything
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise UserError(f"the weights have no tensor {missing[0]!r} ({len(missing)} missing)")
-    for name, param in own.items():  # check everything before changing anything
-        if tuple(state[name].shape) != tuple(param.shape):
-            raise UserError(f"weight {name!r} has shape {tuple(state[name].shape)}, the model expects "
-                            f"{tuple(param.shape)}")
     for name, param in own.items():
         full = state[name]
         if isinstance(param, DTensor):

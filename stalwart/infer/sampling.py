@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+# The seeds torch's generator takes: any 64-bit integer, signed or unsigned.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 class SamplingError(ValueError):
-    """A request parameter out of range; the message names the field."""
+    """A request parameter out of range; the message names the field, ``param`` is its name."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -31,17 +39,19 @@ class SamplingParams:
 
     def validate(self) -> None:
         if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+            raise SamplingError(f"max_tokens must be >= 1 (got {self.max_tokens})", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
-            raise SamplingError(f"temperature must be in [0, 2] (got {self.temperature})")
+            raise SamplingError(f"temperature must be in [0, 2] (got {self.temperature})", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p})")
+            raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p})", "top_p")
         if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0 (got {self.top_k})")
+            raise SamplingError(f"top_k must be >= 0 (got {self.top_k})", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingError(f"logprobs must be in [0, 20] (got {self.logprobs})")
+            raise SamplingError(f"logprobs must be in [0, 20] (got {self.logprobs})", "logprobs")
         if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise SamplingError("stop must be up to 4 non-empty strings")
+            raise SamplingError("stop must be up to 4 non-empty strings", "stop")
+        if self.seed is not None and not (type(self.seed) is int and SEED_MIN <= self.seed <= SEED_MAX):
+            raise SamplingError(f"seed must be an integer in [-2**63, 2**64 - 1] (got {self.seed})", "seed")
 
     def generator(self) -> torch.Generator:
         seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)

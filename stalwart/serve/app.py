@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, health, metrics, weights.
 
 Every request is checked before it is queued (a bad one gets a 4xx with OpenAI's error body and never
-reaches the engine); a streaming client that disconnects has its request aborted, freeing its cache.
-Every response carries the weight version that produced it (``system_fingerprint`` and
-``weight_versions``).
+reaches the engine; the prompts of one request are all checked, then queued together); a streaming
+client that disconnects has its request aborted, freeing its cache. Every response carries the weight
+version that produced it (``system_fingerprint`` and ``weight_versions``).
 """
 
 from __future__ import annotations
@@ -12,37 +12,29 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any
+from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stalwart.infer.engine import Output, RequestError
-from stalwart.infer.sampling import SamplingError
-from stalwart.serve.loop import EngineLoop, Timing
+from stalwart.infer.sampling import SamplingError, SamplingParams
+from stalwart.serve.errors import ApiError, error_body, install_error_handlers
+from stalwart.serve.loop import EngineLoop, EngineUnavailable, Failure, Submission, Timing, WeightVersionError
 from stalwart.serve.metrics import ServeMetrics
 from stalwart.serve.protocol import (
     ChatRequest,
     CompletionRequest,
+    SamplingRequest,
     WeightsRequest,
     chat_chunk,
     chat_prompt,
     chat_response,
     completion_chunk,
     completion_response,
+    usage_chunk,
 )
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
 
 
 class Job:
@@ -50,15 +42,15 @@ class Job:
 
     def __init__(self, app_loop: asyncio.AbstractEventLoop, metrics: ServeMetrics) -> None:
         self.rid = uuid.uuid4().hex
-        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.queue: asyncio.Queue[Output | Failure] = asyncio.Queue()
         self.timing = Timing(time.monotonic())
         self.metrics = metrics
         self.versions: list[int] = []
         self._loop = app_loop
 
-    def sink(self, out: Output) -> None:  # engine thread
+    def sink(self, out: Output | Failure) -> None:  # engine thread
         now = time.monotonic()
-        if out.choices:
+        if isinstance(out, Output) and out.choices:
             t = self.timing
             if t.first_token is None:
                 t.first_token = now
@@ -66,9 +58,14 @@ class Job:
             else:
                 self.metrics.tpot.observe(now - t.last_token)
             t.last_token = now
+            t.tokens += len(out.choices)
             if not self.versions or self.versions[-1] != out.weight_version:
                 self.versions.append(out.weight_version)
         self._loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def _error_event(f: Failure) -> str:
+    return f"data: {json.dumps({'error': {'message': f.message, 'type': f.kind, 'param': f.param, 'code': None}})}\n\n"
 
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None = None) -> FastAPI:
@@ -77,32 +74,20 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
     metrics = metrics or ServeMetrics(model_name)
     loop.on_step = lambda outs, s: metrics.step(sum(len(o.choices) for o in outs), s, engine.stats())
     app = FastAPI(title="Stalwart", docs_url=None, redoc_url=None)
-    state: dict[str, Any] = {"version": engine.weight_version}
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError):
-        metrics.outcome("rejected")
-        return error_body(e.status, e.message, e.param, e.kind)
+    install_error_handlers(app, lambda: metrics.outcome("rejected"))
 
     @app.exception_handler(SamplingError)
     @app.exception_handler(RequestError)
-    async def _bad_request(_: Request, e: ValueError):
+    async def _bad_request(_: Request, e: SamplingError | RequestError):
         metrics.outcome("rejected")
-        return error_body(400, str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
-        metrics.outcome("rejected")
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_body(400, "the request body is not valid JSON")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = loc[0] if loc else "request"
-        return error_body(400, f"{where}: {first.get('msg', 'malformed request')}", where)
+        return error_body(400, str(e), e.param)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "weight_version": engine.weight_version}
+        body = {"status": "ok", "model": model_name, "weight_version": engine.weight_version}
+        if loop.failure is not None:  # the engine thread is gone: this server can answer nothing
+            return JSONResponse({**body, "status": "error", "error": f"the engine stopped ({loop.failure})"}, 503)
+        return body
 
     @app.get("/metrics")
     async def prometheus():
@@ -118,26 +103,40 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
             raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            "not_found_error")
 
-    def start(prompt: list[int], params) -> Job:
-        if loop.queued() >= engine.cfg.max_queue:
+    def start(req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams]) -> list[Job]:
+        """Check every prompt, then queue them together: a request runs whole or not at all."""
+        limit = engine.cfg.max_queue
+        if len(prompts) > limit:
+            raise ApiError(400, f"the request has {len(prompts)} prompts; this server queues at most {limit} "
+                                f"requests (engine.max_queue)", "prompt")
+        try:
+            for prompt, p in zip(prompts, params):
+                engine.check(prompt, p)
+        except (RequestError, SamplingError) as e:
+            raise ApiError(400, str(e), req.param_name(e.param)) from None
+        if loop.queued() + len(prompts) > limit:
             raise ApiError(503, "the server is at capacity; retry later", None, "server_error")
-        engine.check(prompt, params)  # a RequestError or SamplingError becomes a 400
-        job = Job(asyncio.get_running_loop(), metrics)
-        metrics.prompt_tokens.inc(len(prompt))
-        loop.submit(job.rid, prompt, params, job.sink)
-        return job
+        jobs = [Job(asyncio.get_running_loop(), metrics) for _ in prompts]
+        try:
+            loop.submit([Submission(j.rid, prompt, p, j.sink) for j, prompt, p in zip(jobs, prompts, params)])
+        except EngineUnavailable as e:
+            raise ApiError(e.status, str(e), None, "server_error") from None
+        metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        return jobs
 
     async def collect(job: Job) -> tuple[list[Output], Output]:
         outs = []
         while True:
             out = await job.queue.get()
-            if out.finish_reason == "error":
-                raise ApiError(400, out.text)
+            if isinstance(out, Failure):
+                raise ApiError(out.status, out.message, out.param, out.kind)
             outs.append(out)
             if out.finished:
                 return outs, out
 
-    def stream(jobs: list[Job], chunk) -> StreamingResponse:
+    def stream(jobs: list[Job], chunk: Callable[[int, Output], dict], usage: Callable[[], dict] | None):
+        """Server-sent events: one chunk per output of any prompt, a usage chunk if asked, then [DONE]."""
+
         async def events():
             pending = {j.rid for j in jobs}
             try:
@@ -147,15 +146,20 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
                     for fut in done:
                         i, job = waiters.pop(fut)
                         out = fut.result()
-                        if out.finish_reason == "error":
-                            yield f"data: {json.dumps({'error': {'message': out.text}})}\n\n"
+                        if isinstance(out, Failure):
+                            yield _error_event(out)
                             pending.discard(job.rid)
                             continue
-                        yield f"data: {json.dumps(chunk(i, out, job))}\n\n"
+                        event = chunk(i, out)
+                        if usage is not None:
+                            event["usage"] = None
+                        yield f"data: {json.dumps(event)}\n\n"
                         if out.finished:
                             pending.discard(job.rid)
                         else:
                             waiters[asyncio.ensure_future(job.queue.get())] = (i, job)
+                if usage is not None:
+                    yield f"data: {json.dumps(usage())}\n\n"
                 metrics.outcome("ok")
                 yield "data: [DONE]\n\n"
             finally:
@@ -165,40 +169,48 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def usage_of(rid: str, kind: str, created: int, jobs: list[Job], prompts: list[list[int]]):
+        return lambda: usage_chunk(rid, kind, created, model_name, sorted({v for j in jobs for v in j.versions}),
+                                   sum(len(p) for p in prompts), sum(j.timing.tokens for j in jobs))
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         check_model(req.model)
         prompts = req.token_prompts(tokenizer)
-        jobs = [start(p, req.sampling()) for p in prompts]
-        created = int(time.time())
+        jobs = start(req, prompts, [req.sampling() for _ in prompts])
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return stream(jobs, lambda i, out, job: completion_chunk(job.rid, created, model_name, i, out, tokenizer))
+            usage = usage_of(rid, "text_completion", created, jobs, prompts) if req.include_usage else None
+            return stream(jobs, lambda i, out: completion_chunk(rid, created, model_name, i, out, tokenizer), usage)
         results = [await collect(j) for j in jobs]
         metrics.outcome("ok")
-        return completion_response(jobs, results, prompts, created, model_name, tokenizer, req.logprobs)
+        return completion_response(rid, jobs, results, prompts, created, model_name, tokenizer, req.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         check_model(req.model)
         prompt = tokenizer.encode(chat_prompt(req.messages), add_special_tokens=False).ids
-        job = start(prompt, req.sampling())
-        created = int(time.time())
+        jobs = start(req, [prompt], [req.sampling(room=engine.room(len(prompt)))])
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return stream([job], lambda i, out, j: chat_chunk(j.rid, created, model_name, out, tokenizer,
-                                                                req.logprobs))
-        outs, last = await collect(job)
+            usage = usage_of(rid, "chat.completion.chunk", created, jobs, [prompt]) if req.include_usage else None
+            return stream(jobs, lambda i, out: chat_chunk(rid, created, model_name, out, tokenizer, req.logprobs),
+                          usage)
+        outs, last = await collect(jobs[0])
         metrics.outcome("ok")
-        return chat_response(job, outs, last, len(prompt), created, model_name, tokenizer, req.logprobs)
+        return chat_response(rid, jobs[0], outs, last, len(prompt), created, model_name, tokenizer, req.logprobs)
 
     @app.post("/v1/weights")
     async def update_weights(req: WeightsRequest):
         """Pause, load new weights, resume: the requests in flight go on under the new version."""
-        version = req.version if req.version is not None else state["version"] + 1
         try:
-            await asyncio.wrap_future(loop.update_weights(req.source, version))
-        except Exception as e:  # the reader's error names what is wrong; the old weights stay
+            version = await asyncio.wrap_future(loop.update_weights(req.source, req.version))
+        except EngineUnavailable as e:
+            raise ApiError(e.status, str(e), None, "server_error") from None
+        except WeightVersionError as e:
+            raise ApiError(409, str(e), "version", "conflict_error") from None
+        except Exception as e:  # noqa: BLE001 - the reader's error names what is wrong; the old weights stay
             raise ApiError(400, f"source: {e}", "source") from None
-        state["version"] = version
         return {"weight_version": version, "source": req.source}
 
     return app

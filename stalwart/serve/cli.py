@@ -3,6 +3,7 @@ several replicas behind a least-loaded router; `--plan` prints a placement and e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,8 +43,8 @@ def main(argv: list[str]) -> int:
     from stalwart.infer.load import check_layout, read_args
 
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
-    if cfg.server.port:
-        bind(cfg.server.host, cfg.server.port).close()  # a taken port is one line now, not a failed group
+    # A bad host or a taken port is one line now, not a failed group of processes.
+    bind(cfg.server.host, cfg.server.port).close()
     procs = layout.tp * layout.pp
     if layout.replicas == 1 and procs == 1:
         from stalwart.serve.replica import run_replica
@@ -58,14 +59,13 @@ def main(argv: list[str]) -> int:
         inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
                                 "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
         files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
-        children = [subprocess.Popen(replica_command(inner, procs, f), env=env, preexec_fn=die_with_parent)
-                    for f in files]
+        children = [_start(replica_command(inner, procs, f), env) for f in files]
         try:
             return run_router(cfg, source.name, children, files, port_file)
         finally:
             for p in children:
                 if p.poll() is None:
-                    p.terminate()
+                    stop_replica(p)
             for p in children:
                 try:
                     p.wait(timeout=20)
@@ -73,14 +73,50 @@ def main(argv: list[str]) -> int:
                     p.kill()
 
 
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    # A process group of its own: a Ctrl-C at the terminal reaches this process only, which stops the
+    # replica in order (below) instead of every process of it at once.
+    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0)
+
+
+def stop_replica(proc: subprocess.Popen, force: bool = False) -> None:
+    """Ask a replica to stop gracefully with SIGTERM.
+
+    A one-process replica gets it itself. In a torchrun group rank 0 gets it: it stops serving, tells
+    the other ranks to stop, and torchrun ends when they have, quietly (torchrun itself answers a
+    signal with a traceback). ``force``, or no rank 0 found (yet): torchrun gets it.
+    """
+    target = None if force else _rank0_of(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(target if target is not None else proc.pid, signal.SIGTERM)
+
+
+def _rank0_of(pid: int) -> int | None:
+    """The child of process ``pid`` that torchrun started as rank 0, if it runs (Linux /proc)."""
+    try:
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+    except (OSError, ValueError):
+        return None
+    for child in children:
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"RANK=0" in environ and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in environ):
+            return child
+    return None
+
+
 def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
-    """Run a torchrun group; SIGINT/SIGTERM here becomes SIGTERM there, and a stop asked for is exit 0."""
-    child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    """Run a torchrun group; SIGINT/SIGTERM here stops it in order (a second one forcibly), and a stop
+    asked for is exit 0."""
+    child = _start(cmd, env)
     asked: list[int] = []
 
     def forward(sig, _frame) -> None:
         asked.append(sig)
-        child.send_signal(signal.SIGTERM)
+        stop_replica(child, force=len(asked) > 1)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 from pathlib import Path
@@ -13,6 +14,7 @@ from stalwart.errors import UserError
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port; a UserError naming server.host or server.port says which is wrong."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -20,13 +22,19 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UserError(f"server.port: cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+        why = e.strerror or str(e)
+        # A name that does not resolve, or an address this machine does not have, is the host's fault.
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            raise UserError(f"server.host: cannot listen on {host} ({why}); give an address of this machine "
+                            "with --host, e.g. 127.0.0.1 or 0.0.0.0") from None
+        raise UserError(f"server.port: cannot listen on {host}:{port} ({why}); choose another --port") from None
     return sock
 
 
 def serve(app, host: str, port: int, what: str, port_file: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and shuts down gracefully)."""
     sock = bind(host, port)
+    sock.listen(2048)  # connections from now on wait for uvicorn rather than being refused
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"stalwart serve: {what} on http://{shown}:{actual}/v1", flush=True)

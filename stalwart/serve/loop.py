@@ -3,21 +3,61 @@
 Requests, aborts and weight updates arrive as commands from the HTTP server's event loop and are
 applied between engine steps. A weight update is therefore a pause (no step runs while the new
 weights are copied in), an update, and a resume; requests in flight keep their place and go on.
+
+The prompts of one HTTP request are submitted together and start together or not at all. If the
+engine thread ever fails it prints why, every request waiting on it gets a 500, later ones are
+refused, and ``failure`` says why (``/health`` reports it): nothing waits on a thread that is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
-from stalwart.infer.engine import Engine, Output
-from stalwart.infer.sampling import SamplingParams
+from stalwart.errors import UserError
+from stalwart.infer.engine import Engine, Output, RequestError
+from stalwart.infer.load import source_from
+from stalwart.infer.sampling import SamplingError, SamplingParams
 
-Sink = Callable[[Output], None]
+
+@dataclass
+class Failure:
+    """A request the engine did not take or could not finish: the HTTP error it gets."""
+
+    status: int
+    message: str
+    param: str | None = None
+    kind: str = "invalid_request_error"
+
+
+Sink = Callable[[Union[Output, Failure]], None]
+
+
+@dataclass
+class Submission:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread takes no more commands (it failed, or the server is stopping)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WeightVersionError(UserError):
+    """A weight update whose version is not newer than the version served."""
 
 
 @dataclass
@@ -41,6 +81,12 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}
         self.wake = threading.Event()
         self.stopped = False
+        self.failure: str | None = None  # why the engine thread died, if it did
+        # Orders commands against the thread's last look at the queue: once ``_closed`` is set under
+        # it, no command can arrive that nobody answers.
+        self._lock = threading.Lock()
+        self._closed: EngineUnavailable | None = None
+        self._pending = 0  # requests submitted, not yet in the scheduler
         self.thread = threading.Thread(target=self._run, name="stalwart-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -54,27 +100,37 @@ class EngineLoop:
 
     # -- called from other threads ---------------------------------------------------------------
 
-    def submit(self, rid: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
-        self._command(("add", rid, prompt, params, sink))
+    def submit(self, requests: list[Submission]) -> None:
+        """Queue requests that start together or not at all. Raises EngineUnavailable."""
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            self._pending += len(requests)
+            self.commands.put(("add", requests))
+        self.wake.set()
 
     def abort(self, rid: str) -> None:
-        self._command(("abort", rid))
+        self.commands.put(("abort", rid))
+        self.wake.set()
 
-    def update_weights(self, where: str, version: int) -> Future:
+    def update_weights(self, where: str, version: int | None) -> Future:
+        """Load new weights between two steps; the future gives the version (default: the served one + 1)."""
         done: Future = Future()
-        self._command(("load", where, version, done))
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            self.commands.put(("load", where, version, done))
+        self.wake.set()
         return done
 
     def queued(self) -> int:
-        return self.commands.qsize() + len(self.engine.scheduler.waiting)
-
-    def _command(self, cmd: tuple) -> None:
-        self.commands.put(cmd)
-        self.wake.set()
+        """Requests waiting: submitted, or in the scheduler's queue."""
+        return self._pending + len(self.engine.scheduler.waiting)
 
     # -- the engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        closed = EngineUnavailable("the server is shutting down", 503)
         try:
             while not self.stopped:
                 self._drain()
@@ -88,14 +144,41 @@ class EngineLoop:
                     self._deliver(out)
                 if self.on_step is not None:
                     self.on_step(outputs, time.monotonic() - start)
+        except BaseException as e:  # noqa: BLE001 - a dead engine must say so, not leave requests waiting
+            self.failure = f"{type(e).__name__}: {e}"
+            print(f"stalwart serve: the engine stopped ({self.failure}); every request fails until a restart",
+                  file=sys.stderr, flush=True)
+            traceback.print_exc()
+            closed = EngineUnavailable(f"the engine stopped ({self.failure}); the server must be restarted", 500)
         finally:
-            for rid in list(self.sinks):
-                self._deliver(Output(rid, [], "", True, "abort", self.engine.weight_version))
-            if self.link is not None:
-                try:
-                    self.link.send_stop()
-                except RuntimeError:  # the other ranks are already gone (their launcher stopped them)
-                    pass
+            self._close(closed)
+
+    def _close(self, closed: EngineUnavailable) -> None:
+        """Take no more commands; answer every request in flight and every command left."""
+        with self._lock:
+            self._closed = closed
+        if self.failure is None:
+            ends = {rid: Output(rid, [], "", True, "abort", self.engine.weight_version) for rid in self.sinks}
+        else:
+            ends = {rid: Failure(500, str(closed), None, "server_error") for rid in self.sinks}
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                ends.update((r.rid, Failure(closed.status, str(closed), None, "server_error")) for r in cmd[1])
+                self.sinks.update((r.rid, r.sink) for r in cmd[1])
+            elif cmd[0] == "load":
+                cmd[3].set_exception(closed)
+        for rid, end in ends.items():
+            with contextlib.suppress(RuntimeError):  # the server's event loop may be gone already
+                self.sinks.pop(rid)(end)
+        if self.link is not None:
+            try:
+                self.link.send_stop()
+            except RuntimeError:  # the other ranks are already gone (their launcher stopped them)
+                pass
 
     def _drain(self) -> None:
         while True:
@@ -104,28 +187,52 @@ class EngineLoop:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, sink = cmd
-                try:
-                    self.engine.add(rid, prompt, params)
-                except ValueError as e:
-                    sink(Output(rid, [], str(e), True, "error", self.engine.weight_version))
-                    continue
-                self.sinks[rid] = sink
+                self._add(cmd[1])
             elif cmd[0] == "abort":
                 out = self.engine.abort(cmd[1])
                 if out is not None:
                     self._deliver(out)
             else:
-                _, where, version, done = cmd
-                try:
-                    state = self.load(where)
-                    if self.link is not None:
-                        self.link.send_load(where, version)
-                    self.engine.load_full_state(state, version)
-                except Exception as e:  # reported to the caller; the old weights stay
-                    done.set_exception(e)
-                else:
-                    done.set_result(version)
+                self._load(*cmd[1:])
+
+    def _add(self, requests: list[Submission]) -> None:
+        added: list[str] = []
+        try:
+            for r in requests:
+                self.engine.add(r.rid, r.prompt, r.params)
+                added.append(r.rid)
+        except Exception as e:  # noqa: BLE001 - the request is refused; the engine is as it was
+            for rid in added:
+                self.engine.abort(rid)
+            if isinstance(e, (RequestError, SamplingError)):
+                failure = Failure(400, str(e), e.param)
+            else:
+                failure = Failure(500, f"the engine could not take the request ({type(e).__name__}: {e})", None,
+                                  "server_error")
+            for r in requests:
+                r.sink(failure)
+        else:
+            self.sinks.update((r.rid, r.sink) for r in requests)
+        finally:
+            with self._lock:
+                self._pending -= len(requests)
+
+    def _load(self, where: str, version: int | None, done: Future) -> None:
+        current = self.engine.weight_version
+        version = current + 1 if version is None else version
+        if version <= current:
+            done.set_exception(WeightVersionError(f"version {version} is not newer than the weights served "
+                                                  f"(version {current})"))
+            return
+        try:
+            source_from(where)  # a path that names no weights fails here, before the other ranks hear of it
+            if self.link is not None:  # first: the other ranks read the weights together with this one
+                self.link.send_load(where, version)
+            self.engine.update_weights(lambda: self.load(where), version)
+        except Exception as e:  # noqa: BLE001 - reported to the caller; the old weights stay
+            done.set_exception(e)
+        else:
+            done.set_result(version)
 
     def _deliver(self, out: Output) -> None:
         sink = self.sinks.get(out.rid)

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from stalwart.infer.sampling import SamplingError, SamplingParams
 
+# Strict: a value of the wrong JSON type is refused, not coerced ("5" is no max_tokens, true no 1).
+STRICT = ConfigDict(extra="ignore", strict=True)
 
-class _Sampled(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool = False  # a last chunk with the whole request's usage (and no choices)
+
+
+class SamplingRequest(BaseModel):
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -26,26 +35,36 @@ class _Sampled(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def param_name(self, engine_name: str | None) -> str | None:
+        """The request field behind an engine or sampling parameter (they differ in chat)."""
+        return engine_name
+
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
-            raise SamplingError(f"n must be 1 (got {self.n}); send separate requests for several samples")
+            raise SamplingError(f"n must be 1 (got {self.n}); send separate requests for several samples", "n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, stop=stop, logprobs=logprobs, seed=self.seed,
                               ignore_eos=self.ignore_eos)
 
 
-class CompletionRequest(_Sampled):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
     def sampling(self) -> SamplingParams:
+        """The sampling parameters; max_tokens defaults to 16, as in OpenAI's completions API."""
         if self.echo:
-            raise SamplingError("echo is not supported")
+            raise SamplingError("echo is not supported", "echo")
         return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
 
     def token_prompts(self, tokenizer) -> list[list[int]]:
@@ -60,29 +79,48 @@ class CompletionRequest(_Sampled):
 
 
 class Message(BaseModel):
+    model_config = STRICT
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
 
-class ChatRequest(_Sampled):
+class ChatRequest(SamplingRequest):
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def sampling(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens or 256
+    @property
+    def _max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def param_name(self, engine_name: str | None) -> str | None:
+        names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": self._max_tokens_field}
+        return names.get(engine_name, engine_name)
+
+    def sampling(self, room: int) -> SamplingParams:
+        """The sampling parameters; unset, the output may fill the ``room`` the context leaves (as in
+        OpenAI's chat API)."""
+        field = self._max_tokens_field
+        max_tokens = getattr(self, field)
+        if max_tokens is None:
+            max_tokens = max(1, room)
+        elif max_tokens < 1:
+            raise SamplingError(f"{field} must be >= 1 (got {max_tokens})", field)
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class WeightsRequest(BaseModel):
+    model_config = STRICT
+
     source: str  # a run directory, one of its checkpoints, or a Hugging Face directory
-    version: int | None = None  # default: the current version + 1
+    version: int | None = Field(None, ge=1)  # default: the version served + 1; never lower than it
 
 
 def chat_prompt(messages: list[Message]) -> str:
     if not messages:
-        raise SamplingError("messages must not be empty")
+        raise SamplingError("messages must not be empty", "messages")
     return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
@@ -115,7 +153,8 @@ def _chat_logprobs(choices, tokenizer) -> dict:
                         for c in choices]}
 
 
-def completion_response(jobs, results, prompts, created: int, model: str, tokenizer, logprobs: int | None) -> dict:
+def completion_response(rid: str, jobs, results, prompts, created: int, model: str, tokenizer,
+                        logprobs: int | None) -> dict:
     choices, completion_tokens, versions = [], 0, set()
     for i, (job, (outs, last)) in enumerate(zip(jobs, results)):
         picked = [c for o in outs for c in o.choices]
@@ -124,7 +163,7 @@ def completion_response(jobs, results, prompts, created: int, model: str, tokeni
         choices.append({"index": i, "text": "".join(o.text for o in outs), "finish_reason": last.finish_reason,
                         "logprobs": _legacy_logprobs(picked, tokenizer) if logprobs is not None else None})
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"id": f"cmpl-{jobs[0].rid}", "object": "text_completion", "created": created, "model": model,
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, **_fingerprint(sorted(versions)),
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
@@ -132,14 +171,15 @@ def completion_response(jobs, results, prompts, created: int, model: str, tokeni
 
 def completion_chunk(rid: str, created: int, model: str, index: int, out, tokenizer) -> dict:
     lp = _legacy_logprobs(out.choices, tokenizer) if out.choices and out.choices[0].logprob is not None else None
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             **_fingerprint([out.weight_version]),
             "choices": [{"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}]}
 
 
-def chat_response(job, outs, last, prompt_tokens: int, created: int, model: str, tokenizer, logprobs: bool) -> dict:
+def chat_response(rid: str, job, outs, last, prompt_tokens: int, created: int, model: str, tokenizer,
+                  logprobs: bool) -> dict:
     picked = [c for o in outs for c in o.choices]
-    return {"id": f"chatcmpl-{job.rid}", "object": "chat.completion", "created": created, "model": model,
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             **_fingerprint(job.versions),
             "choices": [{"index": 0, "finish_reason": last.finish_reason,
                          "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
@@ -149,8 +189,16 @@ def chat_response(job, outs, last, prompt_tokens: int, created: int, model: str,
 
 
 def chat_chunk(rid: str, created: int, model: str, out, tokenizer, logprobs: bool) -> dict:
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             **_fingerprint([out.weight_version]),
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": out.text},
                          "logprobs": _chat_logprobs(out.choices, tokenizer) if logprobs and out.choices else None,
                          "finish_reason": out.finish_reason}]}
+
+
+def usage_chunk(rid: str, kind: str, created: int, model: str, versions: list[int], prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The last chunk of a stream asked for with ``stream_options.include_usage``: usage, no choices."""
+    return {"id": rid, "object": kind, "created": created, "model": model, **_fingerprint(versions),
+            "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                     "total_tokens": prompt_tokens + completion_tokens}}

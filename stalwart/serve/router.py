@@ -1,12 +1,17 @@
 """A least-loaded router in front of several replicas (each a full `stalwart serve` on a loopback port).
 
 Each request goes to the replica with the fewest requests in flight through this router (ties go to
-the lowest index), and streams pass through as they arrive. A weight update goes to every replica.
+the lowest index), among the replicas known to be up, and streams pass through as they arrive. A
+replica is down from the moment a connection to it fails or its ``/health`` is not ok (probed every
+second), and up again once its ``/health`` is. A request whose replica fails before answering anything
+is tried on the next one, so a replica that dies costs no request that it had not begun to answer.
+A weight update goes to every replica (a 502 names any it could not reach).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -17,43 +22,67 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
+from stalwart.serve.errors import error_body, install_error_handlers
+
+PROBE_INTERVAL_S = 1.0
 
 
-def pick(in_flight: list[int]) -> int:
-    """The least-loaded replica (lowest index on ties)."""
-    return min(range(len(in_flight)), key=lambda i: (in_flight[i], i))
+def pick(in_flight: list[int], up: list[bool] | None = None) -> list[int]:
+    """Replicas in the order to try them: up before down, then least loaded, then lowest index."""
+    up = up if up is not None else [True] * len(in_flight)
+    return sorted(range(len(in_flight)), key=lambda i: (not up[i], in_flight[i], i))
 
 
 def create_router(backends: list[str]) -> FastAPI:
-    app = FastAPI(title="Stalwart router", docs_url=None, redoc_url=None)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
     in_flight = [0] * len(backends)
     served = [0] * len(backends)
+    up = [True] * len(backends)
+
+    async def check(i: int) -> bool:
+        try:
+            r = await client.get(backends[i] + "/health", timeout=10.0)
+            up[i] = r.status_code == 200
+        except httpx.HTTPError:
+            up[i] = False
+        return up[i]
+
+    async def probe() -> None:
+        while True:
+            await asyncio.gather(*(check(i) for i in range(len(backends))))
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(probe())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="Stalwart router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    install_error_handlers(app)
 
     async def forward(request: Request, path: str):
-        i = pick(in_flight)
-        in_flight[i] += 1
-        served[i] += 1
         body = await request.body()
-        try:
-            upstream = await client.send(client.build_request(
-                request.method, backends[i] + path, content=body,
-                headers={"content-type": request.headers.get("content-type", "application/json")}), stream=True)
-        except httpx.HTTPError as e:
-            in_flight[i] -= 1
-            return JSONResponse({"error": {"message": f"replica {i} unreachable: {e}", "type": "server_error",
-                                           "param": None, "code": None}}, 502)
-
-        async def relay():
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        failures = []
+        for i in pick(in_flight, up):
+            in_flight[i] += 1
             try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
+                upstream = await client.send(client.build_request(request.method, backends[i] + path, content=body,
+                                                                  headers=headers), stream=True)
+            except httpx.HTTPError as e:  # nothing reached the client yet: mark it down, try the next
                 in_flight[i] -= 1
-
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
-        return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
+                up[i] = False
+                failures.append(f"replica {i}: {str(e) or type(e).__name__}")
+                continue
+            served[i] += 1
+            return StreamingResponse(_relay(upstream, in_flight, i), status_code=upstream.status_code,
+                                     headers={k: v for k, v in upstream.headers.items()
+                                              if k.lower() in ("content-type", "cache-control")})
+        return error_body(502, f"no replica could take the request ({'; '.join(failures)})", None, "server_error")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -65,13 +94,21 @@ def create_router(backends: list[str]) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        r = await client.get(backends[0] + "/v1/models")
-        return Response(r.content, r.status_code, media_type="application/json")
+        return await forward_get("/v1/models")
+
+    async def forward_get(path: str):
+        for i in pick(in_flight, up):
+            try:
+                r = await client.get(backends[i] + path)
+            except httpx.HTTPError:
+                up[i] = False
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+        return error_body(502, "no replica is reachable", None, "server_error")
 
     @app.get("/health")
     async def health():
-        replies = await asyncio.gather(*(client.get(b + "/health") for b in backends), return_exceptions=True)
-        ok = [not isinstance(r, Exception) and r.status_code == 200 for r in replies]
+        ok = await asyncio.gather(*(check(i) for i in range(len(backends))))
         return JSONResponse({"status": "ok" if all(ok) else "degraded", "replicas": [
             {"url": b, "ok": k, "in_flight": n, "served": s} for b, k, n, s in zip(backends, ok, in_flight, served)]},
             200 if any(ok) else 503)
@@ -80,7 +117,15 @@ def create_router(backends: list[str]) -> FastAPI:
     async def weights(request: Request):
         body = await request.body()
         replies = await asyncio.gather(*(client.post(b + "/v1/weights", content=body,
-                                                     headers={"content-type": "application/json"}) for b in backends))
+                                                     headers={"content-type": "application/json"}) for b in backends),
+                                       return_exceptions=True)
+        lost = [i for i, r in enumerate(replies) if isinstance(r, Exception)]
+        if lost:
+            for i in lost:
+                up[i] = False
+            codes = ", ".join(f"replica {i}: {r.status_code}" for i, r in enumerate(replies) if i not in lost)
+            return error_body(502, f"replica {', '.join(map(str, lost))} unreachable, not updated; the others "
+                                   f"answered ({codes or 'none'})", None, "server_error")
         bad = [r for r in replies if r.status_code != 200]
         r = bad[0] if bad else replies[0]
         return Response(r.content, r.status_code, media_type="application/json")
@@ -93,9 +138,21 @@ def create_router(backends: list[str]) -> FastAPI:
         lines += ["# HELP stalwart_router_requests_total Requests routed per replica.",
                   "# TYPE stalwart_router_requests_total counter"]
         lines += [f'stalwart_router_requests_total{{replica="{i}"}} {n}' for i, n in enumerate(served)]
+        lines += ["# HELP stalwart_router_replica_up Whether the replica is taking requests.",
+                  "# TYPE stalwart_router_replica_up gauge"]
+        lines += [f'stalwart_router_replica_up{{replica="{i}"}} {int(u)}' for i, u in enumerate(up)]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _relay(upstream: httpx.Response, in_flight: list[int], i: int):
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()
+        in_flight[i] -= 1
 
 
 def wait_for_ports(procs: list[subprocess.Popen], files: list[Path], timeout_s: float = 300.0) -> list[int]:
