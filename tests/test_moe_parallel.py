@@ -21,7 +21,7 @@ from stalwart.data.loader import Batch
 from stalwart.models.flavors import MoEArgs, TransformerArgs
 from stalwart.models.moe import moe_modules
 from stalwart.train.core import CoreSpec, TrainCore
-from stalwart.train.dist_env import DistEnv
+from stalwart.runtime.env import DistEnv
 from stalwart.train.init import canonical_name
 
 pytestmark = pytest.mark.multiproc

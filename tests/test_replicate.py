@@ -14,7 +14,7 @@ from stalwart.data.loader import Batch
 from stalwart.models.flavors import TransformerArgs
 from stalwart.parallel.replicate import keeps_bucket_layout
 from stalwart.train.core import CoreSpec, TrainCore
-from stalwart.train.dist_env import DistEnv
+from stalwart.runtime.env import DistEnv
 
 pytestmark = pytest.mark.multiproc
 

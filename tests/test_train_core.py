@@ -17,7 +17,7 @@ from stalwart.models.flavors import TransformerArgs
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
 from stalwart.train.core import CoreSpec, TrainCore
-from stalwart.train.dist_env import DistEnv
+from stalwart.runtime.env import DistEnv
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from conftest import TINY_RUN
 from stalwart.config import load
 from stalwart.config.job import JobConfig
 from stalwart.ft.inject import InjectedFault
-from stalwart.train.dist_env import DistEnv
+from stalwart.runtime.env import DistEnv
 from stalwart.train.trainer import Trainer
 
 pytestmark = pytest.mark.unit

@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 import time
 from dataclasses import replace
 
 from stalwart.config.arguments import ArgumentParser
+from stalwart.runtime.device import DEVICES, check_device
 
 REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256, ffn_hidden=768,
                  tie_embeddings=False)
@@ -34,27 +34,23 @@ def reference_args():
     return replace(FLAVORS["tiny"], **REFERENCE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
     from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
                                      TrainingConfig)
-    from stalwart.comm.launch import join_gloo
     from stalwart.data.loader import Batch
     from stalwart.metrics.mfu import matmul_peak
+    from stalwart.runtime.device import LOOPBACK, resolve_device, synchronize
+    from stalwart.runtime.env import DistEnv
+    from stalwart.runtime.group import join, leave
     from stalwart.train.core import CoreSpec, TrainCore
-    from stalwart.train.dist_env import DistEnv
 
     torch.set_num_threads(opts["threads"])
+    device = resolve_device(opts["device"], rank)
     if world > 1:
-        join_gloo(rank, world, "127.0.0.1", port, 1800.0)
+        join(rank, world, LOOPBACK, port, device, 1800.0)
     args = reference_args()
     mb, seq = opts["micro_batch"], args.max_seq_len
     total = opts["warmup"] + opts["steps"]
@@ -63,10 +59,10 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     spec = CoreSpec(args, ParallelismConfig(dp_shard=-1), CommConfig(), OptimizerConfig(lr=1e-3),
                     SchedulerConfig(kind="constant", warmup_steps=0),
                     TrainingConfig(steps=total, global_batch=mb * world, micro_batch=mb, dtype="float32",
-                                   device="cpu"), seq, accum_steps=1)
-    core = TrainCore.build(spec, DistEnv(rank, world, rank, world, torch.device("cpu")))
+                                   device=device.type), seq, accum_steps=1)
+    core = TrainCore.build(spec, DistEnv.of(rank, world, device))
     gen = torch.Generator().manual_seed(rank)
-    tokens = [torch.randint(0, 256, (mb, seq + 1), generator=gen) for _ in range(4)]
+    tokens = [torch.randint(0, 256, (mb, seq + 1), generator=gen).to(device) for _ in range(4)]
     batches = [[Batch(b[:, :-1], b[:, 1:])] for b in tokens]
 
     replicated = core.pm.replicated
@@ -78,16 +74,18 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
         core.train_step(batches[i % len(batches)])
     if world > 1:
         dist.barrier()
+    synchronize(device)
     t0 = time.perf_counter()
     for i in range(opts["steps"]):
         core.train_step(batches[i % len(batches)])
+    synchronize(device)
     if world > 1:
         dist.barrier()
     elapsed = time.perf_counter() - t0
     if opts.get("profile"):  # every rank steps (the collectives need them all); rank 0 records and prints
         _profile(core, batches, opts["profile"], record=rank == 0)
     n_tokens = opts["steps"] * mb * seq * world
-    peak = matmul_peak(torch.device("cpu"), torch.float32).tflops * 1e12 if rank == 0 else 0.0  # cached per machine
+    peak = matmul_peak(device, torch.float32).tflops * 1e12 if rank == 0 else 0.0  # cached per machine
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -98,8 +96,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(result, fh)
-    if world > 1:
-        dist.destroy_process_group()
+    leave()
 
 
 def _profile(core, batches, steps: int, record: bool = True) -> None:
@@ -127,9 +124,11 @@ def run(world: int, opts: dict) -> dict:
 
     import torch.multiprocessing as mp
 
+    from stalwart.comm.launch import free_port
+
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        port = _free_port()
+        port = free_port()
         if world == 1:
             _worker(0, 1, port, opts, out)
         else:
@@ -146,20 +145,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="threads per process (0 = cores / procs)")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where to train (auto = cuda if available)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many steps on rank 0 and print the per-op breakdown")
     a = p.parse_args(argv)
+    procs = [int(x) for x in a.procs.split(",")]
+    kind = check_device(a.device, max(procs), "--device")
     cores = os.cpu_count() or 1
     results = []
     print(f"reference workload: 4 layers, dim 256, 4 heads, SwiGLU hidden 768, seq 256, micro-batch "
-          f"{a.micro_batch}/process, fp32, AdamW, vocab 256; {cores} cores")
+          f"{a.micro_batch}/process, fp32, AdamW, vocab 256; {cores} cores; device {kind}")
     print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}  "
           "layout (gradient all-reduce ms/step: span, exposed after backward's compute)")
-    for world in [int(x) for x in a.procs.split(",")]:
+    for world in procs:
         threads = a.threads or max(1, cores // world)
         r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch, "threads": threads,
-                        "profile": a.profile})
+                        "profile": a.profile, "device": kind})
         frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
         r["fraction_of_peak"] = frac
         results.append(r)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from stalwart.config.core import ConfigError
 from stalwart.config.loading import job_help, parse_train_argv
 from stalwart.launch.local import launch, preflight, supervised
-from stalwart.train.dist_env import launched_by_torchrun
+from stalwart.runtime.group import launched_by_torchrun
 from stalwart.train.worker import worker_main
 
 INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [--controller] [--section.key VALUE ...]

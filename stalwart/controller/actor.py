@@ -82,7 +82,7 @@ class TrainerActor(Actor):
         """Join process group ``attempt`` as ``rank`` of ``world`` and build the components on it."""
         import torch
 
-        from stalwart.train.dist_env import DistEnv
+        from stalwart.runtime.env import DistEnv
         from stalwart.train.trainer import Trainer
 
         self._close()

@@ -41,7 +41,7 @@ from stalwart.atomic import write_text_atomic
 from stalwart.ft.records import read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
-from stalwart.comm.launch import bound_tcp_store
+from stalwart.runtime.group import bound_tcp_store
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 

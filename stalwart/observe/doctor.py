@@ -36,11 +36,12 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], q: Any) -> N
     import torch
     import torch.distributed as dist
 
-    from stalwart.comm.launch import join_gloo
+    from stalwart.runtime.device import HOST, LOOPBACK
+    from stalwart.runtime.group import join
 
     torch.set_num_threads(opts["threads"])
     try:
-        join_gloo(rank, world, "127.0.0.1", port, opts["timeout_s"])
+        join(rank, world, LOOPBACK, port, HOST, opts["timeout_s"])
         n = opts["matmul_n"]
         a, b = torch.randn(n, n), torch.randn(n, n)
         slow = opts.get("slow_rank") == rank

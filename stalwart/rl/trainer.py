@@ -80,7 +80,7 @@ class PolicyTrainerActor(Actor):
 
         from stalwart.config.job import SchedulerConfig, TrainingConfig
         from stalwart.train.core import CoreSpec, TrainCore
-        from stalwart.train.dist_env import DistEnv
+        from stalwart.runtime.env import DistEnv
 
         c = self.cfg
         opt = c.optimizer if phase == "rl" else dataclasses.replace(c.optimizer, lr=c.sft.lr, weight_decay=0.0)

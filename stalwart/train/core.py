@@ -29,7 +29,8 @@ from stalwart.models.llama import Transformer, TransformerArgs, count_params, fl
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
 from stalwart.parallel.replicate import start_replicas
-from stalwart.train.dist_env import DistEnv, replica_fits_here
+from stalwart.runtime.env import DistEnv
+from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
 from stalwart.train.optim import GatedOptimizer, LRSchedule, build_optimizer, clip_grad_norm

@@ -1,41 +1,25 @@
-"""Process-group set-up from torchrun's environment; a single process needs none."""
+"""A training worker's place under its launcher: die with it, how much memory a rank has, leave together.
+
+The process group itself and the device come from ``stalwart.runtime``."""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from stalwart.comm.launch import bound_tcp_store
 from stalwart.ft.runlock import LAUNCHER_PID_ENV
 from stalwart.parallel.dims import replica_fits
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-
-    @property
-    def is_distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from stalwart.runtime.device import total_memory
+from stalwart.runtime.env import DistEnv
 
 
 def memory_per_rank(env: DistEnv) -> int:
     """Bytes of memory one rank can use: its GPU's, or the host's RAM shared by the local ranks."""
-    if env.device.type == "cuda":
-        return int(torch.cuda.get_device_properties(env.device).total_memory)
+    accelerator = total_memory(env.device)
+    if accelerator is not None:
+        return accelerator
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -46,10 +30,6 @@ def memory_per_rank(env: DistEnv) -> int:
 def replica_fits_here(env: DistEnv, n_params: int) -> bool:
     """Whether ``parallelism.data_parallel = auto`` may replicate a model of ``n_params`` on this job."""
     return replica_fits(n_params, max(env.world_size // max(env.local_world_size, 1), 1), memory_per_rank(env))
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def bind_to_launcher() -> None:
@@ -70,35 +50,6 @@ def bind_to_launcher() -> None:
         os._exit(1)
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("training.device = cuda, but no CUDA device is available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_distributed(device_request: str, timeout_s: float = 1800.0) -> DistEnv:
-    """Initialise the default process group when launched by torchrun (any world size)."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = pick_device(device_request, local_rank)
-    if launched_by_torchrun() and not dist.is_initialized():
-        # gloo carries CPU collectives (barriers, objects) even when NCCL carries the GPU ones.
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        store = None
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # this job's rank 0 serves the store
-            store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
-                                    timedelta(seconds=timeout_s))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
-                                rank=rank if store else -1, world_size=world if store else -1,
-                                device_id=device if device.type == "cuda" else None)
-    return DistEnv(rank, world, local_rank, local_world, device)
-
-
 def leave_together() -> None:
     """At the normal end of a job: every rank waits for the others (rank 0 may still be sampling or
     writing the summary), then the finished trainer's reference cycles (modules holding process groups,
@@ -111,6 +62,3 @@ def leave_together() -> None:
     gc.collect()
 
 
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -35,7 +35,7 @@ from stalwart.metrics.records import EventLog
 from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
 from stalwart.observe.profiler import StepProfiler
 from stalwart.paths import RunPaths
-from stalwart.train.dist_env import DistEnv
+from stalwart.runtime.env import DistEnv
 
 WARMUP_STEPS = 3  # steady-state throughput excludes this session's first steps
 PROGRESS_WINDOW = 20  # the progress display's tokens/s is over this many recent steps

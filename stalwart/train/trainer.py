@@ -31,7 +31,8 @@ from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
 from stalwart.train.core import CoreSpec, TrainCore
 from stalwart.train.data_setup import build_run_data
-from stalwart.train.dist_env import DistEnv, replica_fits_here
+from stalwart.runtime.env import DistEnv
+from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.evaluator import Evaluator
 from stalwart.train.observer import Observer, TimedLoader
 

@@ -80,11 +80,16 @@ def worker_main(cfg: JobConfig) -> int:
 
 
 def _worker_main(cfg: JobConfig) -> int:
-    from stalwart.train.dist_env import init_distributed, leave_together, shutdown
+    from stalwart.runtime.group import init_from_env, leave
+    from stalwart.train.dist_env import leave_together
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.launch.threads(local_world))
-    env = init_distributed(cfg.training.device, timeout_s=cfg.fault.collective_timeout_s)
+    try:
+        env = init_from_env(cfg.training.device, cfg.fault.collective_timeout_s, "training.device")
+    except UserError as e:  # a device this host lacks: every worker says it; the launcher stops the job
+        print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     try:
         from stalwart.train.trainer import Trainer
 
@@ -128,7 +133,7 @@ def _worker_main(cfg: JobConfig) -> int:
             sys.excepthook(type(e), e, e.__traceback__)
         _leave(1)
     finally:
-        shutdown()
+        leave()
 
 
 
