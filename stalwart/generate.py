@@ -1,40 +1,58 @@
-"""Autoregressive sampling (greedy, temperature, top-k) from any Stalwart model.
+"""Choosing tokens: the one sampler (greedy, temperature, top-k, top-p) and the plain autoregressive loop.
 
-Works on a single-device model and on an FSDP-sharded one: with a ``sync`` callback every rank
-adopts rank 0's token, so all ranks run the same forwards (FSDP's collectives stay matched).
+``next_token`` is the one place a token is drawn from logits; the loop below (``stalwart generate``,
+the end-of-training sample) and the inference engine (``infer/sampling.py``, per request, with
+log-probabilities) both call it. Sampling happens on the host with a host generator, so the same seed
+draws the same tokens whatever device computed the logits.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from stalwart.runtime.device import HOST, host_generator
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
+    """Scaled logits with everything outside top-k / the top-p nucleus set to -inf. logits: (vocab,)."""
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+               gen: torch.Generator) -> int:
+    """One token from one row of logits (vocab,), fp32 on the host: the most likely at temperature 0,
+    else one draw from ``gen`` (greedy draws nothing, so it leaves ``gen`` as it was)."""
+    if temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, max_seq_len: int,
-           temperature: float = 0.8, top_k: int = 40, seed: int = 0, eos: int | None = None,
-           device: torch.device | str = "cpu",
-           sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
+           temperature: float = 0.8, top_k: int = 40, seed: int = 0, eos: int | None = None) -> list[int]:
+    """Up to ``max_new_tokens`` tokens continuing ``prompt`` (stopping before ``eos``), on the model's
+    device; each step runs the whole (last ``max_seq_len`` tokens of the) context through the model."""
     was_training = model.training
     model.eval()
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = host_generator(seed)
     ids = list(prompt) or ([eos] if eos is not None else [0])
     out: list[int] = []
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1].float().cpu()
-        if temperature <= 0:
-            nxt = torch.argmax(logits).view(1)
-        else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
-        if sync is not None:
-            nxt = sync(nxt)
-        token = int(nxt.item())
+        logits = model(context)[0, -1].float().to(HOST)
+        token = next_token(logits, temperature, top_k, 1.0, gen)
         if eos is not None and token == eos:
             break
         ids.append(token)

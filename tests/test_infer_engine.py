@@ -81,6 +81,25 @@ def test_greedy_tokens_equal_generate_for_any_batch(config):
         assert engine.scheduler.preempted_total > 0
 
 
+@pytest.mark.unit
+def test_one_sampler_the_engine_and_generate_draw_the_same_tokens_from_a_seed():
+    """Temperature and top-k sampling: a request with seed s draws what `stalwart generate --seed s` draws
+    (one sampler, one host generator per sequence), alone or batched."""
+    model = build()
+    batch = prompts(6)
+    reference = [sample(build(), p, 12, ARGS.max_seq_len, temperature=0.8, top_k=40, seed=s)
+                 for s, p in enumerate(batch)]
+    assert len({tuple(r) for r in reference}) == 6
+    engine = Engine(model, ByteTokenizer(), None, EngineConfig())
+    for s, p in enumerate(batch):
+        engine.add(str(s), p, SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=s, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+    assert [out[str(s)] for s in range(6)] == reference
+
+
 def logprobs(engine: Engine, batch: list[list[int]]) -> list[list[float]]:
     for i, p in enumerate(batch):
         engine.add(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True))

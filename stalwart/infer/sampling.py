@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy, temperature, top-k, top-p; log-probabilities on request.
+"""A request's sampling: its parameters, its generator, log-probabilities on request. The token itself
+is drawn by the one sampler, ``stalwart.generate.next_token``.
 
 Each request has its own random generator (seeded from its ``seed``, or from a fresh random seed), and
 each row is sampled on its own, so a request samples the same tokens whether it shares the batch with
@@ -12,6 +13,9 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+
+from stalwart.generate import next_token
+from stalwart.runtime.device import host_generator
 
 
 # The seeds torch's generator takes: any 64-bit integer, signed or unsigned.
@@ -55,7 +59,7 @@ class SamplingParams:
 
     def generator(self) -> torch.Generator:
         seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
-        return torch.Generator(device="cpu").manual_seed(seed)
+        return host_generator(seed)
 
 
 @dataclass
@@ -65,28 +69,10 @@ class Choice:
     top: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Scaled logits with everything outside top-k / the top-p nucleus set to -inf. logits: (vocab,)."""
-    logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
 def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Choice:
-    """One token from one row of logits (vocab,), fp32 on CPU."""
-    if params.temperature == 0.0:
-        token = int(torch.argmax(logits))
-    else:
-        probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=gen))
+    """One token from one row of logits (vocab,), fp32 on the host, drawn by the one sampler
+    (``generate.next_token``); with its log-probabilities when the request asks for them."""
+    token = next_token(logits, params.temperature, params.top_k, params.top_p, gen)
     if params.logprobs is None:
         return Choice(token)
     logp = torch.log_softmax(logits, dim=-1)
