@@ -2,9 +2,9 @@
 
 The actor builds the same components as an SPMD worker (``stalwart.train.trainer.Trainer``: core,
 observer, guard, fault injection, evaluator, checkpointer), but it has no loop: the controller sends
-``step(n, micro_batches, data_position_after)`` and the actor runs one ``TrainCore.train_step`` on
-exactly those batches, then lets its components act (metrics, evaluation, snapshot, checkpoint) as the
-SPMD loop would. Rank 0's observer writes ``metrics.jsonl`` / ``events.jsonl`` as in an SPMD run.
+``step(n, micro_batches, data_position_after)`` and the actor runs ``Trainer.step`` on exactly those
+batches: the SPMD loop's own step (observed, guarded, trained, then metrics, evaluation, snapshot,
+checkpoint, each component deciding whether it acts). Rank 0's observer writes ``metrics.jsonl`` / ``events.jsonl`` as in an SPMD run.
 
 After a failure the surviving actors ``join`` a new process group (a dead gloo group cannot be
 reused): the old components are closed and rebuilt over the new group in the same process, and
@@ -133,12 +133,7 @@ class TrainerActor(Actor):
         t = self.trainer
         if t.state.step + 1 != n:
             raise RuntimeError(f"actor {self.rank} is at step {t.state.step}; step {n} cannot follow it")
-        with t.observer.step(n), t.guard.step(n):
-            record = t.core.train_step(micro)
-        t.loader.load_state_dict(data_after)  # the data position a checkpoint of step n holds
-        t.observer.log(record)
-        t.evaluator.maybe_run(n, t.end)
-        t.checkpointer.maybe_save(n, t.end)
+        record = t.step(micro, data_after)
         return self._reply(actor_s=time.perf_counter() - t0,
                            **{k: v for k, v in record.items() if isinstance(v, (int, float, bool, str))})
 

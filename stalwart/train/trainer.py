@@ -1,4 +1,4 @@
-"""Pre-training: ``Trainer.train`` -> ``TrainCore.train_step`` -> ``StepRunner.forward_backward``.
+"""Pre-training: ``Trainer.train`` -> ``Trainer.step`` -> ``TrainCore.train_step`` -> ``StepRunner.forward_backward``.
 
 The loop trains; the components decide when they act. ``Trainer.__init__`` builds them from their own
 config sections: the training core (model, layout, optimizer, schedule), the data, the observer
@@ -114,12 +114,26 @@ class Trainer:
         with self.observer, self.guard, self.injector or contextlib.nullcontext(), self.data_loader:
             self.begin()
             while self.state.step < self.end:
-                with self.observer.step(self.state.step + 1), self.guard.step(self.state.step + 1):
-                    record = self.core.train_step(self.loader.next())
-                self.observer.log(record)
-                self.evaluator.maybe_run(self.state.step, self.end)
-                self.checkpointer.maybe_save(self.state.step, self.end)
+                self.step()
             return self.finish()
+
+    def step(self, batches: list | None = None, data_after: dict | None = None) -> dict:
+        """Optimizer step ``state.step + 1``, then the components act (each decides whether this step is
+        one it acts on): observed and guarded, trained, logged, evaluated, saved. Returns its record.
+
+        The SPMD loop passes nothing: the batches are the loader's next, read inside the step (its
+        ``data`` phase). A controller's trainer actor is fed from outside: it passes this rank's
+        ``batches`` and ``data_after``, the data position after them, which the loader takes before the
+        checkpointer acts, so that a checkpoint of this step resumes at the right batch."""
+        n = self.state.step + 1
+        with self.observer.step(n), self.guard.step(n):
+            record = self.core.train_step(self.loader.next() if batches is None else batches)
+        if data_after is not None:
+            self.loader.load_state_dict(data_after)
+        self.observer.log(record)
+        self.evaluator.maybe_run(n, self.end)
+        self.checkpointer.maybe_save(n, self.end)
+        return record
 
     def begin(self) -> None:
         """Resume (the checkpointer chooses from what), announce the session, evaluate a fresh start."""
