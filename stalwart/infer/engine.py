@@ -183,19 +183,17 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits (len(batch.rows), vocab) of the requested stream offsets (None on a rank without them)."""
         m = self.model
-        tokens = torch.tensor([batch.tokens], dtype=torch.long)  # (1, tokens)
         positions = torch.tensor(batch.positions, dtype=torch.long)
         if m.tok_embeddings is not None:
-            h = m.tok_embeddings(tokens)
-        else:  # a later pipeline stage: the previous stage's activations
-            h = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
+            x = torch.tensor([batch.tokens], dtype=torch.long)  # (1, tokens)
+        else:  # a later pipeline stage: the previous stage's activations (1, tokens, dim)
+            x = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
         # Grouping decodes is faster but gives attention batch-dependent shapes: off in bitwise mode.
         with self.step_ctx.use(batch.layout(self.cfg.block_size, group_decodes=self.cfg.pad_rows == 1)):
-            for layer in m.layers.values():
-                h = layer(h, m.rope, positions)
+            h = m.hidden(x, positions)  # the model's own layers; attention reads and writes the paged cache
         logits = None
         if m.output is not None:
-            logits = m.output(m.norm(h[:, batch.rows]))[0]
+            logits = m.head(h[:, batch.rows])[0]  # the norm and head over the sampled rows only
             if isinstance(logits, AsyncCollectiveTensor):
                 # Tensor parallel: the head's all-gather is still in flight. Finish it on every rank,
                 # including those that never read the logits (else torch warns of it at exit).

@@ -7,7 +7,9 @@ Written so parallelism can be applied from outside without touching this file:
 - attention reshapes with ``-1`` heads, so tensor parallelism can shard heads;
 - the attention kernel is a parameter-free submodule (``Attention.core``) that context parallelism
   swaps for ring attention;
-- ``forward`` takes explicit ``positions`` so a context-parallel shard rotates with its true offsets.
+- ``forward`` takes explicit ``positions`` so a context-parallel shard rotates with its true offsets;
+- ``forward`` is ``head(hidden(...))``, so the inference engine runs the same two pieces (the layers
+  over its flat token stream, the head over the rows it samples) rather than a second forward.
 """
 
 from __future__ import annotations
@@ -188,9 +190,19 @@ class Transformer(nn.Module):
 
         Returns logits (batch, seq, vocab) if this model has an output head, else activations.
         """
+        return self.head(self.hidden(tokens, positions))
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedding (where present) and the layers: (batch, seq) ids or (batch, seq, dim) activations
+        -> (batch, seq, dim) activations. The inference engine runs this over its flat token stream."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope, positions)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and output head, where present: (..., dim) activations -> (..., vocab) logits
+        (activations unchanged on a stage without them). The engine applies it to the rows it samples."""
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
