@@ -50,6 +50,7 @@ from stalwart.checkpoint.loader import rng_state, set_rng_state
 from stalwart.checkpoint.staging import StepHold
 from stalwart.checkpoint.writer import all_gather_object
 from stalwart.paths import snapshot_name, snapshot_step
+from stalwart.runtime.group import cpu_group
 
 
 class SnapshotStore:
@@ -194,7 +195,7 @@ class SnapshotStore:
         """A process group of its own for the background peer exchange (created on the first save,
         which every rank makes at the same step): the loop's collectives never interleave with it."""
         if self.world > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = cpu_group()
         return self._group
 
     def _exchange(self, blob: bytes | None, send_to: int | None, recv_from: int | None,

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from stalwart.runtime.device import accelerator_in_use
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
@@ -53,7 +55,7 @@ class HostStager:
 
         sig = self._sig(state)
         if self._buffers is None or sig != self._signature:
-            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+            pin = accelerator_in_use()
             self._buffers = _create_cpu_state_dict(state, pin_memory=pin)
             self._signature = sig
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -75,7 +77,7 @@ class HostStager:
         with torch.no_grad():
             for src, buf in pairs:
                 buf.copy_(src.detach())
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if accelerator_in_use():
             torch.cuda.synchronize()
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:

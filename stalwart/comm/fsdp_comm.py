@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from stalwart.comm.selector import Selector
+from stalwart.runtime.device import is_accelerator
+from stalwart.runtime.group import cpu_group
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max"}
 
@@ -51,7 +53,7 @@ class CommThread:
         key = id(group)
         if key not in self._groups:
             ranks = dist.get_process_group_ranks(group)
-            self._groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self._groups[key] = cpu_group(ranks, use_local_synchronization=True)
         return self._groups[key]
 
     def submit(self, fn: Callable[[], None]) -> Future:
@@ -107,7 +109,7 @@ class SelectorReduceScatter(_Alloc, ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         name = _OPS.get(op) if isinstance(op, dist.ReduceOp.RedOpType) else None
-        if name is None or input_tensor.device.type != "cpu":
+        if name is None or is_accelerator(input_tensor.device):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         own = self.thread.own(group)
 
@@ -127,7 +129,7 @@ class SelectorAllGather(_Alloc, AllGather):
         self.selector, self.thread = selector, thread
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        if input_tensor.device.type != "cpu":
+        if is_accelerator(input_tensor.device):
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
         own = self.thread.own(group)
 

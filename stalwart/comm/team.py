@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from stalwart.runtime.group import is_cpu_group
+
 Bounds = list[tuple[int, int]]  # per member: (offset, length) of its segment in a flat buffer
 
 OPS = ("sum", "avg", "max")
@@ -63,7 +65,7 @@ class Team:
         self.members = list(members)
         self.index = self.members.index(me)
         self.me = me
-        self.batched = dist.get_backend(group) != "gloo"
+        self.batched = not is_cpu_group(group)
 
     @staticmethod
     def of(group: dist.ProcessGroup | None) -> Team:

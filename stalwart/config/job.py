@@ -169,7 +169,9 @@ class TrainingConfig:
         "'auto' = bfloat16 where its measured (or spec-sheet) matmul peak is >= 1.5x float32's, else float32; "
         "the banner says which ran and why.",
         "auto")
-    device: Literal["auto", "cpu", "cuda"] = option("Where to train ('auto' = cuda if available).", "auto")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "Where to train ('auto' = cuda if available; a device this machine lacks is refused before any worker "
+        "starts). `--device` sets it too.", "auto")
 
 
 @dataclass

@@ -71,10 +71,13 @@ def job_help(command: str, intro: str) -> str:
 
 
 # `stalwart train`'s own flags (everything else on its command line is a dotted config override).
-TRAIN_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True, "--controller": False}
+TRAIN_FLAGS = {"--config": True, "--nproc-per-node": True, "--nproc_per_node": True, "--controller": False,
+               "--device": True}
 
 
 def parse_train_argv(argv: list[str]) -> tuple[dict[str, str | bool], JobConfig]:
     """``stalwart train`` / ``-m stalwart.train`` arguments -> (launcher flags, validated config)."""
     opts, overrides = split_args(argv, TRAIN_FLAGS)
+    if "--device" in opts:  # the short form every model-running command takes; the setting is training.device
+        overrides = [*overrides, "--training.device", str(opts["--device"])]
     return opts, load_job(opts.get("--config"), overrides)  # type: ignore[arg-type]

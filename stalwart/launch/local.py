@@ -22,8 +22,10 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
     from stalwart.data.prepared import is_prepared, open_prepared
     from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args
+    from stalwart.runtime.device import check_device
     from stalwart.train.checkpointer import Checkpointer
 
+    check_device(cfg.training.device, nproc, "training.device")
     world = int(os.environ.get("WORLD_SIZE", nproc))
     dims = ParallelDims.resolve(cfg.parallelism, world)
     paths = RunPaths.of(cfg.run)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from stalwart.atomic import write_text_atomic
+from stalwart.runtime.device import HOST, accelerator_name, is_accelerator, synchronize
 
 # Dense (non-sparse) peak TFLOP/s per GPU.
 GPU_PEAK_TFLOPS = {
@@ -56,7 +57,7 @@ def gpu_peak_tflops(name: str, dtype: torch.dtype) -> float | None:
 
 
 def measure_matmul_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3,
-                          device: str = "cpu") -> float:
+                          device: torch.device | str = HOST) -> float:
     """Best-of-runs matmul throughput with the current thread settings: the better of a square
     ``a @ b`` and a linear layer's ``x @ w.T`` (on some CPUs a dtype's kernels differ per form, and
     a model's linears must not beat the "peak")."""
@@ -71,8 +72,7 @@ def measure_matmul_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, sec
         while True:
             t0 = time.perf_counter()
             run()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             now = time.perf_counter()
             best = max(best, flops / (now - t0))
             if now >= deadline:
@@ -91,19 +91,19 @@ def choose_auto_dtype(fp32_tflops: float, bf16_tflops: float) -> tuple[torch.dty
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+    if is_accelerator(device):
+        return accelerator_name(device)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return platform.processor() or platform.machine() or HOST.type
 
 
 def cache_key(device: torch.device, dtype: torch.dtype) -> str:
-    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    threads = 0 if is_accelerator(device) else torch.get_num_threads()
     return f"{device_name(device)}|torch {torch.__version__}|{threads} threads|{_KEYS.get(dtype, str(dtype))}"
 
 
@@ -141,12 +141,12 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, cache: PeakCache | Non
     cache = cache if cache is not None else PeakCache()
     key = cache_key(device, dtype)
     what = f"{_KEYS.get(dtype, dtype)} matmul on {key.split('|')[0]}" + (
-        f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else "")
+        "" if is_accelerator(device) else f", {torch.get_num_threads()} thread(s)")
     cached = cache.load().get(key)
     if cached:
         return Peak(cached, "cached", f"{what}, {cache.path}")
-    if device.type == "cuda":
-        tflops = measure_matmul_tflops(dtype, n=8192, seconds=1.0, device="cuda")
+    if is_accelerator(device):
+        tflops = measure_matmul_tflops(dtype, n=8192, seconds=1.0, device=device)
     else:
         tflops = measure_matmul_tflops(dtype, n=1024 if dtype == torch.float32 else 512, seconds=0.4)
     cache.store(key, tflops)
@@ -159,7 +159,7 @@ def resolve_dtype(requested: str, device: torch.device, cache: PeakCache | None 
         return torch.float32, "float32 (configured)"
     if requested == "bfloat16":
         return torch.bfloat16, "bfloat16 (configured)"
-    if device.type == "cuda":
+    if is_accelerator(device):
         fp32, bf16 = (gpu_peak_tflops(device_name(device), d) for d in (torch.float32, torch.bfloat16))
         if fp32 and bf16:
             return choose_auto_dtype(fp32, bf16)
@@ -171,7 +171,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float, cac
     """Peak TFLOP/s of one device in the precision that runs, and where the number came from."""
     if configured > 0:
         return Peak(configured, "configured", "metrics.peak_tflops")
-    if device.type == "cuda":
+    if is_accelerator(device):
         name = device_name(device)
         peak = gpu_peak_tflops(name, dtype)
         if peak:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from stalwart.paths import RunPaths
+from stalwart.runtime.device import is_accelerator
 
 
 class StepProfiler:
@@ -65,7 +66,7 @@ class StepProfiler:
     # ------------------------------------------------------------------ internals
     def _start(self, step: int) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU]
-        cuda = self.device.type == "cuda"
+        cuda = is_accelerator(self.device)
         if cuda:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
             if self.cfg.memory_snapshot:
@@ -88,7 +89,7 @@ class StepProfiler:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
         self.written.append(trace)
-        if self.device.type == "cuda" and self.cfg.memory_snapshot:
+        if is_accelerator(self.device) and self.cfg.memory_snapshot:
             snap = self.paths.memory_snapshot(self.rank, first, last)
             torch.cuda.memory._dump_snapshot(str(snap))
             torch.cuda.memory._record_memory_history(enabled=None)

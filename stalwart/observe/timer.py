@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from stalwart.metrics.records import JsonlWriter
 from stalwart.paths import RunPaths
+from stalwart.runtime.device import HOST, is_accelerator
 
 # The standard phase names; any other name is accepted and becomes its own lane.
 PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint")
@@ -84,13 +85,13 @@ class PhaseTimer:
     is all exposed communication and a rank waiting for a straggler is not mistaken for a slow one.
     """
 
-    def __init__(self, rank: int = 0, device: Any = "cpu", sink: TimingsWriter | Callable | None = None,
+    def __init__(self, rank: int = 0, device: Any = HOST, sink: TimingsWriter | Callable | None = None,
                  flush_every: int = 10, enabled: bool = True,
                  on_phase: Callable[[str | None, int | None], None] | None = None,
                  comm_clock: Callable[[], float] | None = None,
                  on_flush: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.rank, self.enabled, self.flush_every = rank, enabled, max(1, flush_every)
-        self.cuda = str(device).startswith("cuda")
+        self.cuda = is_accelerator(device)
         self._sink = sink
         self._on_phase = on_phase
         self._on_flush = on_flush

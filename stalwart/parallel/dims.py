@@ -204,20 +204,20 @@ class Meshes:
         return self.world[name]
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
+def build_mesh(dims: ParallelDims, device: torch.device) -> Meshes:
     """The named DeviceMesh over all dimensions (size-1 ones included, so code can always index them),
     plus the flattened views. Flattened meshes are kept here rather than re-sliced from the root."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from stalwart.runtime.group import device_mesh
 
     shape = tuple(dims.degrees()[n] for n in MESH_ORDER)
     if dims.ep > 1:
         # dp_shard = (dp_shard_mod_ep, ep), row-major, so a rank's dp_shard index is unchanged.
         names = MESH_ORDER[:2] + ("dp_shard_mod_ep", "ep") + MESH_ORDER[3:]
         shape = shape[:2] + (dims.dp_shard // dims.ep, dims.ep) + shape[3:]
-        world = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        world = device_mesh(device, shape, names)
         world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
     else:
-        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+        world = device_mesh(device, shape, MESH_ORDER)
     dp = world["dp_replicate", "dp_shard"]._flatten("dp")
     if dims.cp > 1:
         shard = world["dp_shard", "cp"]._flatten("dp_shard_cp")

@@ -48,8 +48,8 @@ def check_device(requested: str, local_processes: int = 1, setting: str = "--dev
     if requested != HOST.type:
         if not torch.cuda.is_available():
             build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device is visible"
-            raise DeviceUnavailable(f"{setting} {requested}: this machine cannot run on {requested} ({build}, "
-                                    f"torch {torch.__version__}); use {setting} cpu, or auto")
+            raise DeviceUnavailable(f"{setting} {requested}: this machine has no CUDA device ({build}, torch "
+                                    f"{torch.__version__}); set {setting} to cpu or auto")
         if local_processes > torch.cuda.device_count():
             raise DeviceUnavailable(f"{setting} {requested}: {local_processes} processes per host need a GPU "
                                     f"each, but this host has {torch.cuda.device_count()}")

@@ -29,6 +29,7 @@ from stalwart.models.llama import Transformer, TransformerArgs, count_params, fl
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
 from stalwart.parallel.replicate import start_replicas
+from stalwart.runtime.device import is_accelerator
 from stalwart.runtime.env import DistEnv
 from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.experts import ExpertBalancer
@@ -83,7 +84,7 @@ class CoreSpec:
     def param_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype is not None:
             return self.compute_dtype
-        if self.training.dtype == "bfloat16" or (self.training.dtype == "auto" and device.type == "cuda"):
+        if self.training.dtype == "bfloat16" or (self.training.dtype == "auto" and is_accelerator(device)):
             return torch.bfloat16
         return torch.float32
 
@@ -102,7 +103,7 @@ class TrainCore:
         a = spec.model_args
         dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, spec.seq_len, virtual_stages(spec.parallelism, dims),
                          a.moe.n_experts if a.moe else 0)
-        self.mesh = build_mesh(dims, self.device.type) if env.is_distributed else None
+        self.mesh = build_mesh(dims, self.device) if env.is_distributed else None
         # Build on meta, parallelize, then materialize and initialise from the seed: every layout starts
         # from the same bits.
         with torch.device("meta"):

@@ -12,14 +12,15 @@ import zlib
 import torch
 from torch import nn
 
+from stalwart.runtime.device import host_generator
+
 
 def _full_value(kind: str, std: float, shape: torch.Size, seed: int, name: str) -> torch.Tensor:
     if kind == "ones":
         return torch.ones(shape)
     if kind == "zeros":
         return torch.zeros(shape)
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    gen = host_generator((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     return torch.randn(shape, generator=gen) * std
 
 

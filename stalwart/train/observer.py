@@ -35,6 +35,7 @@ from stalwart.metrics.records import EventLog
 from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
 from stalwart.observe.profiler import StepProfiler
 from stalwart.paths import RunPaths
+from stalwart.runtime.device import is_accelerator, max_memory_allocated, synchronize
 from stalwart.runtime.env import DistEnv
 
 WARMUP_STEPS = 3  # steady-state throughput excludes this session's first steps
@@ -142,8 +143,7 @@ class Observer:
         t0 = time.perf_counter()
         self.data_wait_s = 0.0
         yield
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.env.device)
         self._step_time = time.perf_counter() - t0
         if self.profiler is not None and self.profiler.active:
             self.profiler.end_step(step)
@@ -194,6 +194,6 @@ class Observer:
         return time.perf_counter() - self._t_start
 
     def memory(self) -> int:
-        if self.env.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.env.device))
+        if is_accelerator(self.env.device):
+            return max_memory_allocated(self.env.device)
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
