@@ -220,7 +220,7 @@ def test_load_timings_tail_reads_only_recent_steps(tmp_path):
 
 
 def test_phase_timer_cost_is_microseconds(tmp_path):
-    from stalwart.observe.bench_overhead import _micro_timer_us
+    from stalwart.bench.observe_overhead import _micro_timer_us
 
     assert _micro_timer_us(str(tmp_path), steps=2000) < 1000  # ~30-40 us on this machine
 

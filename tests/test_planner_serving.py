@@ -9,7 +9,7 @@ from stalwart.config import ConfigError
 from stalwart.models.flavors import FLAVORS as MODEL_FLAVORS
 from stalwart.planner.serving import (ServingRequest, host_presets, plan, ring_all_reduce_s, shape_from_args,
                                       stage_boundaries, tp_invalid_reason)
-from stalwart.planner.serving_cli import main
+from stalwart.cli.serve_plan import main
 from stalwart.planner.shapes import FLAVORS
 
 PRESETS = host_presets()

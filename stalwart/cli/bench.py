@@ -7,13 +7,14 @@ import sys
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
-    "collectives": ("stalwart.comm.bench", "collective algorithms: bus bandwidth per size, cost-model fit"),
+    "collectives": ("stalwart.bench.collectives", "collective algorithms: bus bandwidth per size, cost-model fit"),
     "inference": ("stalwart.bench.inference", "inference engine vs transformers generate: tokens/s, TTFT, TPOT"),
     "layouts": ("stalwart.bench.layouts", "parallel layouts: tokens/s vs one process, per-rank state bytes"),
     "checkpoint": ("stalwart.bench.checkpoint", "checkpoint save/restore vs raw disk bandwidth, async/snapshot stall"),
     "moe": ("stalwart.bench.moe", "mixture of experts: grouped matmul vs expert loop, bias balancing"),
     "data": ("stalwart.bench.data", "data prepare MB/s and tokens/s vs tokenizers, loader tokens/s, RSS, first batch"),
     "sandbox": ("stalwart.bench.sandbox", "reward sandbox: programs scored per second, serial and threaded"),
+    "observe": ("stalwart.bench.observe_overhead", "observability hot path (phase timer, flight recorder) as % of a step"),
 }
 
 

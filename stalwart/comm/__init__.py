@@ -4,7 +4,8 @@ Layers, bottom up: ``topology`` (hosts/racks/pods and tier costs, rank placement
 a group, p2p) -> ``algorithms`` / ``hierarchical`` (ring, recursive doubling, Rabenseifner, double
 binary tree, two-level) -> ``collectives`` (public calls by algorithm name) -> ``cost`` (alpha-beta-
 gamma prediction) -> ``selector`` (pick the fastest) -> ``grads`` (data-parallel gradient reduction,
-DDP hook). ``bench`` is `stalwart bench collectives`; ``netns`` builds emulated hosts.
+DDP hook); ``netns`` builds emulated hosts. `stalwart bench collectives` (``stalwart.bench.collectives``)
+measures them.
 """
 
 from stalwart.comm.collectives import ALGORITHMS, all_gather, all_reduce, reduce_scatter

@@ -3,5 +3,6 @@ checkpointing), predict per-GPU memory and step time from first principles, rank
 
 Layout: ``shapes`` (model shapes and FLOPs), ``hardware`` (GPU and network specs), ``layout`` (one
 candidate), ``memory`` (pure per-rank byte model), ``cost`` (step-time model and its calibration
-constants), ``search`` (enumerate and rank), ``validation`` (published points), ``config``, ``cli``.
+constants), ``search`` (enumerate and rank), ``validation`` (published points), ``config``. The
+commands are ``stalwart.cli.plan`` and ``stalwart.cli.serve_plan``.
 """

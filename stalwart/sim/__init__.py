@@ -5,5 +5,5 @@ Layout: ``causes`` (the failure catalogue and its Llama 3 calibration), ``config
 tree), ``engine`` (one replication, event by event), ``montecarlo`` (seeded replications and
 confidence intervals), ``daly`` (Young/Daly checkpoint interval), ``power`` (facility power swings),
 ``cluster`` (multi-job scheduling with topology-aware placement), ``sweep`` (what-ifs), ``report``
-(table, JSON, plot) and ``cli``.
+(table, JSON, plot); the command is ``stalwart.cli.simulate``.
 """

@@ -32,7 +32,7 @@ def replica_command(argv: list[str], procs: int, port_file: Path | None) -> list
 
 def main(argv: list[str]) -> int:
     if "--plan" in argv:
-        from stalwart.planner.serving_cli import main as plan_main
+        from stalwart.cli.serve_plan import main as plan_main
 
         return plan_main([a for a in argv if a != "--plan"])
     if any(a in ("-h", "--help") for a in argv):

@@ -1,4 +1,4 @@
-"""Overhead of the observability hot path: ``python -m stalwart.observe.bench_overhead``.
+"""Overhead of the observability hot path: ``stalwart bench observe``.
 
 Trains the per-rank share of ``make train`` (the "tiny" Llama, vocab 2048, micro-batch 4 x 256
 tokens, one thread per rank) and measures (a) the fixed cost per step of the PhaseTimer and per
@@ -7,7 +7,7 @@ interleaved A/B of whole steps with and without instrumentation (and of two plai
 floor). (a) is the figure to trust on a shared machine; (b) is its sanity check. The collectives per
 step are those FSDP2 issues with one unit per block plus the root: an all-gather per unit in forward
 and in backward and a reduce-scatter per unit, plus one loss all-reduce. The per-collective cost is
-measured on a 1-process gloo group (a world of 1 makes FSDP skip its comms).
+measured on a 1-process group on the host's backend (a world of 1 makes FSDP skip its comms).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 
 def _micro_timer_us(tmp: str, steps: int = 20000) -> float:
     from stalwart.observe.timer import PhaseTimer, TimingsWriter
+    from stalwart.runtime import HOST
 
-    timer = PhaseTimer(0, "cpu", TimingsWriter(tmp, 0), flush_every=10)
+    timer = PhaseTimer(0, HOST, TimingsWriter(tmp, 0), flush_every=10)
     phases = ("data", "forward", "backward", "comm", "optimizer")
     t = time.perf_counter()
     for s in range(steps):
@@ -58,7 +59,7 @@ def _micro_collective_us(rec_factory, n: int = 3000) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stalwart.observe.bench_overhead", description=__doc__)
+    ap = argparse.ArgumentParser(prog="stalwart bench observe", description=__doc__)
     ap.add_argument("--flavor", default="tiny", help="model flavor (default tiny)")
     ap.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default 2048, as make train)")
     ap.add_argument("--batch", type=int, default=4)
@@ -69,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import torch.distributed as dist
+
     from stalwart.models.flavors import FLAVORS
     from stalwart.models.llama import Transformer
     from stalwart.observe.flight import FlightRecorder
     from stalwart.observe.timer import PhaseTimer, TimingsWriter
+    from stalwart.runtime import HOST
+    from stalwart.runtime.group import init_group, leave
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_group(HOST, 0, 1, dist.HashStore(), timeout_s=60.0)
     tmp = tempfile.mkdtemp(prefix="stalwart-overhead-")
     margs = dataclasses.replace(FLAVORS[args.flavor], vocab_size=args.vocab)
     model = Transformer(margs)
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plain, inst, plain2 = [], [], []
     rec = FlightRecorder(0, 1, tmp, hang_timeout_s=300)
-    timer = PhaseTimer(0, "cpu", TimingsWriter(tmp, 0), flush_every=10, on_phase=rec.set_phase,
+    timer = PhaseTimer(0, HOST, TimingsWriter(tmp, 0), flush_every=10, on_phase=rec.set_phase,
                        comm_clock=rec.blocked_seconds)
     for i in range(args.steps):  # interleave ABBA so machine noise and position effects hit both arms
         arms = [(plain, None), (inst, timer), (plain2, None)]
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     total_us = timer_us + n_coll * coll_us
     ab = (statistics.median(inst) - step_s) / step_s * 100
     noise = (statistics.median(plain2) - step_s) / step_s * 100
-    dist.destroy_process_group()
+    leave()
     print(f"model {args.flavor} (vocab {args.vocab}), batch {args.batch} x seq {args.seq}, {args.threads} thread(s)")
     print(f"median step time            {step_s * 1e3:9.2f} ms  ({n_coll} FSDP2 collectives per step assumed)")
     print(f"PhaseTimer per step         {timer_us:9.2f} us  (5 phases, JSONL flush every 10 steps)")
