@@ -6,7 +6,7 @@ STAMP := $(VENV)/.stalwart-installed
 TEST_STAMP := $(VENV)/.stalwart-test-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env train test test-fast test-multiproc test-e2e bench clean-env
+.PHONY: env train test test-fast test-multiproc test-e2e test-gpu bench clean-env
 
 # The runtime environment: torch (reused if importable, else pinned torch==2.13.0) + Stalwart.
 $(STAMP): pyproject.toml scripts/bootstrap.py
@@ -42,6 +42,11 @@ test-multiproc: $(TEST_STAMP)
 ## End-to-end tests through the real CLI (and the browser, network namespaces).
 test-e2e: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests -m e2e
+
+## The GPU tier: training, FSDP over NCCL, serving, RL and weight sync on CUDA. Every test is skipped,
+## with the reason shown, on a machine without CUDA; figures are appended to gpu-figures.jsonl.
+test-gpu: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -rs -s tests -m gpu
 
 ## Throughput benchmark (reference workload, 1 and 2 processes).
 bench: $(STAMP)

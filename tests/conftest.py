@@ -8,6 +8,7 @@ Every test belongs to exactly one tier (markers registered in pyproject.toml):
   go through the ``stalwart`` CLI.
 - ``e2e``: end to end through the real CLI (``stalwart train ...``), a browser, network namespaces or
   mounts.
+- ``gpu``: the same code on CUDA (``make test-gpu``); skipped, with the reason, where there is no CUDA.
 
 ``make test`` (what CI runs) runs all three. A test without a tier, or with two, fails collection.
 Prefer one ``pytestmark = pytest.mark.<tier>`` per file; mark single tests where a file mixes tiers.
@@ -26,7 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-TIERS = ("unit", "multiproc", "e2e")
+TIERS = ("unit", "multiproc", "e2e", "gpu")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything: every collected test must choose
