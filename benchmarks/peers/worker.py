@@ -47,15 +47,15 @@ def _stalwart(rank: int, world: int, dtype: str):
     from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
                                      TrainingConfig)
     from stalwart.data.loader import Batch
+    from stalwart.runtime import HOST, DistEnv
     from stalwart.train.core import CoreSpec, TrainCore
-    from stalwart.train.dist_env import DistEnv
 
     args = reference_args()
     spec = CoreSpec(args, ParallelismConfig(), CommConfig(), OptimizerConfig(lr=1e-3),
                     SchedulerConfig(kind="constant", warmup_steps=0),
                     TrainingConfig(steps=10**6, global_batch=MICRO * world, micro_batch=MICRO, dtype=dtype,
                                    device="cpu"), SEQ, accum_steps=1)
-    core = TrainCore.build(spec, DistEnv(rank, world, rank, world, torch.device("cpu")))
+    core = TrainCore.build(spec, DistEnv(rank, world, rank, world, HOST))
     batches = [[Batch(b[:, :-1], b[:, 1:])] for b in _tokens(rank)]
     return (lambda i: core.train_step(batches[i % len(batches)])), core.flops_per_token
 
