@@ -110,3 +110,27 @@ def test_goodput_accounts_a_controller_recovery():
     assert (f["kind"], f["rank"], f["injected"], f["fault_to_step_s"], f["steps_recomputed"]) == (
         "killed", 1, "kill", 2.4, 1)
     assert abs(sum(g["buckets"].values()) - g["wall_s"]) < 1e-9
+
+
+def test_a_mesh_is_called_through_its_own_actor_classes_endpoints():
+    """``mesh.call(TrainerActor.step, ...)``: the reference names the endpoint; another actor's endpoint,
+    a method that is no endpoint, or a string is refused at the call, before anything is sent."""
+    pytest.importorskip("monarch.actor")
+    from stalwart.controller.actor import TrainerActor
+    from stalwart.controller.mesh import ActorMesh
+    from stalwart.rl.generator import GeneratorActor
+
+    mesh = ActorMesh(TrainerActor, "trainer", 1)  # never spawned: a call that got past the check would fail
+    assert [mesh.endpoint_name(e) for e in (TrainerActor.step, TrainerActor.join, TrainerActor.warm)] == [
+        "step", "join", "warm"]
+    for wrong, named in ((GeneratorActor.load, "GeneratorActor.load"), (TrainerActor._reply, "TrainerActor._reply"),
+                         ("step", "'step'")):
+        with pytest.raises(TypeError, match=f"{named} is not an endpoint of TrainerActor"):
+            mesh.call(wrong, ())
+        with pytest.raises(TypeError, match="is not an endpoint of TrainerActor"):
+            mesh.call_all(wrong, (), 1.0)
+
+    class Subclass(TrainerActor):  # an inherited endpoint is the subclass's too
+        pass
+
+    assert ActorMesh(Subclass, "sub", 0).endpoint_name(TrainerActor.step) == "step"

@@ -84,12 +84,13 @@ class Controller:
             self.events("controller_actor", rank=r, phase=phase, attempt=self.attempt, **fields)
 
     def _join(self) -> None:
+        from stalwart.controller.actor import TrainerActor  # Monarch: imported after configure_monarch
+
         # A collective waits at most a step's bound: an actor blocked on a hung peer then fails as a peer
         # ("peer" cause), and only the hung actor is still running when the controller's bound expires.
         timeout = min(self.cfg.fault.collective_timeout_s, self.ccfg.step_timeout_s)
-        replies = self.mesh.call_all("join", lambda r: (self.cfg, r, self.n, self.store.port, self.attempt, timeout,
-                                                             SETUP_TIMEOUT_S),
-                                     SETUP_TIMEOUT_S)
+        replies = self.mesh.call_all(TrainerActor.join, lambda r: (self.cfg, r, self.n, self.store.port, self.attempt,
+                                                                   timeout, SETUP_TIMEOUT_S), SETUP_TIMEOUT_S)
         for r, rep in replies.items():
             self.mesh.pids[r] = rep["pid"]
             self.events("controller_actor", rank=r, phase="joined", attempt=self.attempt, pid=rep["pid"])
@@ -123,7 +124,7 @@ class Controller:
         self.mesh.report_grace_s = self.ccfg.supervision_poll_s + 0.25
         self._phase(range(self.n), "spawned")
         self._join()
-        begun = self.mesh.call_all("begin", (), SETUP_TIMEOUT_S)
+        begun = self.mesh.call_all(TrainerActor.begin, (), SETUP_TIMEOUT_S)
         step, end = begun[0]["step"], begun[0]["end"]
         self.session_start = step
         self.feed = Feed(self.cfg, self.paths, self.dims)
@@ -146,7 +147,7 @@ class Controller:
                     self._health(step)
             except ActorsFailed as e:
                 step, queue = self._recover(e, step + 1)
-        finished = self.mesh.call_all("finish", (), SETUP_TIMEOUT_S)
+        finished = self.mesh.call_all(TrainerActor.finish, (), SETUP_TIMEOUT_S)
         self._phase(range(self.n), "finished", step=step)
         summary = finished[0]["summary"]
         summary["controller"] = self._figures(step)
@@ -164,6 +165,8 @@ class Controller:
 
     def _step(self, n: int, replay: dict[str, Any] | None) -> None:
         """Send step ``n`` to every actor and wait; ``replay`` is its journal entry when replaying."""
+        from stalwart.controller.actor import TrainerActor
+
         t0 = time.perf_counter()
         if replay is not None:
             self.feed.seek(replay["batch"])
@@ -174,7 +177,7 @@ class Controller:
         if replay is None:
             self.journal.append("step", step=n, batch=before)
         t2 = time.perf_counter()
-        futures = self.mesh.call("step", lambda r: (n, self.feed.share(micro, r), after))
+        futures = self.mesh.call(TrainerActor.step, lambda r: (n, self.feed.share(micro, r), after))
         replies = self.mesh.wait(futures, hang_bound(self.ccfg.step_timeout_s), f"step {n}")
         t3 = time.perf_counter()
         rec = replies[0]
@@ -209,6 +212,8 @@ class Controller:
                 err = again
 
     def _recover_once(self, err: ActorsFailed, step: int) -> tuple[int, list[dict[str, Any]]]:
+        from stalwart.controller.actor import TrainerActor
+
         roots = root_causes(err.failures)
         for f in err.failures:
             self.events("controller_failure", step=step, attempt=self.attempt, root=f.root, **f.as_event())
@@ -237,7 +242,7 @@ class Controller:
             self.events("controller_actor", rank=r, phase="replaced", attempt=self.attempt, by=self.mesh.replace(r))
         self.attempt += 1
         self._join()
-        restored = self.mesh.call_all("restore", (source, self.session_start), SETUP_TIMEOUT_S)
+        restored = self.mesh.call_all(TrainerActor.restore, (source, self.session_start), SETUP_TIMEOUT_S)
         steps = {rep["step"] for rep in restored.values()}
         if len(steps) != 1:
             raise RuntimeError(f"actors restored different steps: { {r: rep['step'] for r, rep in restored.items()} }")

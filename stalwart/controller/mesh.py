@@ -2,10 +2,15 @@
 them or a slice, get one future per actor back, wait with a bound, and replace one actor.
 
     mesh = ActorMesh.spawn(TrainerActor, "trainer", n=2, spares=1)
-    futures = mesh.call("join", lambda r: (cfg, r, 2, port, 0))   # per-rank arguments
-    replies = mesh.wait(futures, timeout_s=60)                    # {rank: value}, or ActorsFailed
-    mesh.call("step", args, ranks=[1])                            # a slice
-    mesh.replace(1)                                               # a spare (or a new process) for rank 1
+    futures = mesh.call(TrainerActor.join, lambda r: (cfg, r, 2, port, 0))   # per-rank arguments
+    replies = mesh.wait(futures, timeout_s=60)          # {rank: value}, or ActorsFailed
+    mesh.call(TrainerActor.step, args, ranks=[1])       # a slice
+    mesh.replace(1)                                     # a spare (or a new process) for rank 1
+
+An endpoint is named by its reference on the actor class (``TrainerActor.step``: what Monarch's
+``@endpoint`` leaves on the class), never by a string: a rename or a type checker follows it, and an
+endpoint of another actor class is refused where it is passed (:meth:`ActorMesh.endpoint_name`), not
+answered by a remote ``AttributeError``.
 
 Every call is sent to each actor separately (a slice of one), so every reply and every failure is
 known by rank. A failure is reported, never lost: an endpoint that raised (its traceback), a process
@@ -23,16 +28,37 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stalwart.controller.recovery import Failure, classify_error, signal_text
 from stalwart.errors import UserError
+
+if TYPE_CHECKING:
+    from monarch.actor import Endpoint
 
 
 def configure_monarch(poll_s: float) -> None:
     """How often actor processes are polled for deaths. Monarch reads it when it is first imported:
     call this before anything imports ``monarch``."""
     os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{max(1, int(poll_s * 1000))}ms"
+
+
+def endpoint_name(actor_cls: type, endpoint: Any) -> str:
+    """The attribute name under which ``actor_cls`` (or a base class) holds ``endpoint``, which must be
+    a Monarch ``@endpoint`` (on the class, ``@endpoint`` leaves an ``EndpointProperty``: its ``__get__``
+    returns the object itself, so ``SomeActor.step`` is that very object and identity finds it)."""
+    # NOTE: EndpointProperty is not exported by monarch.actor (pinned at 0.7.0); imported here, late,
+    # because Monarch must not be imported before configure_monarch.
+    from monarch._src.actor.endpoint import EndpointProperty
+
+    for klass in actor_cls.__mro__:
+        for name, value in vars(klass).items():
+            if value is endpoint and isinstance(value, EndpointProperty):
+                return name
+    method = getattr(endpoint, "_method", endpoint)  # another class's endpoint: name its method
+    what = getattr(method, "__qualname__", None) or repr(endpoint)
+    raise TypeError(f"{what} is not an endpoint of {actor_cls.__name__}: pass one of its own, "
+                    f"{actor_cls.__name__}.<endpoint>")
 
 
 class ActorsFailed(Exception):
@@ -78,14 +104,21 @@ class ActorMesh:
             self.deaths.append((time.time(), str(failure)))
 
     # ------------------------------------------------------------------ calls
-    def call(self, endpoint: str, args: tuple | Callable[[int], tuple] = (),
+    def endpoint_name(self, endpoint: "Endpoint[..., Any]") -> str:
+        """The name of ``endpoint``, an ``@endpoint`` of this mesh's actor class taken from the class
+        (``TrainerActor.step``); a ``TypeError`` when it is anything else: another actor's endpoint, a
+        method that is no endpoint, a string."""
+        return endpoint_name(self.actor_cls, endpoint)
+
+    def call(self, endpoint: "Endpoint[..., Any]", args: tuple | Callable[[int], tuple] = (),
              ranks: list[int] | None = None) -> dict[int, Any]:
-        """Send ``endpoint`` to each rank in ``ranks`` (all by default); ``args`` is one tuple for all, or
-        a function of the rank. Returns {rank: future}."""
+        """Send ``endpoint`` (``ActorClass.method``) to each rank in ``ranks`` (all by default); ``args``
+        is one tuple for all, or a function of the rank. Returns {rank: future}."""
+        name = self.endpoint_name(endpoint)
         out = {}
         for r in (range(self.n) if ranks is None else ranks):
             a = args(r) if callable(args) else args
-            out[r] = getattr(self.handles[r], endpoint).call_one(*a)
+            out[r] = getattr(self.handles[r], name).call_one(*a)
         return out
 
     def wait(self, futures: dict[int, Any], timeout_s: float, what: str = "") -> dict[int, Any]:
@@ -123,9 +156,10 @@ class ActorMesh:
             raise ActorsFailed(failures, replies, pending)
         return replies
 
-    def call_all(self, endpoint: str, args: tuple | Callable[[int], tuple] = (), timeout_s: float = 600.0,
-                 ranks: list[int] | None = None) -> dict[int, Any]:
-        return self.wait(self.call(endpoint, args, ranks), timeout_s, endpoint)
+    def call_all(self, endpoint: "Endpoint[..., Any]", args: tuple | Callable[[int], tuple] = (),
+                 timeout_s: float = 600.0, ranks: list[int] | None = None) -> dict[int, Any]:
+        """:meth:`call`, then :meth:`wait` for every reply."""
+        return self.wait(self.call(endpoint, args, ranks), timeout_s, self.endpoint_name(endpoint))
 
     # ------------------------------------------------------------------ membership
     def alive(self, rank: int) -> bool:

@@ -97,7 +97,7 @@ class RLDriver:
         rewards = ActorMesh.spawn(RewardActor, "reward", w.reward_workers, spares)
         for mesh in (self.trainers, gens, rewards):
             mesh.report_grace_s = poll + 0.25
-            for r, pid in mesh.call_all("warm", (), SETUP_S).items():
+            for r, pid in mesh.call_all(mesh.actor_cls.warm, (), SETUP_S).items():
                 mesh.pids[r] = pid
         self.gen = Pool(gens, "generator", w.generate_timeout_s, self.events, self._restore_generator)
         self.rew = Pool(rewards, "reward", w.reward_timeout_s, self.events, self._restore_reward)
@@ -110,22 +110,29 @@ class RLDriver:
         return (self.args, self.tok.to_str(), self.cfg.engine, sampling, r.logprobs == "exact", self.length, self.pad)
 
     def _restore_generator(self, rank: int) -> None:
+        from stalwart.rl.generator import GeneratorActor  # Monarch: imported after configure_monarch
+
         m = self.gen.mesh
-        m.wait(m.call("setup", self._gen_setup_args(), ranks=[rank]), SETUP_S, "generator setup")
+        m.wait(m.call(GeneratorActor.setup, self._gen_setup_args(), ranks=[rank]), SETUP_S, "generator setup")
         if self.reference is not None:
-            m.wait(m.call("load", (self.reference, 0, True), ranks=[rank]), SETUP_S, "generator load")
-        m.wait(m.call("load", (self.weights, self.version, False), ranks=[rank]), SETUP_S, "generator load")
+            m.wait(m.call(GeneratorActor.load, (self.reference, 0, True), ranks=[rank]), SETUP_S, "generator load")
+        m.wait(m.call(GeneratorActor.load, (self.weights, self.version, False), ranks=[rank]), SETUP_S,
+               "generator load")
 
     def _restore_reward(self, rank: int) -> None:
+        from stalwart.rl.reward import RewardActor
+
         m = self.rew.mesh
-        m.wait(m.call("setup", (self.cfg.sandbox, self.cfg.workers.reward_threads), ranks=[rank]), SETUP_S,
+        m.wait(m.call(RewardActor.setup, (self.cfg.sandbox, self.cfg.workers.reward_threads), ranks=[rank]), SETUP_S,
                "reward setup")
 
     def _join_trainers(self) -> None:
+        from stalwart.rl.trainer import PolicyTrainerActor
+
         n = self.cfg.workers.trainers
         timeout = self.cfg.controller.step_timeout_s
-        replies = self.trainers.call_all("join", lambda r: (self.cfg, r, n, self.store.port, self.attempt, timeout,
-                                                            SETUP_S), SETUP_S)
+        replies = self.trainers.call_all(PolicyTrainerActor.join, lambda r: (self.cfg, r, n, self.store.port,
+                                                                              self.attempt, timeout, SETUP_S), SETUP_S)
         for r, rep in replies.items():
             self.trainers.pids[r] = rep["pid"]
 
@@ -137,29 +144,39 @@ class RLDriver:
         self._build_trainers("rl", self.cfg.rl.prompts_per_step // n, self.cfg.rl.steps)
 
     def _build_trainers(self, phase: str, micro_per_rank: int, steps: int) -> dict:
-        return self.trainers.call_all("build", (phase, self.args, self.length, micro_per_rank, steps), SETUP_S)[0]
+        from stalwart.rl.trainer import PolicyTrainerActor
+
+        return self.trainers.call_all(PolicyTrainerActor.build, (phase, self.args, self.length, micro_per_rank, steps),
+                                      SETUP_S)[0]
 
     # ------------------------------------------------------------------ weights
     def _pull_weights(self) -> float:
+        from stalwart.rl.trainer import PolicyTrainerActor
+
         t0 = time.perf_counter()
-        reply = self.trainers.call_all("weights", (), self.cfg.controller.step_timeout_s)
+        reply = self.trainers.call_all(PolicyTrainerActor.weights, (), self.cfg.controller.step_timeout_s)
         self.weights = reply[0]["weights"]
         return time.perf_counter() - t0
 
     def _push_weights(self, version: int, pending: bool = False):
         """Install the held weights as ``version`` on every generator (queued behind their work when
         ``pending``: the futures are returned, to be collected later)."""
+        from stalwart.rl.generator import GeneratorActor
+
         self.version = version
         if pending:
-            return self.gen.send("load", {r: None for r in range(self.gen.n)},
+            return self.gen.send(GeneratorActor.load, {r: None for r in range(self.gen.n)},
                                  lambda _: (self.weights, version, False))
-        self.gen.call_all("load", (self.weights, version, False))
+        self.gen.call_all(GeneratorActor.load, (self.weights, version, False))
         return None
 
     # ------------------------------------------------------------------ generation and scoring
     def _send_generate(self, requests: list[rollout.GroupRequest]):
+        from stalwart.rl.generator import GeneratorActor
+
         pieces = deal(requests, self.gen.n)
-        return self.gen.send("generate", pieces, lambda reqs: (reqs, [self.prompts[q.instance.key] for q in reqs]))
+        return self.gen.send(GeneratorActor.generate, pieces,
+                             lambda reqs: (reqs, [self.prompts[q.instance.key] for q in reqs]))
 
     def _collect_generate(self, pending) -> tuple[list[rollout.Group], dict[str, float]]:
         replies = self.gen.collect(pending)
@@ -177,6 +194,8 @@ class RLDriver:
 
     def _score(self, groups: list[rollout.Group]) -> dict[str, float]:
         """Every response's reward; a program already run for that instance is not run again."""
+        from stalwart.rl.reward import RewardActor
+
         t0 = time.perf_counter()
         jobs = []
         for g in groups:
@@ -187,7 +206,7 @@ class RLDriver:
                     jobs.append((key, prog))
         busy = 0.0
         if jobs:
-            pending = self.rew.send("score", deal(jobs, self.rew.n),
+            pending = self.rew.send(RewardActor.score, deal(jobs, self.rew.n),
                                     lambda chunk: ([(prog, self.cases[key]) for key, prog in chunk],))
             pieces = {r: chunk for r, (_, (chunk, _)) in pending.pieces.items()}
             for r, rep in self.rew.collect(pending).items():
@@ -238,18 +257,20 @@ class RLDriver:
             self.events.close()
 
     def _run(self) -> dict[str, Any]:
+        from stalwart.rl.generator import GeneratorActor
         from stalwart.rl.loop import run_rl, sft
+        from stalwart.rl.reward import RewardActor
 
         cfg = self.cfg
         self.journal = Journal(self.paths.journal)
         self._join_trainers()
-        self.gen.call_all("setup", self._gen_setup_args())
-        self.rew.call_all("setup", (cfg.sandbox, cfg.workers.reward_threads))
+        self.gen.call_all(GeneratorActor.setup, self._gen_setup_args())
+        self.rew.call_all(RewardActor.setup, (cfg.sandbox, cfg.workers.reward_threads))
         sft_fig = sft(self)
         self._pull_weights()
         if cfg.rl.kl_coef > 0:
             self.reference = self.weights
-            self.gen.call_all("load", (self.reference, 0, True))
+            self.gen.call_all(GeneratorActor.load, (self.reference, 0, True))
         self._push_weights(0)
         start = self.evaluate("start")
         self._eval_record(0, start)
@@ -266,6 +287,7 @@ class RLDriver:
         """The trained policy as a run directory of its own: a training config that names its model
         shape, the tokenizer, and a checkpoint the trainers write in Stalwart's checkpoint format."""
         from stalwart.config.job import DataConfig, JobConfig, RunConfig
+        from stalwart.rl.trainer import PolicyTrainerActor
 
         out = RunPaths(self.paths.policy)
         out.root.mkdir(parents=True, exist_ok=True)
@@ -273,7 +295,7 @@ class RLDriver:
                         model=self.cfg.model, data=DataConfig(seq_len=self.length + 1))
         out.config.write_text(to_toml(job))
         out.tokenizer.write_text(self.tok.to_str(pretty=True))
-        return self.trainers.call_all("save_policy", (str(out.checkpoints),), SETUP_S)[0]
+        return self.trainers.call_all(PolicyTrainerActor.save_policy, (str(out.checkpoints),), SETUP_S)[0]
 
     def _eval_record(self, step: int, ev: dict[str, Any]) -> None:
         self.metrics.write({"step": step, "kind": "eval", "held_out_reward": ev["held_out_reward"],

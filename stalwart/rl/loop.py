@@ -18,7 +18,9 @@ import numpy as np
 from stalwart.controller.mesh import ActorsFailed
 from stalwart.rl import rollout
 from stalwart.rl.balance import Layout, decide
+from stalwart.rl.generator import GeneratorActor  # Monarch: rl.driver imports this module after configuring it
 from stalwart.rl.setup import sft_rows
+from stalwart.rl.trainer import PolicyTrainerActor
 
 
 def sft(d) -> dict[str, Any]:
@@ -31,7 +33,7 @@ def sft(d) -> dict[str, Any]:
         d._build_trainers("sft", 1, cfg.sft.steps)
         rows = sft_rows(d.tok, d.eos, d.task.sft, d.length, d.pad, n)
         for s in range(1, cfg.sft.steps + 1):
-            rec = d.trainers.call_all("train", lambda r, s=s: (s, [[rows[r]]]), cfg.controller.step_timeout_s)[0]
+            rec = d.trainers.call_all(PolicyTrainerActor.train, lambda r, s=s: (s, [[rows[r]]]), cfg.controller.step_timeout_s)[0]
             loss = rec["loss"]
             d.metrics.write({"step": s, "kind": "sft", "loss": loss, "grad_norm": rec["grad_norm"],
                              "elapsed_s": time.time() - d.t0})
@@ -107,7 +109,7 @@ class Stepper:
 
     def train(self, s: int, per_rank) -> dict[str, Any]:
         d = self.d
-        return d.trainers.call_all("train", lambda rank: (s, per_rank[rank]), d.cfg.controller.step_timeout_s)[0]
+        return d.trainers.call_all(PolicyTrainerActor.train, lambda rank: (s, per_rank[rank]), d.cfg.controller.step_timeout_s)[0]
 
     def run(self) -> dict[str, Any]:
         d, r = self.d, self.r
@@ -205,13 +207,15 @@ class Stepper:
         while d.gen.n < move.to.generators:
             rank = d.gen.mesh.grow()
             d.gen.busy_s.append(0.0)
-            d.gen.mesh.pids[rank] = d.gen.mesh.wait(d.gen.mesh.call("warm", (), ranks=[rank]), 600.0, "warm")[rank]
+            d.gen.mesh.pids[rank] = d.gen.mesh.wait(d.gen.mesh.call(GeneratorActor.warm, (), ranks=[rank]), 600.0,
+                                                    "warm")[rank]
             d._restore_generator(rank)
         while d.trainers.n < move.to.trainers:
             rank = d.trainers.grow()
-            d.trainers.pids[rank] = d.trainers.wait(d.trainers.call("warm", (), ranks=[rank]), 600.0, "warm")[rank]
+            d.trainers.pids[rank] = d.trainers.wait(d.trainers.call(PolicyTrainerActor.warm, (), ranks=[rank]), 600.0,
+                                                    "warm")[rank]
         d.resize_trainers(move.to.trainers)
-        d.trainers.call_all("restore", (d.snapshot,), 600.0)
+        d.trainers.call_all(PolicyTrainerActor.restore, (d.snapshot,), 600.0)
         d.events("rl_rebalance", step=s, generators=[before[0], d.gen.n], trainers=[before[1], d.trainers.n],
                  reason=move.reason, seconds=time.perf_counter() - t0, pids={"generators": dict(d.gen.mesh.pids),
                                                                            "trainers": dict(d.trainers.pids)})
@@ -219,7 +223,7 @@ class Stepper:
     # ------------------------------------------------------------------ trainer recovery
     def take_snapshot(self, s: int) -> None:
         d = self.d
-        d.snapshot = d.trainers.call_all("snapshot", (), d.cfg.controller.step_timeout_s)[0]
+        d.snapshot = d.trainers.call_all(PolicyTrainerActor.snapshot, (), d.cfg.controller.step_timeout_s)[0]
         d.kept = {k: v for k, v in d.kept.items() if k > s}
         self.snap_step = s
         d.journal.append("snapshot", sync=False, step=s)
@@ -254,11 +258,11 @@ class Stepper:
             d.trainers.wait(err.pending, d.cfg.controller.step_timeout_s + 2.0, "surviving trainers")
         except ActorsFailed:
             pass
-        for rank, pid in d.trainers.call_all("warm", (), 600.0).items():
+        for rank, pid in d.trainers.call_all(PolicyTrainerActor.warm, (), 600.0).items():
             d.trainers.pids[rank] = pid
         d.store.set(f"attempt-{d.attempt}/abort", "1")
         d.resize_trainers(d.trainers.n)
-        d.trainers.call_all("restore", (d.snapshot,), 600.0)
+        d.trainers.call_all(PolicyTrainerActor.restore, (d.snapshot,), 600.0)
         applied = {e["step"]: e for e in d.journal.entries if e.get("cmd") == "applied"}
         replayed = 0
         for t in sorted(k for k in d.kept if self.snap_step < k < s):

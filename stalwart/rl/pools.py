@@ -22,7 +22,7 @@ from stalwart.controller.mesh import ActorMesh, ActorsFailed
 @dataclass
 class Pending:
     """Pieces sent and not yet answered: rank -> (future, piece)."""
-    endpoint: str
+    endpoint: Any  # the actor class's endpoint (``GeneratorActor.generate``)
     pieces: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     sent_at: float = 0.0
 
@@ -39,7 +39,7 @@ class Pool:
     def n(self) -> int:
         return self.mesh.n
 
-    def send(self, endpoint: str, pieces: dict[int, Any], args: Callable[[Any], tuple]) -> Pending:
+    def send(self, endpoint: Any, pieces: dict[int, Any], args: Callable[[Any], tuple]) -> Pending:
         """Send ``pieces[rank]`` (turned into the endpoint's arguments by ``args``) to each rank."""
         p = Pending(endpoint, sent_at=time.time())
         for rank, piece in pieces.items():
@@ -54,32 +54,35 @@ class Pool:
         while todo:
             rank, (fut, (piece, args)) = next(iter(todo.items()))
             try:
-                out[rank] = self.mesh.wait({rank: fut}, self.timeout_s, f"{self.kind} {pending.endpoint}")[rank]
+                out[rank] = self.mesh.wait({rank: fut}, self.timeout_s,
+                                           f"{self.kind} {self.mesh.endpoint_name(pending.endpoint)}")[rank]
                 del todo[rank]
             except ActorsFailed as e:
                 self._replace(rank, e, pending.endpoint)
                 todo[rank] = (self.mesh.call(pending.endpoint, args(piece), ranks=[rank])[rank], (piece, args))
         return out
 
-    def call_all(self, endpoint: str, args: tuple | Callable[[int], tuple]) -> dict[int, Any]:
+    def call_all(self, endpoint: Any, args: tuple | Callable[[int], tuple]) -> dict[int, Any]:
         """The same command on every worker (setup, a weight load), each failure repaired by ``restore``,
         which repeats what a newcomer lacks (so the command is not sent to it twice)."""
         pending = {r: self.mesh.call(endpoint, args, ranks=[r])[r] for r in range(self.n)}
         out: dict[int, Any] = {}
         for rank, fut in pending.items():
             try:
-                out[rank] = self.mesh.wait({rank: fut}, self.timeout_s, f"{self.kind} {endpoint}")[rank]
+                out[rank] = self.mesh.wait({rank: fut}, self.timeout_s,
+                                           f"{self.kind} {self.mesh.endpoint_name(endpoint)}")[rank]
             except ActorsFailed as e:
                 self._replace(rank, e, endpoint)
                 out[rank] = None
         return out
 
-    def _replace(self, rank: int, err: ActorsFailed, endpoint: str) -> None:
+    def _replace(self, rank: int, err: ActorsFailed, endpoint: Any) -> None:
         for f in err.failures:
-            self.events("rl_worker_failure", mesh=self.kind, endpoint=endpoint, **f.as_event())
+            self.events("rl_worker_failure", mesh=self.kind, endpoint=self.mesh.endpoint_name(endpoint),
+                        **f.as_event())
         by = self.mesh.replace(rank)
         self.replacements += 1
-        reply = self.mesh.wait(self.mesh.call("warm", (), ranks=[rank]), self.timeout_s, f"{self.kind} warm")
+        reply = self.mesh.wait(self.mesh.call(self.mesh.actor_cls.warm, (), ranks=[rank]), self.timeout_s, f"{self.kind} warm")
         self.mesh.pids[rank] = reply[rank]
         self.restore(rank)
         self.events("rl_worker_replaced", mesh=self.kind, rank=rank, by=by, pid=self.mesh.pids[rank])
