@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from datetime import timedelta
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from stalwart.runtime.device import CPU_BACKEND, HOST, LOOPBACK, backend_for, is_accelerator, resolve_device
 from stalwart.runtime.env import DistEnv
+from stalwart.runtime.standalone import wait_for_members
 
 
 def bound_tcp_store(host: str, port: int, world_size: int | None = None, is_master: bool = False,
@@ -105,14 +105,7 @@ def join_attempt(rank: int, world_size: int, store_port: int, attempt: int, devi
         dist.destroy_process_group()
     store = dist.TCPStore(host, store_port, world_size, False, timeout=timedelta(seconds=setup_s))
     prefix = dist.PrefixStore(f"attempt-{attempt}", store)
-    prefix.add("arrived", 1)
-    deadline = time.monotonic() + setup_s
-    while prefix.add("arrived", 0) < world_size:
-        if prefix.check(["abort"]):
-            raise RuntimeError(f"process group {attempt} was abandoned by the controller")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process group {attempt}: not every actor arrived within {setup_s:g} s")
-        time.sleep(0.02)
+    wait_for_members(prefix, world_size, setup_s, f"process group {attempt}")
     init_group(device, rank, world_size, prefix, timeout_s)
     return DistEnv.of(rank, world_size, device)
 
