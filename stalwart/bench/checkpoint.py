@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import torch
 
 from stalwart.config.arguments import ArgumentParser
+from stalwart.runtime.device import DEVICES, HOST, resolve_device
 
 
 def _dd(args: list[str]) -> float:
@@ -57,12 +58,12 @@ def drop_caches() -> bool:
         return False
 
 
-def _model(seed: int, flavor: str = "125M"):
+def _model(seed: int, flavor: str = "125M", device: torch.device = HOST):
     from stalwart.models.flavors import FLAVORS
     from stalwart.models.llama import Transformer
 
     torch.manual_seed(seed)
-    model = Transformer(FLAVORS[flavor])
+    model = Transformer(FLAVORS[flavor]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
@@ -135,7 +136,7 @@ def _repeat(model, opt, tokens, work: Path, r: int, asyn, events: list, flavor: 
     out["dropped"] = drop_caches()
     read_raw = ["of=/dev/null", "bs=16M", "iflag=direct"]
     out["raw_read"] = [_dd([*read_raw, f"if={raw[0]}"])]
-    fresh, fresh_opt = _model(seed=1, flavor=flavor)
+    fresh, fresh_opt = _model(seed=1, flavor=flavor, device=tokens.device)
     _train_step(fresh, fresh_opt, tokens)  # optimizer state exists, as in a resumed run
     drop_caches()
     t0 = time.perf_counter()
@@ -157,17 +158,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq", type=int, default=256, help="tokens in the training step run while async work is in flight")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory under /tmp)")
     p.add_argument("--flavor", default="125M", help="model flavor (the figures in the docs use 125M)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the model and optimizer live (saves then include the copy to the host)")
     a = p.parse_args(argv)
+    device = resolve_device(a.device)
     from stalwart.models.flavors import FLAVORS
 
     if a.flavor not in FLAVORS:
         p.error(f"--flavor: unknown flavor '{a.flavor}' (one of {', '.join(FLAVORS)})")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, opt = _model(seed=0, flavor=a.flavor)
-    tokens = torch.randint(0, FLAVORS[a.flavor].vocab_size, (1, a.seq))
+    model, opt = _model(seed=0, flavor=a.flavor, device=device)
+    tokens = torch.randint(0, FLAVORS[a.flavor].vocab_size, (1, a.seq)).to(device)
     _train_step(model, opt, tokens)  # AdamW state exists
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {a.flavor} flavor, {n_params / 1e6:.1f}M parameters, fp32 + AdamW")
+    print(f"model: {a.flavor} flavor, {n_params / 1e6:.1f}M parameters, fp32 + AdamW, on {device}")
     print(f"{'rep':>3} {'GB':>5} {'raw W MB/s':>11} {'sync s':>7} {'sync MB/s':>9} {'% raw':>6} {'async stall s':>13} "
           f"{'% sync':>6} {'async s':>7} {'snap stall s':>12} {'snap s':>6} {'% snap':>6} {'raw R MB/s':>11} "
           f"{'restore s':>9} {'MB/s':>6} {'% raw':>6} {'cache dropped':>13} {'step s':>6}  load")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from stalwart.config.arguments import ArgumentParser
 from stalwart.paths import RunPaths
+from stalwart.runtime.device import DEVICES, check_device
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
@@ -36,10 +37,10 @@ COMMON = ["--model.flavor", "tiny", "--model.tie_embeddings", "false", "--data.s
           "--sample.max_new_tokens", "0", "--metrics.progress", "false"]
 
 
-def run_layout(nproc: int, extra: list[str], steps: int, workdir: Path) -> dict:
+def run_layout(nproc: int, extra: list[str], steps: int, workdir: Path, device: str = "auto") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "stalwart", "train", "--run.dir", str(workdir), *COMMON,
-           "--training.steps", str(steps), "--nproc-per-node", str(nproc), *extra]
+           "--training.steps", str(steps), "--nproc-per-node", str(nproc), "--device", device, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -51,7 +52,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where each layout trains (auto = cuda if available)")
     a = p.parse_args(argv)
+    check_device(a.device, max(LAYOUTS[n][0] for n in LAYOUTS if not a.only or n in a.only.split(",")), "--device")
     names = [n for n in LAYOUTS if not a.only or n in a.only.split(",")]
     results = {}
     print(f"{'layout':<14} {'procs':>5} {'tokens/s':>9} {'vs 1 proc':>9} {'params MiB':>10} {'grads MiB':>9} "
@@ -60,7 +63,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):
             nproc, extra = LAYOUTS[name]
-            s = run_layout(nproc, extra, a.steps, Path(tmp) / f"r{i}")
+            s = run_layout(nproc, extra, a.steps, Path(tmp) / f"r{i}", a.device)
             base = base or (s["tokens_per_s"] if nproc == 1 else None)
             rel = f"{s['tokens_per_s'] / base:.2f}x" if base else "-"
             mib = 1 / 2**20

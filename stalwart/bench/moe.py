@@ -21,32 +21,36 @@ import torch
 from stalwart.config.arguments import ArgumentParser
 from stalwart.models.flavors import FLAVORS
 from stalwart.models.moe import MoE, TopKRouter
+from stalwart.runtime.device import DEVICES, HOST, resolve_device, synchronize
 from stalwart.train.experts import imbalance, update_bias
 
 
-def _layer(grouped: bool, collapse: bool) -> MoE:
+def _layer(grouped: bool, collapse: bool, device: torch.device) -> MoE:
     args = FLAVORS["debug-moe"]
     moe = MoE(args.dim, dataclasses.replace(args.moe, grouped_mm=grouped), None)
     torch.manual_seed(0)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
     moe.reset_buffers()
+    moe.to(device)
     if collapse:  # every token picks experts 0 and 1, as an unbalanced router ends up doing
         moe.router.expert_bias[:2] = 1.0
     return moe
 
 
-def time_experts(tokens: int, repeats: int, iters: int) -> dict[str, list[float]]:
-    x = torch.randn(tokens // 128, 128, FLAVORS["debug-moe"].dim)
+def time_experts(tokens: int, repeats: int, iters: int, device: torch.device = HOST) -> dict[str, list[float]]:
+    x = torch.randn(tokens // 128, 128, FLAVORS["debug-moe"].dim).to(device)
     out: dict[str, list[float]] = {}
-    layers = {(g, c): _layer(g, c) for g in (True, False) for c in (False, True)}
+    layers = {(g, c): _layer(g, c, device) for g in (True, False) for c in (False, True)}
     for _ in range(repeats):
         for (grouped, collapse), layer in layers.items():
             key = f"{'grouped' if grouped else 'loop'}, {'collapsed' if collapse else 'uniform'} routing"
             layer(x).sum().backward()  # warm-up
+            synchronize(device)
             t0 = time.perf_counter()
             for _ in range(iters):
                 layer(x).square().mean().backward()
+            synchronize(device)
             out.setdefault(key, []).append((time.perf_counter() - t0) / iters * 1e3)
     return out
 
@@ -74,10 +78,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=20, help="forward+backward passes per timing")
     p.add_argument("--balance_steps", type=int, default=100)
     p.add_argument("--rate", type=float, default=1e-3, help="bias update per step")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where the expert layers run (auto = cuda if available)")
     a = p.parse_args(argv)
-    print(f"expert computation, one debug-moe layer, {a.tokens} tokens, forward+backward ms "
+    device = resolve_device(a.device)
+    print(f"expert computation, one debug-moe layer, {a.tokens} tokens, forward+backward ms on {device} "
           f"(torch threads: {torch.get_num_threads()}):")
-    for key, ms in time_experts(a.tokens, a.repeats, a.iters).items():
+    for key, ms in time_experts(a.tokens, a.repeats, a.iters, device).items():
         print(f"  {key:<30} " + "  ".join(f"{v:7.2f}" for v in ms) + f"   median {statistics.median(ms):.2f}")
     print(f"bias balancing on skewed synthetic routing ({a.balance_steps} updates of {a.rate:g}), max/mean load:")
     for seed in range(a.repeats):
