@@ -12,6 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from stalwart.atomic import write_text_atomic
 from stalwart.data.corpus import Corpus, DataError
+from stalwart.data.prepare import TOKENIZER, tokenizer_sha256
+from stalwart.data.prepared import Prepared
 
 EOS = "<|endoftext|>"
 
@@ -49,22 +51,75 @@ def train_on(corpora: list[Corpus], vocab_size: int, train_mb: float) -> Tokeniz
     return train_bpe([t for c in corpora for t in c.sample_text(share)], vocab_size)
 
 
-def build_tokenizer(cfg, corpus: Corpus, cache: Path) -> Tokenizer:
-    """Return the run's tokenizer, training it once and caching it at `cache` (the run directory).
+def run_tokenizer(cfg, cache: Path, prepared: Prepared | None, corpus: Corpus | None,
+                  init_from_hf: str = "") -> Tokenizer:
+    """Decide the run's tokenizer, once, on the first rank, and cache it at ``cache`` (``<run>/tokenizer.json``).
 
-    ``cfg`` is the ``data`` config section. The cached file wins on resume, so a run never changes
-    its vocabulary midway.
+    ``cfg`` is the ``data`` section; ``prepared`` the dataset ``data.path`` names, or None for text
+    (then ``corpus`` is that text); ``init_from_hf`` is ``checkpoint.init_from_hf``. The tokenizer is
+    the first of:
+
+    1. the run's own, ``cache`` (a resume never changes its vocabulary);
+    2. the prepared dataset's ``tokenizer.json`` (its tokens are that tokenizer's ids);
+    3. ``init_from_hf``'s ``tokenizer.json`` when ``data.tokenizer`` is 'bpe' (the imported embeddings
+       are indexed by its ids, so a new BPE would scramble them);
+    4. ``data.tokenizer`` given as a path;
+    5. a new one trained on the corpus: a byte-level BPE of ``vocab_size`` ('bpe') or bytes only ('byte').
+
+    Every other tokenizer the settings name is checked against it here, each once, and refused by the
+    setting that names it: ``init_from_hf``'s against the run's and against ``data.tokenizer``'s, and
+    the prepared data's index against the tokenizer the run will use. A new run whose weights come
+    from a directory without a tokenizer.json must name its tokenizer ('byte' or a path). NOTE: with
+    'byte' no tokenizer is compared with ``init_from_hf``'s; the import's vocabulary-size check backs
+    that choice up.
     """
-    if cache.is_file():
-        return load_tokenizer(cache)
-    if cfg.tokenizer in ("bpe", "byte"):
+    cached = load_tokenizer(cache) if cache.is_file() else None
+    given = cfg.tokenizer if cfg.tokenizer not in ("bpe", "byte") else ""
+    hf, hf_json = _hf_tokenizer(cfg, init_from_hf, cached is not None)
+    if hf is not None and cached is not None and tokenizer_sha256(cached) != tokenizer_sha256(hf):
+        raise DataError(f"checkpoint.init_from_hf: run directory {cache.parent} already holds a tokenizer.json "
+                        f"that differs from {hf_json}, the tokenizer of the weights; choose another --run.dir")
+    named = load_tokenizer(given) if given and cached is None else None
+    if hf is not None and named is not None and tokenizer_sha256(named) != tokenizer_sha256(hf):
+        raise DataError(f"data.tokenizer: {given} differs from {hf_json}, the tokenizer of the weights "
+                        "checkpoint.init_from_hf imports; pass that one, or leave data.tokenizer unset to use it")
+    adopt_hf = hf is not None and cfg.tokenizer == "bpe"
+    if cached is not None:
+        if prepared is not None:
+            prepared.check_tokenizer(cached, f"run directory {cache.parent}")
+        return cached
+    if prepared is not None:
+        if adopt_hf or named is not None:
+            prepared.check_tokenizer(hf if adopt_hf else named,
+                                     "checkpoint.init_from_hf" if adopt_hf else "data.tokenizer")
+        own = prepared.root / TOKENIZER
+        tok = load_tokenizer(own)
+        prepared.check_tokenizer(tok, str(own))
+    elif adopt_hf or named is not None:
+        tok = hf if adopt_hf else named
+    else:
         vocab = cfg.vocab_size if cfg.tokenizer == "bpe" else 257
         tok = train_on([corpus], vocab, cfg.tokenizer_train_mb)
-    else:
-        tok = load_tokenizer(cfg.tokenizer)
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(cache, tok.to_str(pretty=True))
     return tok
+
+
+def _hf_tokenizer(cfg, init_from_hf: str, resuming: bool) -> tuple[Tokenizer | None, Path | None]:
+    """(tokenizer, its file) of the Hugging Face directory a run's weights come from, if it has one."""
+    if not init_from_hf:
+        return None, None
+    hf_json = Path(init_from_hf) / "tokenizer.json"
+    if not hf_json.is_file():
+        if cfg.tokenizer == "bpe" and not resuming:
+            raise DataError(f"checkpoint.init_from_hf: {init_from_hf} has no tokenizer.json, and a new BPE would "
+                            "not match the imported embeddings; pass the tokenizer the weights were trained with "
+                            "as --data.tokenizer PATH")
+        return None, None
+    try:
+        return load_tokenizer(hf_json), hf_json
+    except DataError as e:
+        raise DataError(f"checkpoint.init_from_hf: {str(e).removeprefix('data.tokenizer: ')}") from None
 
 
 def eos_id(tok: Tokenizer) -> int:
