@@ -1,7 +1,8 @@
 """`stalwart train --controller` end to end: one controller process drives two Monarch trainer actors
 (FSDP over their own gloo group). One uninterrupted SPMD run is the reference; one controller run
 meets an exception, a kill -9 and a hang, each in a different actor and step, and must still end
-bit for bit where the SPMD run ends, without any actor loading a checkpoint from disk."""
+bit for bit where the SPMD run ends, without any actor loading a checkpoint from disk. Snapshots are
+kept every 3 steps, so two of the recoveries replay a journaled step and check it bit for bit."""
 
 import json
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 8
 STEP_TIMEOUT_S = 4.0  # a tiny step takes ~0.1-0.5 s on a loaded 2-core machine
-COMMON = ["--training.steps", str(STEPS), "--checkpoint.memory_interval", "2", "--checkpoint.interval", "0",
+COMMON = ["--training.steps", str(STEPS), "--checkpoint.memory_interval", "3", "--checkpoint.interval", "0",
           "--checkpoint.keep_last", "0", "--nproc-per-node", "2"]
 
 
@@ -30,7 +31,7 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
     run_cli("train", "--run.dir", str(spmd), *TINY_RUN, *COMMON, timeout=400)
     proc = run_cli("train", "--controller", "--run.dir", str(ctl), *TINY_RUN, *COMMON,
                    "--controller.step_timeout_s", str(STEP_TIMEOUT_S),
-                   "--fault.inject", "exception:rank=0,step=3;kill:rank=1,step=5;hang:rank=1,step=7", timeout=400)
+                   "--fault.inject", "exception:rank=0,step=4;kill:rank=1,step=5;hang:rank=1,step=8", timeout=400)
     assert "3 recoveries" in proc.stdout
 
     # Bit for bit: every step's loss (the journal's first result of each step is the pre-failure one,
@@ -50,7 +51,7 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
     # Each failure reached the controller with the actor named, its cause, and within its bound.
     fails = events(ctl, "failure")
     assert [(f["injected"], f["kind"], f["rank"], f["step"]) for f in fails] == [
-        ("exception", "exception", 0, 3), ("kill", "killed", 1, 5), ("hang", "hang", 1, 7)]
+        ("exception", "exception", 0, 4), ("kill", "killed", 1, 5), ("hang", "hang", 1, 8)]
     exc, kill, hang = (f["detection_latency_s"] for f in fails)
     # The exception comes with the reply; a death is reported by Monarch (polled every 0.5 s) or, when
     # its report does not come, seen in /proc and named after supervision_poll_s + 0.25 s.
@@ -62,9 +63,11 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
 
     # Recovery from the in-memory snapshots plus the journal; the survivors kept their processes, and no
     # actor loaded a checkpoint from disk (none existed before the final one: checkpoint.interval = 0).
+    # Steps 4 and 7 were replayed (checked against the journal), and each failed step issued again.
     recs = events(ctl, "controller_recovered")
-    assert [(r["failed"], r["survivors"], r["source"], r["restored_step"]) for r in recs] == [
-        ([0], [1], "memory", 2), ([1], [0], "memory", 4), ([1], [0], "memory", 6)]
+    assert [(r["failed"], r["survivors"], r["source"], r["restored_step"], r["replay"]) for r in recs] == [
+        ([0], [1], "memory", 3, 1), ([1], [0], "memory", 3, 2), ([1], [0], "memory", 6, 2)]
+    assert [e["replay"] for e in journal if e["cmd"] == "recovery"] == [1, 2, 2]
     assert all(set(r["disk_loads"].values()) == {0} for r in recs)
     pids = {}
     for e in events(ctl, "controller_actor"):

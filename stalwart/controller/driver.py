@@ -3,11 +3,12 @@
 The controller owns the data feed, the command journal and the recovery; the actors own the model
 state (``stalwart.controller.actor``). Per step it journals the command (step N and its batch
 reference), sends every actor its micro-batches, waits for all of them with a bound, and journals the
-applied optimizer step (learning rate, loss, gradient norm). When an actor fails it names it
-(``recovery.classify``), replaces it, restores every actor to the newest in-memory snapshot (the
-survivors keep their processes) or disk checkpoint (``controller.recover_from``), and replays the
-journal's steps since then; a replayed step must reproduce the journaled loss, learning rate and
-gradient norm bit for bit, or the run stops.
+applied optimizer step (learning rate, loss, gradient norm). When an actor fails, the recovery
+(``stalwart.controller.replay.Recovery``, the one RL's trainers use too) names it, replaces it, has
+every actor rejoin a new group and restore the newest in-memory snapshot (the survivors keep their
+processes) or disk checkpoint (``controller.recover_from``), and replays the journal's steps since
+then; a replayed step must reproduce the journaled loss, learning rate and gradient norm bit for bit,
+or the run stops. The step that failed is then issued again.
 
 Events (``events.jsonl``, documented in docs/controller.md): ``controller_start``,
 ``controller_actor`` (per-actor phase), ``controller_health``, ``controller_failure``,
@@ -27,21 +28,17 @@ from typing import Any
 
 from stalwart.config.job import JobConfig
 from stalwart.controller.feed import Feed
-from stalwart.controller.journal import Journal, applied_records, replay_plan
+from stalwart.controller.journal import Journal, issued_steps
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
-from stalwart.controller.recovery import (Failure, fault_origin, hang_bound, keeps_survivors, recovery_source,
-                                         root_causes)
+from stalwart.controller.recovery import hang_bound, keeps_survivors, recovery_source
+from stalwart.controller.replay import RecoveriesExhausted, Recovery, RecoveryRole, Restored
 from stalwart.ft.plan import read_fired
-from stalwart.ft.detect import EXIT_RESTART_BUDGET
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import ParallelDims
 from stalwart.paths import RunPaths
 
 SETUP_TIMEOUT_S = 600.0  # building the model and resuming: bounded by the actors' own init
-
-
-class ReplayDiverged(RuntimeError):
-    """A replayed step did not reproduce its journaled result: determinism is broken."""
+MATCHED = ("lr", "loss", "grad_norm")  # what a replayed step must reproduce bit for bit
 
 
 def _absolute(cfg: JobConfig) -> JobConfig:
@@ -67,16 +64,19 @@ class Controller:
         self.store = dist.TCPStore("127.0.0.1", 0, nproc, True, timeout=timedelta(seconds=SETUP_TIMEOUT_S),
                                    wait_for_workers=False)
         self.attempt = 0
-        self.recoveries = 0
+        self.source = recovery_source(self.ccfg.recover_from, self.cfg.checkpoint.memory_interval)
         # Per step, seconds of: the whole step, the controller's data, its journal writes, and the send
         # and wait beyond the slowest actor's own time in the step (Monarch's dispatch overhead).
         self.timing: dict[str, list[float]] = {k: [] for k in ("step_wall_s", "data_s", "journal_s", "dispatch_s")}
         self.mesh: ActorMesh | None = None
         self.feed: Feed | None = None
         self.journal: Journal | None = None
-        self._pending_recovery: dict[str, Any] | None = None
-        self._injected: set[str] = set()  # fired fault ids already attributed to a failure
+        self.recovery: Recovery | None = None
         self.session_start = 0
+
+    @property
+    def recoveries(self) -> int:
+        return self.recovery.count if self.recovery is not None else 0
 
     # ------------------------------------------------------------------ actors
     def _phase(self, ranks, phase: str, **fields: Any) -> None:
@@ -131,22 +131,25 @@ class Controller:
         self.feed.seek(begun[0]["data"])
         self.journal = Journal(self.paths.journal)
         self.journal.append("session", step=step, actors=self.n, layout=self.dims.describe())
+        role = RecoveryRole(attempt=lambda: self.attempt, rebuild=self._rebuild, restore=self._restore,
+                            replay=self._replay, matched=MATCHED, keeps_survivors=keeps_survivors(self.source))
+        self.recovery = Recovery(self.mesh, self.store, self.journal, role, self.events,
+                                 max_recoveries=self.ccfg.max_recoveries, settle_s=self.ccfg.step_timeout_s + 2.0,
+                                 engine="controller", fired=lambda: read_fired(self.paths))
         self.events("controller_start", step=step, end=end, actors=self.n, pids=dict(self.mesh.pids),
                     layout=self.dims.describe(), journal=str(self.paths.journal), journal_seq=self.journal.seq,
                     step_timeout_s=self.ccfg.step_timeout_s, supervision_poll_s=self.ccfg.supervision_poll_s,
                     recover_from=self.ccfg.recover_from)
         self._phase(range(self.n), "training", step=step)
-        queue: list[dict[str, Any]] = []
         while step < end:
             try:
-                self._step(step + 1, queue.pop(0) if queue else None)
+                self._step(step + 1)
                 step += 1
-                if self._pending_recovery is not None:
-                    self._recovered(step, bool(queue))
+                self.recovery.step_done(step)
                 if step % self.cfg.metrics.log_interval == 0:
                     self._health(step)
-            except ActorsFailed as e:
-                step, queue = self._recover(e, step + 1)
+            except ActorsFailed as e:  # the step is retried from where the recovery left the actors
+                step = self.recovery.recover(e, step + 1)
         finished = self.mesh.call_all(TrainerActor.finish, (), SETUP_TIMEOUT_S)
         self._phase(range(self.n), "finished", step=step)
         summary = finished[0]["summary"]
@@ -163,134 +166,65 @@ class Controller:
                 "data_s": med["data_s"], "journal_s": med["journal_s"], "step_wall_s": med["step_wall_s"],
                 "steps_measured": len(self.timing["dispatch_s"])}
 
-    def _step(self, n: int, replay: dict[str, Any] | None) -> None:
-        """Send step ``n`` to every actor and wait; ``replay`` is its journal entry when replaying."""
-        from stalwart.controller.actor import TrainerActor
-
+    # ------------------------------------------------------------------ steps
+    def _step(self, n: int) -> None:
+        """Issue step ``n``: journal it, send every actor its share of the feed's next batch, wait,
+        journal the result."""
         t0 = time.perf_counter()
-        if replay is not None:
-            self.feed.seek(replay["batch"])
         before = self.feed.position()
         micro = self.feed.next()
-        after = self.feed.position()
         t1 = time.perf_counter()
-        if replay is None:
-            self.journal.append("step", step=n, batch=before)
+        self.journal.append("step", step=n, batch=before)
         t2 = time.perf_counter()
-        futures = self.mesh.call(TrainerActor.step, lambda r: (n, self.feed.share(micro, r), after))
-        replies = self.mesh.wait(futures, hang_bound(self.ccfg.step_timeout_s), f"step {n}")
+        replies = self._send(n, micro)
         t3 = time.perf_counter()
         rec = replies[0]
-        if replay is None or n not in (done := applied_records(self.journal.entries)):
-            self.journal.append("applied", sync=False, step=n, lr=rec["lr"], loss=rec["loss"],
-                                grad_norm=rec["grad_norm"])
-        else:
-            want = done[n]
-            got = {k: rec[k] for k in ("lr", "loss", "grad_norm")}
-            if got != {k: want[k] for k in got}:
-                raise ReplayDiverged(f"replayed step {n} gave {got}, the journal holds "
-                                     f"{ {k: want[k] for k in got} }")
-        if self.cfg.checkpoint.memory_interval and n % self.cfg.checkpoint.memory_interval == 0 and n != (
-                self.cfg.training.stop_at_step or self.cfg.training.steps):
-            self.journal.append("snapshot", sync=False, step=n)
+        self.journal.append("applied", sync=False, step=n, **{k: rec[k] for k in MATCHED})
+        self._journal_snapshot(n)
         t4 = time.perf_counter()
-        if replay is None and self._pending_recovery is None:
+        if not self.recovery.recovering:  # the first step after a recovery is no measure of dispatch
             self.timing["step_wall_s"].append(t4 - t0)
             self.timing["data_s"].append(t1 - t0)
             self.timing["journal_s"].append(t2 - t1 + t4 - t3)
             self.timing["dispatch_s"].append(t3 - t2 - max(r["actor_s"] for r in replies.values()))
 
-    # ------------------------------------------------------------------ recovery
-    def _recover(self, err: ActorsFailed, step: int) -> tuple[int, list[dict[str, Any]]]:
-        """Replace the failed actors, restore every actor, and return (restored step, steps to replay).
-        An actor that fails during the recovery starts another one (within controller.max_recoveries)."""
-        while True:
-            try:
-                return self._recover_once(err, step)
-            except ActorsFailed as again:
-                self.store.set(f"attempt-{self.attempt}/abort", "1")  # the others leave that group's rendezvous
-                err = again
-
-    def _recover_once(self, err: ActorsFailed, step: int) -> tuple[int, list[dict[str, Any]]]:
+    def _send(self, n: int, micro: list) -> dict[int, Any]:
+        """Step ``n`` on every actor (each its share of ``micro``, and the data position after it)."""
         from stalwart.controller.actor import TrainerActor
 
-        roots = root_causes(err.failures)
-        for f in err.failures:
-            self.events("controller_failure", step=step, attempt=self.attempt, root=f.root, **f.as_event())
-        first = min(roots, key=lambda f: f.fault_time)
-        fault_time, injected = fault_origin(first, err.failures, read_fired(self.paths), step, self._injected)
-        first = dataclasses.replace(first, fault_time=fault_time)
-        self.events("failure", kind=first.cause, rank=first.rank, step=step, attempt=self.attempt,
-                    detect_time=first.detect_time, fault_time=fault_time, injected=injected,
-                    detection_latency_s=first.detect_time - fault_time, source="controller", decision="recover")
-        self.recoveries += 1
-        if self.recoveries > self.ccfg.max_recoveries:
-            raise ControllerGaveUp(f"actor failures exceeded controller.max_recoveries ({self.ccfg.max_recoveries}): "
-                                   f"{err}")
-        source = recovery_source(self.ccfg.recover_from, self.cfg.checkpoint.memory_interval)
-        failed = sorted({f.rank for f in roots})
-        self._phase(failed, "failed", step=step)
-        if keeps_survivors(source):
-            for r in failed:
-                self.mesh.kill(r)
-            self._settle(err, failed)
-            survivors = [r for r in range(self.n) if r not in failed]
-        else:
-            survivors = []
-        replaced = [r for r in range(self.n) if r not in survivors]
-        for r in replaced:
-            self.events("controller_actor", rank=r, phase="replaced", attempt=self.attempt, by=self.mesh.replace(r))
+        after = self.feed.position()
+        futures = self.mesh.call(TrainerActor.step, lambda r: (n, self.feed.share(micro, r), after))
+        return self.mesh.wait(futures, hang_bound(self.ccfg.step_timeout_s), f"step {n}")
+
+    def _journal_snapshot(self, n: int) -> None:
+        if self.cfg.checkpoint.memory_interval and n % self.cfg.checkpoint.memory_interval == 0 and n != (
+                self.cfg.training.stop_at_step or self.cfg.training.steps):
+            self.journal.append("snapshot", sync=False, step=n)
+
+    # ------------------------------------------------------------------ the recovery's role
+    def _rebuild(self) -> None:
+        """Every actor (the survivors and the replacements) joins the next group attempt."""
         self.attempt += 1
         self._join()
-        restored = self.mesh.call_all(TrainerActor.restore, (source, self.session_start), SETUP_TIMEOUT_S)
+
+    def _restore(self) -> Restored:
+        """Every actor restores the recovery's source (``memory`` or ``disk``, else its initialisation)."""
+        from stalwart.controller.actor import TrainerActor
+
+        restored = self.mesh.call_all(TrainerActor.restore, (self.source, self.session_start), SETUP_TIMEOUT_S)
         steps = {rep["step"] for rep in restored.values()}
         if len(steps) != 1:
             raise RuntimeError(f"actors restored different steps: { {r: rep['step'] for r, rep in restored.items()} }")
-        at = steps.pop()
         self.feed.seek(restored[0]["data"])
-        plan = replay_plan(self.journal.entries, at)
-        got = restored[0]["source"]
-        self.journal.append("recovery", ranks=failed, cause=first.cause, step=at, source=got, replay=len(plan))
-        self.events("resumed", step=at, source=got, attempt=self.attempt, engine="controller")
-        self._phase(range(self.n), "replaying" if plan else "training", step=at)
-        self._pending_recovery = {"failure": first, "failed": failed, "survivors": survivors, "source": got,
-                                  "restored_step": at, "replay": len(plan), "failed_step": step,
-                                  "restored_s": time.time() - first.fault_time,
-                                  "disk_loads": {r: rep["disk_loads"] for r, rep in restored.items()}}
-        return at, plan
+        return Restored(steps.pop(), restored[0]["source"],
+                        {"disk_loads": {r: rep["disk_loads"] for r, rep in restored.items()}})
 
-    def _settle(self, err: ActorsFailed, failed: list[int]) -> None:
-        """The survivors' commands end once the failed actors are gone (gloo reports the lost peer):
-        collect them, bounded; an actor still running then is replaced too."""
-        others = {r: f for r, f in err.pending.items() if r not in failed}
-        try:
-            self.mesh.wait(others, self.ccfg.step_timeout_s + 2.0, "a command of a surviving actor")
-        except ActorsFailed as e:
-            for f in e.failures:
-                if f.cause == "hang":
-                    failed.append(f.rank)
-                self.events("controller_failure", step=None, attempt=self.attempt, root=False, **f.as_event())
-
-    def _recovered(self, step: int, replaying: bool) -> None:
-        """After the first step completed since a recovery (and again when the replay has caught up)."""
-        p = self._pending_recovery
-        f: Failure = p["failure"]
-        now = time.time()
-        if "fault_to_step_s" not in p:
-            p["fault_to_step_s"] = now - f.fault_time
-        if replaying:
-            return
-        self._pending_recovery = None
-        rec = {k: v for k, v in p.items() if k != "failure"}
-        rec.update(rank=f.rank, cause=f.cause, caught_up_s=now - f.fault_time, step=step)
-        self.events("recovered", attempt=self.attempt, recovery_s=p["restored_s"],
-                    fault_to_step_s=p["fault_to_step_s"], steps_recomputed=p["replay"], engine="controller")
-        self.events("controller_recovered", **rec)
-        self._phase(range(self.n), "training", step=step)
-
-
-class ControllerGaveUp(RuntimeError):
-    exit_code = EXIT_RESTART_BUDGET
+    def _replay(self, n: int) -> dict[str, Any]:
+        """Step ``n`` again, on the batch the journal issued it with; its result (rank 0's reply)."""
+        self.feed.seek(issued_steps(self.journal.entries)[n]["batch"])
+        rec = self._send(n, self.feed.next())[0]
+        self._journal_snapshot(n)
+        return rec
 
 
 def run_controller(cfg: JobConfig, nproc: int) -> int:
@@ -302,7 +236,7 @@ def run_controller(cfg: JobConfig, nproc: int) -> int:
         os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
         try:
             summary = Controller(cfg, nproc).run()
-        except ControllerGaveUp as e:
+        except RecoveriesExhausted as e:
             print(f"stalwart train: {e}", flush=True)
             return e.exit_code
     print(format_summary(summary), flush=True)

@@ -13,8 +13,8 @@ a sequence number ``seq`` (continuing across sessions of the run) and ``cmd``:
 Lines are appended and flushed; a ``step`` line is fsync'd (with every line before it) before the
 command is sent, so after any crash the journal holds every command that reached an actor. The
 results (``applied``, ``snapshot``) ride on the next step's fsync (a group commit) or the close. Reading skips a torn
-last line (and cuts it off before appending). :func:`replay_plan` and :func:`applied_records` are pure: the recovery planning is tested
-without processes.
+last line (and cuts it off before appending). :func:`issued_steps` and :func:`applied_records` are pure: a
+recovery (``stalwart.controller.replay``) plans its replay from them, tested without processes.
 """
 
 from __future__ import annotations
@@ -82,19 +82,14 @@ def _this_session(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return entries[start + 1:]
 
 
-def replay_plan(entries: list[dict[str, Any]], restored_step: int) -> list[dict[str, Any]]:
-    """The ``step`` commands to send again after the actors were restored to ``restored_step``: every
-    step issued this session after it, once each (the newest issue of a step wins), in step order. The
-    step that was in flight when the failure struck is included: it is retried."""
+def issued_steps(entries: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Step -> its ``step`` command this session; a step issued again (retried after a failure) is
+    represented by its newest issue. Its ``batch`` rebuilds the step's data for a replay."""
     issued: dict[int, dict[str, Any]] = {}
     for e in _this_session(entries):
-        if e.get("cmd") == "step" and int(e["step"]) > restored_step:
+        if e.get("cmd") == "step":
             issued[int(e["step"])] = e
-    steps = sorted(issued)
-    if steps and steps != list(range(restored_step + 1, steps[-1] + 1)):
-        missing = sorted(set(range(restored_step + 1, steps[-1] + 1)) - set(steps))
-        raise ValueError(f"journal has no step command for step(s) {missing} after step {restored_step}")
-    return [issued[s] for s in steps]
+    return issued
 
 
 def applied_records(entries: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
