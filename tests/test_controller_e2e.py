@@ -7,6 +7,7 @@ kept every 3 steps, so two of the recoveries replay a journaled step and check i
 import json
 
 import pytest
+import torch
 from conftest import TINY_RUN, run_cli, step_losses
 
 from stalwart.checkpoint.inspect import digest
@@ -84,3 +85,16 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
     out = run_cli("goodput", str(ctl)).stdout
     assert "(injected kill)" in out and "(injected hang)" in out
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_the_machine_lacks_is_one_line_before_any_actor(tmp_path):
+    """``--controller --training.device cuda`` on a CPU-only machine: the preflight refuses it in one
+    line naming the setting, exit 2, before an actor is spawned or the run directory is made."""
+    run = tmp_path / "run"
+    proc = run_cli("train", "--controller", "--run.dir", str(run), *TINY_RUN, "--training.device", "cuda",
+                   "--nproc-per-node", "2", check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training.device cuda" in lines[0] and "Traceback" not in proc.stderr
+    assert "Monarch" not in proc.stdout + proc.stderr and not run.exists()

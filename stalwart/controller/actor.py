@@ -1,16 +1,19 @@
-"""The trainer actor: one Monarch actor process running the training core over its own gloo group.
+"""The trainer actor: one Monarch actor process running the training core over its own process group,
+on the device ``training.device`` resolves to for its rank (``runtime.device``), as an SPMD worker.
 
 The actor builds the same components as an SPMD worker (``stalwart.train.trainer.Trainer``: core,
 observer, guard, fault injection, evaluator, checkpointer), but it has no loop: the controller sends
 ``step(n, micro_batches, data_position_after)`` and the actor runs ``Trainer.step`` on exactly those
 batches: the SPMD loop's own step (observed, guarded, trained, then metrics, evaluation, snapshot,
-checkpoint, each component deciding whether it acts). Rank 0's observer writes ``metrics.jsonl`` / ``events.jsonl`` as in an SPMD run.
+checkpoint, each component deciding whether it acts). Rank 0's observer writes ``metrics.jsonl`` /
+``events.jsonl`` as in an SPMD run.
 
-After a failure the surviving actors ``join`` a new process group (a dead gloo group cannot be
-reused): the old components are closed and rebuilt over the new group in the same process, and
-``restore`` loads the state the controller chose (``memory``: this actor's in-memory snapshot;
-``disk``: the newest checkpoint). ``disk_loads`` in every reply counts the disk checkpoints this
-process ever loaded, so a recovery that must not touch the disk can be checked.
+After a failure the surviving actors ``join`` a new process group (a group that lost a member cannot
+be reused; ``runtime.group.join_attempt`` joins attempt *k* under its own key prefix): the old
+components are closed and rebuilt over the new group in the same process, and ``restore`` loads the
+state the controller chose (``memory``: this actor's in-memory snapshot; ``disk``: the newest
+checkpoint). ``disk_loads`` in every reply counts the disk checkpoints this process ever loaded, so a
+recovery that must not touch the disk can be checked.
 """
 
 from __future__ import annotations
@@ -19,34 +22,11 @@ import contextlib
 import dataclasses
 import os
 import time
-from datetime import timedelta
 from typing import Any
 
 from monarch.actor import Actor, endpoint
 
 from stalwart.config.job import JobConfig
-
-
-def init_group(rank: int, world: int, store_port: int, attempt: int, timeout_s: float, setup_s: float) -> None:
-    """The default process group of attempt ``attempt``: the controller serves the TCP store, each
-    attempt uses its own key prefix, so a rebuilt group never meets a dead one's keys. Every rank
-    first waits (up to ``setup_s``) until all have arrived: a respawned actor takes far longer to
-    start than a collective may wait (``timeout_s``)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    store = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=timedelta(seconds=setup_s))
-    prefix = dist.PrefixStore(f"attempt-{attempt}", store)
-    prefix.add("arrived", 1)
-    deadline = time.monotonic() + setup_s
-    while prefix.add("arrived", 0) < world:
-        if prefix.check(["abort"]):  # the controller gave this attempt up (an actor failed joining it)
-            raise RuntimeError(f"process group {attempt} was abandoned by the controller")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process group {attempt}: not every actor arrived within {setup_s:g} s")
-        time.sleep(0.02)
-    dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 class TrainerActor(Actor):
@@ -79,20 +59,22 @@ class TrainerActor(Actor):
     @endpoint
     def join(self, cfg: JobConfig, rank: int, world: int, store_port: int, attempt: int,
              collective_timeout_s: float, setup_s: float) -> dict[str, Any]:
-        """Join process group ``attempt`` as ``rank`` of ``world`` and build the components on it."""
+        """Join process group ``attempt`` as ``rank`` of ``world`` (on this rank's device: the actors
+        share one host, so rank is the local rank) and build the components on it."""
         import torch
 
-        from stalwart.runtime.env import DistEnv
+        from stalwart.runtime.device import resolve_device
+        from stalwart.runtime.group import join_attempt
         from stalwart.train.trainer import Trainer
 
         self._close()
         self.rank = rank
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(world)))
         torch.set_num_threads(cfg.launch.threads(world))
-        init_group(rank, world, store_port, attempt, collective_timeout_s, setup_s)
+        device = resolve_device(cfg.training.device, local_rank=rank, setting="training.device")
+        env = join_attempt(rank, world, store_port, attempt, device, collective_timeout_s, setup_s)
         if attempt > 0:  # the run's checkpoints are this job's own now: a rebuild never refuses them
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
-        env = DistEnv(rank, world, rank, world, torch.device("cpu"))
         self.trainer = Trainer(cfg, env)
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self.trainer.observer)
@@ -140,11 +122,10 @@ class TrainerActor(Actor):
     @endpoint
     def finish(self) -> dict[str, Any]:
         """The session's end (final evaluation, save, summary), then leave the group."""
-        import torch.distributed as dist
+        from stalwart.runtime.group import leave
 
         summary = self.trainer.finish()
         reply = self._reply(summary=summary)
         self._close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave()
         return reply

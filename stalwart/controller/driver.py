@@ -22,7 +22,6 @@ import dataclasses
 import os
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from stalwart.ft.plan import read_fired
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import ParallelDims
 from stalwart.paths import RunPaths
+from stalwart.runtime.group import controller_store
 
 SETUP_TIMEOUT_S = 600.0  # building the model and resuming: bounded by the actors' own init
 MATCHED = ("lr", "loss", "grad_norm")  # what a replayed step must reproduce bit for bit
@@ -52,8 +52,6 @@ def _absolute(cfg: JobConfig) -> JobConfig:
 
 class Controller:
     def __init__(self, cfg: JobConfig, nproc: int) -> None:
-        import torch.distributed as dist
-
         self.cfg, self.n = _absolute(cfg), nproc
         self.ccfg = cfg.controller
         self.paths = RunPaths.of(self.cfg.run)
@@ -61,8 +59,7 @@ class Controller:
         self.paths.root.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.paths.events)
         # The process groups' rendezvous store lives here, so it outlives any actor.
-        self.store = dist.TCPStore("127.0.0.1", 0, nproc, True, timeout=timedelta(seconds=SETUP_TIMEOUT_S),
-                                   wait_for_workers=False)
+        self.store = controller_store(nproc, SETUP_TIMEOUT_S)
         self.attempt = 0
         self.source = recovery_source(self.ccfg.recover_from, self.cfg.checkpoint.memory_interval)
         # Per step, seconds of: the whole step, the controller's data, its journal writes, and the send
@@ -228,7 +225,9 @@ class Controller:
 
 
 def run_controller(cfg: JobConfig, nproc: int) -> int:
-    """``stalwart train --controller``: the whole job from this process; returns the exit code."""
+    """``stalwart train --controller``: the whole job from this process; returns the exit code. The
+    CLI's preflight (``launch.local.preflight``, shared with the SPMD path) has checked the layout, the
+    data and the device (``training.device`` on this host for ``nproc`` actors) before any actor exists."""
     from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
     from stalwart.train.worker import format_summary
 
