@@ -218,6 +218,17 @@ class RunPaths:
         `stalwart generate --run`, `stalwart serve --run` and `stalwart export --run` read it."""
         return self.root / "policy"
 
+    @property
+    def reference(self) -> Path:
+        """`stalwart rl`'s frozen KL reference (the fine-tuned policy), written once in the same form: a
+        generator that joins after the start reads it from here."""
+        return self.root / "reference"
+
+    @property
+    def rebalance(self) -> Path:
+        """Where `stalwart rl`'s trainers checkpoint their state across a change of their count."""
+        return self.controller_dir / "rebalance"
+
     # -- single controller ----------------------------------------------------------------------
     @property
     def controller_dir(self) -> Path:

@@ -164,3 +164,34 @@ def test_rl_raises_the_held_out_reward_of_a_small_task(tmp_path):
     gen = run_cli("generate", "--run", str(run / "policy"), "--prompt", "# print n plus 3\n", "--max-new-tokens",
                   "12", "--temperature", "0").stdout
     assert "print(" in gen
+
+
+def test_the_controller_holds_no_weights(tmp_path):
+    """Weights go from the trainers to the generators directly: the controller's peak memory is the same
+    for a 0.4M-parameter policy and a 27M-parameter one (110 MB of float32 weights; the controller once
+    held the weights, the KL reference and a model-and-optimizer snapshot: over 500 MB more)."""
+    quick = ["--config", "rl_code", "--rl.mode", "sync", "--rl.steps", "2", "--sft.steps", "1", "--rl.prompts_per_step",
+             "2", "--rl.group_size", "2", "--rl.max_tokens", "16", "--rl.eval_samples", "1", "--task.families", "add",
+             "--task.tests", "1", "--rl.kl_coef", "0.05", "--workers.snapshot_interval", "1", "--rl.logprobs", "engine"]
+    big = ["--model.dim", "512", "--model.n_layers", "8", "--model.n_heads", "8", "--model.n_kv_heads", "8",
+           "--model.ffn_hidden", "1536"]
+    run_cli("rl", *quick, "--run.dir", str(tmp_path / "small"), timeout=400)
+    run_cli("rl", *quick, *big, "--run.dir", str(tmp_path / "big"), timeout=400)
+    small, large = (json.loads((tmp_path / r / "summary.json").read_text()) for r in ("small", "big"))
+    params = [e["params"] for e in _events(tmp_path / "big") if e["event"] == "rl_trainers"][0]
+    assert params > 25e6
+    assert large["controller_peak_rss_mb"] - small["controller_peak_rss_mb"] < 64, (small, large)
+    assert all(_rl_steps(tmp_path / r)[2]["weight_sync_s"] > 0 for r in ("small", "big"))
+
+
+def test_a_device_the_machine_lacks_is_one_line_before_any_actor(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    p = run_cli("rl", "--config", "rl_code", "--device", "cuda", "--run.dir", str(tmp_path / "x"), check=False)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--device cuda" in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "Monarch" not in p.stdout + p.stderr and not (tmp_path / "x").exists()
+    p = run_cli("rl", "--config", "rl_code", "--workers.device", "tpu", "--run.dir", str(tmp_path / "y"), check=False)
+    assert p.returncode == 2 and "workers.device" in p.stderr and not (tmp_path / "y").exists()

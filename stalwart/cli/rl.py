@@ -12,7 +12,7 @@ from stalwart.config import ConfigError, help_text, load
 from stalwart.config.loading import find_config, split_args
 from stalwart.config.rl import RLConfig, SandboxOnlyConfig
 
-USAGE = """usage: stalwart rl --config FILE|NAME [--section.key VALUE ...]
+USAGE = """usage: stalwart rl --config FILE|NAME [--device auto|cpu|cuda] [--section.key VALUE ...]
        stalwart rl sandbox --program FILE --tests FILE [--sandbox.key VALUE ...]
 
 `stalwart rl --config rl_code` fine-tunes a small policy on a few examples of a verifiable code task, then
@@ -63,7 +63,9 @@ def main(argv: list[str]) -> int:
         return 0
     if not argv[0].startswith("-"):
         raise ConfigError(f"unknown rl command '{argv[0]}'. {USAGE.splitlines()[0]}")
-    found, overrides = split_args(argv, {"--config": True})
+    found, overrides = split_args(argv, {"--config": True, "--device": True})
+    if "--device" in found:  # the short form every model-running command takes; the setting is workers.device
+        overrides = [*overrides, "--workers.device", str(found["--device"])]
     config = found.get("--config")
     cfg = load(RLConfig, find_config(config) if isinstance(config, str) else None, overrides)
     from stalwart.rl.driver import run_rl_job

@@ -243,11 +243,12 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
-def receive_weights(link: Link, version: int, reference: bool, installed: int) -> dict[str, torch.Tensor]:
-    """The full state every sender of ``link`` sends as ``version``. Refused (:class:`OutOfOrder`, after
-    the whole sync is received, so the senders finish) unless the senders announce ``version``, it is
-    newer than ``installed`` (the generator's current version; a reference sync is exempt) and the
-    reference flag matches."""
+def receive_weights(link: Link, version: int, reference: bool, installed: int,
+                    into: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The full state every sender of ``link`` sends as ``version``, on ``into`` (default: the link's
+    device). Refused (:class:`OutOfOrder`, after the whole sync is received, so the senders finish)
+    unless the senders announce ``version``, it is newer than ``installed`` (the generator's current
+    version; a reference sync is exempt) and the reference flag matches."""
     device, group = link.device, link.group
     heads = [torch.zeros(HEADER, dtype=torch.int64, device=device) for _ in range(link.senders)]
     for w in [group.recv([h], s, TAG) for s, h in enumerate(heads)]:
@@ -267,7 +268,7 @@ def receive_weights(link: Link, version: int, reference: bool, installed: int) -
         problem = f"a {'reference' if not reference else 'policy'} sync arrived where the other was expected"
     elif not reference and version <= installed:
         problem = f"version {version} is not newer than the installed version {installed}"
-    assembly = None if problem else _Assembly(manifests, device)
+    assembly = None if problem else _Assembly(manifests, into or device)
     by_bucket: list[dict[int, list]] = [{} for _ in manifests]
     for s, m in enumerate(manifests):
         for chunk in m["chunks"]:
@@ -292,5 +293,5 @@ def receive_weights(link: Link, version: int, reference: bool, installed: int) -
     if problem:
         raise OutOfOrder(problem)
     state = assembly.finish()
-    synchronize(device)
+    synchronize(into or device)
     return state

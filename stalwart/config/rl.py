@@ -108,6 +108,10 @@ class GRPOConfig:
     eval_interval: int = option("Measure the mean reward on the held-out instances every this many steps "
                                 "(and at the start and end).", 10, min=1)
     eval_samples: int = option("Samples per held-out instance in an evaluation (at rl.temperature).", 4, min=1)
+    weight_sync_bucket_mb: float = option(
+        "Weights go from the trainer ranks to the generators in buckets of at most this many MiB (each trainer "
+        "rank sends its own shards; a sender holds two buckets at a time, a generator one per trainer rank).",
+        128.0, min=0.001)
 
     def __post_init__(self) -> None:
         if self.clip_low >= 1.0:
@@ -117,17 +121,22 @@ class GRPOConfig:
 @dataclass
 class WorkersConfig:
     generators: int = option("Generator actors (inference engines), each one process.", 1, min=1)
-    trainers: int = option("Trainer actors: one process each, one gloo group, laid out by [parallelism].", 1,
+    trainers: int = option("Trainer actors: one process each, one process group, laid out by [parallelism].", 1,
                            min=1)
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "Where the generator and trainer actors run ('auto' = cuda if available; the GPUs are shared round-robin; a "
+        "device this machine lacks is refused before any actor starts); reward workers run on the host. `--device` "
+        "sets it too.", "auto")
     reward_workers: int = option("Reward worker actors; each runs up to reward_threads sandboxes at once.", 1,
                                  min=1)
     reward_threads: int = option("Sandboxes one reward worker runs at once.", 2, min=1)
     reward_timeout_s: float = option("A scoring call still running after this long counts its worker as hung: it "
                                      "is killed and replaced, and its programs are scored again elsewhere.",
                                      120.0, min=1.0)
-    snapshot_interval: int = option("Every this many RL steps the controller keeps a full copy of the trainers' "
-                                    "model and optimizer state; a failed trainer costs at most the steps since, "
-                                    "replayed from the journal.", 5, min=1)
+    snapshot_interval: int = option("Every this many RL steps each trainer keeps an in-memory snapshot of its own "
+                                    "shard of the model and optimizer state (and a copy on a peer trainer); a "
+                                    "failed trainer costs at most the steps since, replayed from the journal.", 5,
+                                    min=1)
     balance: Literal["fixed", "adaptive"] = option(
         "fixed: the actor counts above for the whole run; adaptive: every balance_window steps, move one worker "
         "between the generator and trainer meshes when the measured generation and training time says the step "

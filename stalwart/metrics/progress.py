@@ -40,9 +40,12 @@ class RateWindow:
 
 
 class Progress:
-    def __init__(self, total: int, start: int, show_bar: bool, enabled: bool = True, console: Any = None) -> None:
+    def __init__(self, total: int, start: int, show_bar: bool, enabled: bool = True, console: Any = None,
+                 label: str = "train") -> None:
         """``enabled``: this process prints at all (rank 0); ``show_bar``: progress updates too.
-        ``console``: a rich ``Console`` to draw on (default: stdout when it is a terminal)."""
+        ``console``: a rich ``Console`` to draw on (default: stdout when it is a terminal); ``label``:
+        the bar's name and the plain lines' first word's prefix (``train``, ``rl``)."""
+        self.label = label
         self.total, self.enabled, self.show_bar = total, enabled, show_bar and enabled
         self.tty = self.show_bar and (console is not None or sys.stdout.isatty())
         self._bar = None
@@ -51,10 +54,10 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
                 TimeRemainingColumn
 
-            self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self._bar = RichProgress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(),
                                      transient=False, console=console)
-            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+            self._task = self._bar.add_task(label, total=total, completed=start, info="")
             self._bar.start()
 
     def update(self, step: int, info: str) -> None:
@@ -64,7 +67,8 @@ class Progress:
             self._bar.update(self._task, completed=step, info=info)
         elif time.monotonic() - self._last_print > 5.0 or step == self.total:
             self._last_print = time.monotonic()
-            print(f"step {step}/{self.total} {info}", flush=True)
+            prefix = "" if self.label == "train" else f"{self.label} "
+            print(f"{prefix}step {step}/{self.total} {info}", flush=True)
 
     def log(self, message: str) -> None:
         if not self.enabled:

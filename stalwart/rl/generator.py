@@ -1,10 +1,16 @@
 """The generator actor: the inference engine behind a Monarch endpoint, with versioned weight updates.
 
-``setup`` builds the policy model and the engine (``stalwart.infer.engine``) from the arguments the
-controller sends; ``load(weights, version)`` installs a full state dict as weight version ``version``;
-``generate(requests)`` answers whole groups, every response sampled with its own seed, so a group
-generated again anywhere (its first generator died) is bitwise the same group: the engine pads every
-forward pass (``engine.pad_rows``) so a request's tokens do not depend on its batch neighbours.
+``setup`` builds the policy model and the engine (``stalwart.infer.engine``) on the device the runtime
+gives this generator; ``link`` joins this generator's weight link to the trainer ranks and
+``receive_weights(version)`` takes a sync over it (``comm.weight_sync``: each trainer rank's own
+shards, assembled here into full tensors) and installs it between engine calls as weight version
+``version`` (``Engine.load_full_state``), or as the frozen KL reference when the sync is flagged so.
+A sync that is not newer than the installed version is refused; one that fails (a trainer lost
+mid-sync) installs nothing and drops the link, so the trainers still sending fail at once instead
+of waiting. ``generate(requests)`` answers whole groups, every response sampled with its own seed,
+so a group generated again anywhere (its first generator died) is bitwise the same group: the engine
+pads every forward pass (``engine.pad_rows``) so a request's tokens do not depend on its batch
+neighbours.
 
 With ``exact`` log-probabilities, each finished group is re-scored by a plain copy of the model with
 the trainer's forward on the trainer's micro-batch shape (one group, rows padded to one length): the
@@ -15,16 +21,11 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from monarch.actor import Actor, endpoint
-
-
-def _tensors(weights: dict[str, np.ndarray]):
-    import torch
-
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
 
 
 class GeneratorActor(Actor):
@@ -32,6 +33,7 @@ class GeneratorActor(Actor):
         self.engine = None
         self.scorer = None
         self.reference = None
+        self.link_ = None  # comm.weight_sync.Link to the trainer ranks
         self.busy_s = 0.0
 
     @endpoint
@@ -42,38 +44,82 @@ class GeneratorActor(Actor):
 
     @endpoint
     def setup(self, args: Any, tokenizer_json: str, engine_cfg: Any, sampling: dict[str, Any], exact: bool,
-              row_length: int, pad: int) -> int:
+              row_length: int, pad: int, device: str, index: int) -> dict[str, Any]:
+        """The engine (and the re-scoring copy) on the device of the ``index``-th accelerator process."""
         import torch
         from tokenizers import Tokenizer
 
         from stalwart.data.tokenizer import eos_id
         from stalwart.infer.engine import Engine
         from stalwart.models.llama import Transformer
+        from stalwart.runtime.placement import shared_device
 
         torch.set_num_threads(1)
+        self.device = shared_device(device, index, "--device")
         tok = Tokenizer.from_str(tokenizer_json)
         self.eos = eos_id(tok)
-        self.engine = Engine(Transformer(args), tok, self.eos, engine_cfg, weight_version=-1)
-        self.scorer = Transformer(args).eval() if exact else None
+        self.engine = Engine(Transformer(args).to(self.device), tok, self.eos, engine_cfg, weight_version=-1)
+        self.scorer = Transformer(args).to(self.device).eval() if exact else None
+        self.reference = None
         self.sampling, self.row_length, self.pad = sampling, row_length, pad
         self.args = args
-        return os.getpid()
+        return {"pid": os.getpid(), "device": str(self.device)}
 
     @endpoint
-    def load(self, weights: dict[str, np.ndarray], version: int, reference: bool = False) -> dict[str, float]:
-        """Install ``weights`` as version ``version`` (and as the frozen reference when ``reference``)."""
+    def link(self, generator: int, attempt: int, trainers: int, generators: int, store_port: int, setup_s: float,
+             timeout_s: float) -> dict[str, Any]:
+        """Join this generator's weight link (attempt ``attempt``) with the ``trainers`` trainer ranks."""
+        from stalwart.rl.links import open_link
+
+        self.link_ = None  # an earlier link is dropped: its connections close
+        try:
+            self.link_ = open_link(store_port, generator, attempt, trainers, trainers, generators, self.device,
+                                   setup_s, timeout_s)
+        except (RuntimeError, OSError) as e:  # given up by the controller, or a member lost while connecting
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "generator": generator, "attempt": attempt}
+
+    @endpoint
+    def receive_weights(self, version: int, reference: bool = False) -> dict[str, Any]:
+        """Take the trainers' sync of ``version`` and install it (as the frozen reference when
+        ``reference``). Never raises for a failed transfer: the reply says so (``ok`` false) and the old
+        weights stay; the link is dropped and must be joined again."""
+        from stalwart.comm.weight_sync import WeightSyncError, receive_weights
         from stalwart.infer.load import copy_full_state
         from stalwart.models.llama import Transformer
 
         t0 = time.perf_counter()
-        state = _tensors(weights)
-        self.engine.load_full_state(state, version)
-        if self.scorer is not None:
-            copy_full_state(self.scorer, state)
+        if self.link_ is None:
+            return {"ok": False, "error": "no weight link", "version": self.engine.weight_version}
+        try:
+            state = receive_weights(self.link_, version, reference, self.engine.weight_version, into=self.device)
+        except (WeightSyncError, RuntimeError) as e:
+            self.link_ = None
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "version": self.engine.weight_version}
+        recv_s = time.perf_counter() - t0
         if reference:
-            self.reference = Transformer(self.args).eval()
+            self.reference = Transformer(self.args).to(self.device).eval()
             copy_full_state(self.reference, state)
-        return {"load_s": time.perf_counter() - t0, "version": version}
+        else:
+            self.engine.load_full_state(state, version)
+            if self.scorer is not None:
+                copy_full_state(self.scorer, state)
+        return {"ok": True, "version": self.engine.weight_version, "recv_s": recv_s,
+                "load_s": time.perf_counter() - t0 - recv_s, "bytes": sum(t.numel() * t.element_size()
+                                                                          for t in state.values())}
+
+    @endpoint
+    def load_reference(self, run: str) -> dict[str, Any]:
+        """The frozen reference from the policy directory the trainers wrote at the start (a generator
+        that joins after the reference sync)."""
+        from stalwart.infer.load import Source, copy_full_state, read_source
+        from stalwart.models.llama import Transformer
+
+        t0 = time.perf_counter()
+        state = read_source(Source(run=Path(run))).state
+        self.reference = Transformer(self.args).to(self.device).eval()
+        copy_full_state(self.reference, state)
+        return {"load_s": time.perf_counter() - t0}
 
     @endpoint
     def generate(self, requests: list[Any], prompts: list[list[int]]) -> dict[str, Any]:
@@ -120,8 +166,8 @@ class GeneratorActor(Actor):
         from stalwart.rl.rollout import TOKEN, pack_group
 
         inputs, rows = pack_group(g, np.zeros(len(g.responses)), self.row_length, self.pad, 0.0, g.version, False)
-        x = torch.from_numpy(inputs)
-        tokens = torch.from_numpy(rows[..., TOKEN]).long()
+        x = torch.from_numpy(inputs).to(self.device)
+        tokens = torch.from_numpy(rows[..., TOKEN]).long().to(self.device)
         p = len(g.prompt)
         with torch.no_grad():
             if self.scorer is not None:

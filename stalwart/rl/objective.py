@@ -43,6 +43,8 @@ class GRPOObjective:
         self.stats = torch.zeros(len(STATS), dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if self.stats.device != logits.device:  # summed where the logits are (one copy to the host per step)
+            self.stats = self.stats.to(logits.device)
         tokens = rows[..., TOKEN].long()
         mask = rows[..., MASK].float()
         logp = token_logprobs(logits, tokens)

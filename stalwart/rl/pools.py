@@ -34,6 +34,7 @@ class Pool:
         self.restore = restore          # brings a replaced rank to the pool's current state
         self.replacements = 0
         self.busy_s = [0.0] * mesh.n    # seconds each worker reported working
+        self.incarnation = [0] * mesh.n  # how many times each rank's worker was replaced (or moved)
 
     @property
     def n(self) -> int:
@@ -58,7 +59,7 @@ class Pool:
                                            f"{self.kind} {self.mesh.endpoint_name(pending.endpoint)}")[rank]
                 del todo[rank]
             except ActorsFailed as e:
-                self._replace(rank, e, pending.endpoint)
+                self.replace(rank, e, pending.endpoint)
                 todo[rank] = (self.mesh.call(pending.endpoint, args(piece), ranks=[rank])[rank], (piece, args))
         return out
 
@@ -72,20 +73,42 @@ class Pool:
                 out[rank] = self.mesh.wait({rank: fut}, self.timeout_s,
                                            f"{self.kind} {self.mesh.endpoint_name(endpoint)}")[rank]
             except ActorsFailed as e:
-                self._replace(rank, e, endpoint)
+                self.replace(rank, e, endpoint)
                 out[rank] = None
         return out
 
-    def _replace(self, rank: int, err: ActorsFailed, endpoint: Any) -> None:
+    def replace(self, rank: int, err: ActorsFailed, endpoint: Any) -> None:
+        """Name ``rank``'s failure, put a spare or a new process in its place and bring it to the
+        pool's current state."""
         for f in err.failures:
             self.events("rl_worker_failure", mesh=self.kind, endpoint=self.mesh.endpoint_name(endpoint),
                         **f.as_event())
         by = self.mesh.replace(rank)
         self.replacements += 1
-        reply = self.mesh.wait(self.mesh.call(self.mesh.actor_cls.warm, (), ranks=[rank]), self.timeout_s, f"{self.kind} warm")
-        self.mesh.pids[rank] = reply[rank]
+        self.incarnation[rank] += 1
+        self._warm(rank)
         self.restore(rank)
         self.events("rl_worker_replaced", mesh=self.kind, rank=rank, by=by, pid=self.mesh.pids[rank])
+
+    def _warm(self, rank: int) -> None:
+        reply = self.mesh.wait(self.mesh.call(self.mesh.actor_cls.warm, (), ranks=[rank]), self.timeout_s,
+                               f"{self.kind} warm")
+        self.mesh.pids[rank] = reply[rank]
+
+    def grow(self) -> int:
+        """One more worker, brought to the pool's current state; its rank."""
+        rank = self.mesh.grow()
+        self.busy_s.append(0.0)
+        self.incarnation.append(0)
+        self._warm(rank)
+        self.restore(rank)
+        return rank
+
+    def shrink(self) -> None:
+        """Stop the last worker."""
+        self.mesh.shrink()
+        self.busy_s.pop()
+        self.incarnation.pop()
 
 
 def deal(items: list[Any], n: int) -> dict[int, list[Any]]:

@@ -88,7 +88,9 @@ def sft_rows(tok, eos: int, examples: list[Instance], length: int, pad: int, ran
         for j, (p, c) in enumerate(mine):
             seq = p + c
             if len(seq) - 1 > length:
-                raise ValueError(f"fine-tuning example of {len(seq)} tokens exceeds the row length {length + 1}")
+                raise ConfigError(f"rl.max_tokens is too small for the fine-tuning examples: one of {len(seq)} tokens "
+                                  f"needs {len(seq) - 1 - length} more than a row's {length} positions; raise "
+                                  f"rl.max_tokens by that much")
             x[j, :len(seq) - 1] = seq[:-1]
             rows[j, :len(seq) - 1, TOKEN] = seq[1:]
             rows[j, len(p) - 1:len(seq) - 1, MASK] = 1.0

@@ -1,13 +1,19 @@
-"""The policy trainer actor: the reusable training core (``stalwart.train.core``) over its own gloo
-group, trained on the rows the controller sends with the GRPO objective (or, while warming up, the
-masked cross-entropy of supervised fine-tuning).
+"""The policy trainer actor: the reusable training core (``stalwart.train.core``) over its own process
+group, on the device the runtime gives it, trained on the rows the controller sends with the GRPO
+objective (or, while warming up, the masked cross-entropy of supervised fine-tuning).
 
 Each phase builds its core (``build``): the fine-tuning phase's optimizer, then the RL phase's, the
-weights carried over. ``weights`` returns the full (unsharded) state dict on rank 0, whatever the
-layout: the controller hands it to the generators as the next weight version. ``snapshot`` and
-``restore`` move the full model and optimizer state through the controller, so a replacement actor (a
-new process with no state) rejoins with the others at the snapshot's step, and the controller replays
-its journal from there.
+weights carried over.
+
+Weights leave a trainer only towards the generators, straight from its own shards: ``link`` joins a
+generator's weight link (``comm.weight_sync``) and ``send_weights(version, ...)`` sends this rank's
+pieces of the current model over the links named; the controller sees only the version and a small
+reply. Snapshots for recovery stay with the trainers too: ``snapshot`` keeps this rank's shard of
+the model and optimizer in memory (``checkpoint.snapshot.SnapshotStore``: RAM that outlives the
+process, plus a copy on a peer rank), ``restore`` loads the newest snapshot every rank can get (a
+replacement process takes its shard from its own tmpfs file or the peer's copy). A change of the
+trainer count goes through a checkpoint on disk instead (``save_checkpoint`` / ``load_checkpoint``),
+which reshards.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,36 +30,15 @@ from monarch.actor import Actor, endpoint
 from stalwart.config.rl import RLConfig
 
 
-def to_numpy(tree: Any) -> Any:
-    """Tensors in a nested state dict as numpy arrays (plain buffers across processes)."""
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().numpy().copy()
-    if isinstance(tree, dict):
-        return {k: to_numpy(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [to_numpy(v) for v in tree]
-    return tree
-
-
-def to_torch(tree: Any) -> Any:
-    import torch
-
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(tree.copy())
-    if isinstance(tree, dict):
-        return {k: to_torch(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [to_torch(v) for v in tree]
-    return tree
-
-
 class PolicyTrainerActor(Actor):
     def __init__(self) -> None:
         self.core = None
         self.rank = -1
         self.cfg: RLConfig | None = None
+        self.device = None
+        self.links: dict[int, Any] = {}   # generator rank -> its weight link (comm.weight_sync.Link)
+        self.snapshots = None              # checkpoint.snapshot.SnapshotStore, per group
+        self.done = 0
 
     @endpoint
     def warm(self) -> int:
@@ -62,35 +48,38 @@ class PolicyTrainerActor(Actor):
 
     @endpoint
     def join(self, cfg: RLConfig, rank: int, world: int, store_port: int, attempt: int, timeout_s: float,
-             setup_s: float) -> dict[str, Any]:
+             setup_s: float, snapshot_dir: str) -> dict[str, Any]:
+        """Join attempt ``attempt`` of the trainers' group as ``rank`` of ``world``, on the device the runtime
+        gives this rank; the weight links of an earlier group are dropped."""
         import torch
 
-        from stalwart.controller.actor import init_group
+        from stalwart.checkpoint.snapshot import SnapshotStore
+        from stalwart.runtime.group import join_attempt
+        from stalwart.runtime.placement import shared_device
 
         torch.set_num_threads(1)
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.core = None
-        init_group(rank, world, store_port, attempt, timeout_s, setup_s)
-        return {"rank": rank, "pid": os.getpid()}
+        self.core, self.links = None, {}
+        self.device = shared_device(cfg.workers.device, rank, "--device")
+        join_attempt(rank, world, store_port, attempt, self.device, timeout_s, setup_s)
+        self.snapshots = SnapshotStore(snapshot_dir, rank, world, layout=f"trainers={world}")
+        return {"rank": rank, "pid": os.getpid(), "device": str(self.device)}
 
     @endpoint
     def build(self, phase: str, args: Any, row_length: int, micro_per_rank: int, steps: int) -> dict[str, Any]:
         """The core of ``phase`` ("sft" or "rl"); the current core's weights carry over."""
-        import torch
-
         from stalwart.config.job import SchedulerConfig, TrainingConfig
-        from stalwart.train.core import CoreSpec, TrainCore
         from stalwart.runtime.env import DistEnv
+        from stalwart.train.core import CoreSpec, TrainCore
 
         c = self.cfg
         opt = c.optimizer if phase == "rl" else dataclasses.replace(c.optimizer, lr=c.sft.lr, weight_decay=0.0)
         training = TrainingConfig(steps=max(steps, 1), global_batch=micro_per_rank * self.world, micro_batch=1,
-                                  grad_clip=c.rl.grad_clip, dtype="float32", device="cpu")
+                                  grad_clip=c.rl.grad_clip, dtype="float32", device=self.device.type)
         spec = CoreSpec(args, c.parallelism, c.comm, opt, SchedulerConfig(kind="constant", warmup_steps=0), training,
                         row_length, micro_per_rank, seed=c.run.seed, deterministic=c.run.deterministic)
-        env = DistEnv(self.rank, self.world, self.rank, self.world, torch.device("cpu"))
         previous = self.core
-        self.core = TrainCore.build(spec, env)
+        self.core = TrainCore.build(spec, DistEnv.of(self.rank, self.world, self.device))
         if previous is not None:
             self.core.model.load_state_dict(previous.model.state_dict())
         self.phase = phase
@@ -107,12 +96,8 @@ class PolicyTrainerActor(Actor):
         import torch.distributed as dist
 
         from stalwart.data.loader import Batch
-        from stalwart.rl.objective import (
-            STATS,
-            GRPOObjective,
-            masked_cross_entropy,
-            summarize,
-        )
+        from stalwart.rl.objective import STATS, GRPOObjective, masked_cross_entropy, summarize
+        from stalwart.runtime.device import HOST
 
         t0 = time.perf_counter()
         core = self.core
@@ -127,8 +112,9 @@ class PolicyTrainerActor(Actor):
                 continue
             objective = GRPOObjective(r.clip_low, r.clip_high, r.aggregation, r.kl_coef, track_mismatch=j == 0)
             records.append(core.train_step(batches, loss_fn=objective))
-            stats[[0, 1, 2, 3, 5, 7, 8]] += objective.stats[[0, 1, 2, 3, 5, 7, 8]]
-            stats[[4, 6]] = torch.maximum(stats[[4, 6]], objective.stats[[4, 6]])
+            got = objective.stats.to(HOST)
+            stats[[0, 1, 2, 3, 5, 7, 8]] += got[[0, 1, 2, 3, 5, 7, 8]]
+            stats[[4, 6]] = torch.maximum(stats[[4, 6]], got[[4, 6]])
         record = {"loss": sum(x["loss"] for x in records) / len(records),
                   "grad_norm": sum(x["grad_norm"] for x in records) / len(records),
                   "lr": records[-1]["lr"], "optimizer_steps": core.state.step, "updates": len(records)}
@@ -143,75 +129,86 @@ class PolicyTrainerActor(Actor):
         record["trainer_s"] = time.perf_counter() - t0
         return record
 
-    def _full_state(self, optimizer: bool) -> tuple[dict, dict | None]:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-        )
+    # ------------------------------------------------------------------ weights to the generators
+    @endpoint
+    def link(self, generator: int, attempt: int, generators: int, store_port: int, setup_s: float,
+             timeout_s: float) -> dict[str, Any]:
+        """Join generator ``generator``'s weight link, attempt ``attempt`` (replacing an earlier one)."""
+        from stalwart.rl.links import open_link
 
-        core = self.core
-        if not dist.is_initialized():
-            return core.model.state_dict(), (core.optimizer.state_dict() if optimizer else None)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(core.model, [core.optimizer] if optimizer else [], options=opts)
-        return model_sd, (optim_sd if optimizer else None)
+        self.links.pop(generator, None)  # dropped: its connections close
+        try:
+            self.links[generator] = open_link(store_port, generator, attempt, self.rank, self.world, generators,
+                                              self.device, setup_s, timeout_s)
+        except (RuntimeError, OSError) as e:  # given up by the controller, or a member lost while connecting
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "rank": self.rank, "generator": generator, "attempt": attempt}
 
     @endpoint
-    def weights(self) -> dict[str, Any]:
-        """The full model state on rank 0 ({} on the others; a collective under sharding)."""
+    def send_weights(self, version: int, reference: bool, generators: list[int]) -> dict[str, Any]:
+        """Send this rank's pieces of the current weights as ``version`` to ``generators`` (their links).
+        A link that fails is dropped and named in the reply; the others are not held up by it."""
+        from stalwart.comm.weight_sync import send_weights
+
+        if version != self.done:
+            raise RuntimeError(f"trainer {self.rank} holds the weights of step {self.done}, not version {version}")
         t0 = time.perf_counter()
-        model_sd, _ = self._full_state(False)
-        out = to_numpy(dict(model_sd)) if self.rank == 0 else {}
-        return {"weights": out, "gather_s": time.perf_counter() - t0, "step": self.done}
+        links = [self.links[g] for g in generators]
+        errors = send_weights(links, self.core.model.state_dict(), self.rank, version, reference,
+                              max(1, int(self.cfg.rl.weight_sync_bucket_mb * 2**20)))
+        failed = {generators[i]: e for i, e in errors.items()}
+        for g in failed:
+            self.links.pop(g, None)
+        return {"rank": self.rank, "failed": failed, "send_s": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ recovery
+    @endpoint
+    def snapshot(self, step: int) -> dict[str, Any]:
+        """Keep this rank's shard of the model and optimizer at RL step ``step`` (collective)."""
+        size = self.snapshots.save(step, self.core.model, self.core.optimizer,
+                                   {"done": self.done, "optimizer_steps": self.core.state.step})
+        return {"rank": self.rank, "bytes": size}
 
     @endpoint
-    def snapshot(self) -> dict[str, Any]:
-        """Full model and optimizer state with the step counter, on rank 0."""
-        model_sd, optim_sd = self._full_state(True)
-        if self.rank != 0:
-            return {}
-        return {"model": to_numpy(dict(model_sd)), "optim": to_numpy(optim_sd), "step": self.done,
-                "optimizer_steps": self.core.state.step}
-
-    @endpoint
-    def restore(self, snap: dict[str, Any]) -> dict[str, Any]:
-        """Load a ``snapshot`` (every rank receives it; each keeps its own shard)."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_state_dict,
-        )
-
-        core = self.core
-        model_sd, optim_sd = to_torch(snap["model"]), to_torch(snap["optim"])
-        if dist.is_initialized():
-            set_state_dict(core.model, [core.optimizer], model_state_dict=model_sd, optim_state_dict=optim_sd,
-                           options=StateDictOptions(full_state_dict=True))
-        else:
-            core.model.load_state_dict(model_sd)
-            core.optimizer.load_state_dict(optim_sd)
-        core.state.step = int(snap["optimizer_steps"])
-        self.done = int(snap["step"])
+    def restore(self) -> dict[str, Any]:
+        """Load the newest snapshot every rank can get (collective); its RL step."""
+        step = self.snapshots.newest_complete_step()
+        if step is None:
+            raise RuntimeError("no trainer snapshot is complete on every rank: the run cannot recover")
+        state = self.snapshots.load(step, self.core.model, self.core.optimizer)
+        self.core.state.step = int(state["optimizer_steps"])
+        self.done = int(state["done"])
         return {"rank": self.rank, "step": self.done}
 
-    @endpoint
-    def save_policy(self, root: str) -> str:
-        """A checkpoint of the policy (model and optimizer) in Stalwart's checkpoint format under ``root``
-        (collective across the trainers under sharding); returns its path."""
-        from pathlib import Path
-
+    def _manager(self, root: str):
         from stalwart.checkpoint.manager import CheckpointManager
         from stalwart.config.job import CheckpointConfig
 
-        mgr = CheckpointManager(Path(root), CheckpointConfig(async_save=False, keep_last=1), self.rank, self.world,
-                                lambda *a, **k: None)
-        path = mgr.save(self.done, self.core.model, self.core.optimizer, {"tokens_seen": 0}, block=True)
+        return CheckpointManager(Path(root), CheckpointConfig(async_save=False, keep_last=1), self.rank, self.world,
+                                 lambda *a, **k: None)
+
+    @endpoint
+    def save_checkpoint(self, root: str) -> str:
+        """A checkpoint of the model and optimizer in Stalwart's checkpoint format under ``root``, each rank
+        writing its own shards (collective); returns its path. The trained policy is one; so is the state
+        that crosses a change of the trainer count."""
+        path = self._manager(root).save(self.done, self.core.model, self.core.optimizer,
+                                        {"tokens_seen": 0, "optimizer_steps": self.core.state.step}, block=True)
         return str(path)
 
     @endpoint
-    def leave(self) -> None:
-        import torch.distributed as dist
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Load a ``save_checkpoint`` into this group's layout (collective; resharded as needed)."""
+        loaded = self._manager(str(Path(path).parent)).load(Path(path), self.core.model, self.core.optimizer)
+        self.done = int(loaded.trainer_state["step"])
+        self.core.state.step = int(loaded.trainer_state["optimizer_steps"])
+        return {"rank": self.rank, "step": self.done}
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    @endpoint
+    def leave(self) -> None:
+        from stalwart.runtime.group import leave
+
+        self.links = {}
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        leave()
