@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from stalwart.cli.extras import require
+
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
     "collectives": ("stalwart.bench.collectives", "collective algorithms: bus bandwidth per size, cost-model fit"),
@@ -16,6 +18,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sandbox": ("stalwart.bench.sandbox", "reward sandbox: programs scored per second, serial and threaded"),
     "observe": ("stalwart.bench.observe_overhead", "observability hot path (phase timer, flight recorder) as % of a step"),
 }
+# benchmark -> the module an optional extra provides that it needs (checked before it is imported)
+NEEDS: dict[str, str] = {"inference": "transformers"}
 
 
 def main(argv: list[str]) -> int:
@@ -28,4 +32,6 @@ def main(argv: list[str]) -> int:
     if name not in BENCHMARKS:
         print(f"stalwart bench: unknown benchmark '{name}' (choose from {', '.join(BENCHMARKS)})", file=sys.stderr)
         return 2
+    if name in NEEDS and not any(a in ("-h", "--help") for a in argv[1:]):
+        require(NEEDS[name], f"the {name} benchmark")
     return int(importlib.import_module(BENCHMARKS[name][0]).main(argv[1:]) or 0)

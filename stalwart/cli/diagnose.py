@@ -30,9 +30,12 @@ def main(argv: list[str]) -> int:
     dumps = load_dumps(args.run_dir, skipped)
     for what in skipped:
         print(f"warning: skipped {what}", file=sys.stderr)
-    if not dumps:
-        raise UserError(f"no flight-recorder dumps in {RunPaths(args.run_dir).flight_dir} (send SIGUSR1 to the "
-                        "workers of a live job to get some)")
+    if not dumps:  # nothing hung, failed or was stopped: nothing to diagnose, which is an answer
+        where = RunPaths(args.run_dir).flight_dir
+        print(json.dumps({"dumps": 0, "flight_dir": str(where)}) if args.json else
+              f"no flight-recorder dumps in {where}: no rank of this run hung, failed or was stopped (send "
+              "SIGUSR1 to the workers of a live job to see what each rank is doing)")
+        return 0
     dumps, attempt = newest_attempt(dumps, read_jsonl(RunPaths(args.run_dir).events))
     a = {**analyze(dumps), "attempt": attempt}
     print(json.dumps(a, indent=1, default=str) if args.json else format_diagnosis(a))

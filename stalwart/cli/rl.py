@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stalwart.cli.extras import require
 from stalwart.config import ConfigError, help_text, load
 from stalwart.config.loading import find_config, split_args
 from stalwart.config.rl import RLConfig, SandboxOnlyConfig
@@ -18,7 +19,7 @@ USAGE = """usage: stalwart rl --config FILE|NAME [--device auto|cpu|cuda] [--sec
 `stalwart rl --config rl_code` fine-tunes a small policy on a few examples of a verifiable code task, then
 trains it with GRPO on one controller driving generator, trainer and reward-worker actor meshes; it writes
 a run directory (metrics.jsonl with reward_mean per step, summary.json with final_reward_mean on held-out
-problem instances).
+problem instances). It needs Monarch, from the 'controller' extra (`make train` does not install it).
 
 `stalwart rl sandbox`
 
@@ -68,6 +69,7 @@ def main(argv: list[str]) -> int:
         overrides = [*overrides, "--workers.device", str(found["--device"])]
     config = found.get("--config")
     cfg = load(RLConfig, find_config(config) if isinstance(config, str) else None, overrides)
+    require("monarch", "RL post-training (one controller driving actor meshes)")
     from stalwart.rl.driver import run_rl_job
 
     return run_rl_job(cfg)

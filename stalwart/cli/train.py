@@ -7,6 +7,7 @@ Multi-node jobs use standard torchrun rendezvous instead of --nproc-per-node:
 
 from __future__ import annotations
 
+from stalwart.cli.extras import require
 from stalwart.config.core import ConfigError
 from stalwart.config.loading import job_help, parse_train_argv
 from stalwart.launch.local import launch, preflight, supervised
@@ -17,9 +18,9 @@ INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [-
 
 Train a model. With --nproc-per-node N > 1 (or launch.nproc_per_node in the config) the workers are
 started through torch's elastic launcher; under torchrun, use `torchrun ... -m stalwart.train ...`.
-With --controller one controller process drives N trainer actors (Monarch; `pip install
-stalwart[controller]`), journals every command and recovers a failed actor from the in-memory
-snapshots plus the journal (see docs/controller.md and the [controller] section below).
+With --controller one controller process drives N trainer actors (Monarch: the 'controller' extra),
+journals every command and recovers a failed actor from the in-memory snapshots plus the journal
+(see docs/controller.md and the [controller] section below).
 Re-running on an existing run.dir with checkpoint.resume = auto continues from its newest complete
 checkpoint and appends to its metrics.jsonl."""
 
@@ -40,10 +41,7 @@ def _nproc(opts: dict, default: int) -> int:
 
 
 def _controller(cfg, nproc: int) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("monarch") is None:  # found, not imported: it reads its settings on import
-        raise ConfigError("--controller needs Monarch: pip install 'stalwart[controller]' (torchmonarch)")
+    require("monarch", "--controller")
     from stalwart.controller.driver import run_controller
 
     return run_controller(cfg, nproc)
