@@ -1,5 +1,5 @@
-"""The layer order written in docs/architecture.md holds for every import in stalwart/ (lazy ones too),
-and no package or file imports another in a circle."""
+"""Every package imports only what docs/architecture.md allows it (lazy imports too), the allow-lists
+go one way down, and no file imports another in a circle."""
 
 import ast
 import re
@@ -11,18 +11,35 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "stalwart"
+LINE = re.compile(r"-\s+`([\w_]+)`\s+—\s+may import\s+(.*?)\s+—\s+\S")
 
 
-def layers() -> dict[str, int]:
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    block = text.split("<!-- layers:")[1].split("<!-- /layers -->")[0]
-    out = {}
-    for line in block.splitlines():
-        m = re.match(r"\s*(\d+)\.\s+(.*)", line)
-        if m:
-            for name in re.findall(r"`([\w_]+)`", m.group(2).split(" — ")[0]):
-                out[name] = int(m.group(1))
+def parse_allowed(text: str) -> dict[str, list[str]]:
+    """package -> the packages it may import, from the block between ``<!-- imports`` and
+    ``<!-- /imports -->``: one ``- `pkg` — may import `a` `b` — what it is`` line per package, in
+    the document's order (bottom-up)."""
+    block = text.split("<!-- imports:")[1].split("<!-- /imports -->")[0]
+    out: dict[str, list[str]] = {}
+    for line in block.splitlines()[1:]:
+        if not line.strip():
+            continue
+        m = LINE.match(line)
+        assert m, f"docs/architecture.md: cannot read the imports line {line!r}"
+        assert m.group(1) not in out, f"docs/architecture.md: `{m.group(1)}` is listed twice"
+        names = re.findall(r"`([\w_]+)`", m.group(2))
+        assert names or m.group(2) == "nothing", f"docs/architecture.md: {line!r} names no package (say 'nothing')"
+        out[m.group(1)] = names
     return out
+
+
+def allowed() -> dict[str, list[str]]:
+    return parse_allowed((ROOT / "docs" / "architecture.md").read_text())
+
+
+def packages() -> set[str]:
+    """stalwart's packages and top-level modules (``errors``, ``paths``, ``__main__``, ...)."""
+    return {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+            if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
 
 
 def imports() -> list[tuple[Path, str]]:
@@ -44,10 +61,17 @@ def imports() -> list[tuple[Path, str]]:
     return out
 
 
-def violations(pairs: list[tuple[str, str]], order: dict[str, int]) -> list[str]:
-    """(importing package, imported package) pairs that do not go strictly down a layer."""
-    return [f"{src} imports {dst} (layer {order[dst]} >= {order[src]})" for src, dst in pairs
-            if src != dst and order[dst] >= order[src]]
+def forbidden(pairs: list[tuple[str, str, str]], allow: dict[str, list[str]]) -> list[str]:
+    """The (importing package, imported package, file) triples the allow-lists do not permit."""
+    return list(dict.fromkeys(f"{where}: {src} imports {dst}, which docs/architecture.md does not allow it"
+                              for src, dst, where in pairs if src != dst and dst not in allow.get(src, ())))
+
+
+def out_of_order(allow: dict[str, list[str]]) -> list[str]:
+    """Allowed imports of a package listed at or below the importer (the list reads bottom-up)."""
+    at = {name: i for i, name in enumerate(allow)}
+    return [f"{src} may import {dst}, which is not listed above it" for src, dsts in allow.items() for dst in dsts
+            if at.get(dst, len(at)) >= at[src]]
 
 
 def package_pairs() -> list[tuple[str, str, str]]:
@@ -60,17 +84,23 @@ def package_pairs() -> list[tuple[str, str, str]]:
     return out
 
 
-def test_every_package_has_a_layer():
-    order = layers()
-    packages = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
-                if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
-    assert packages <= set(order), f"add {sorted(packages - set(order))} to the layer list in docs/architecture.md"
+def test_every_package_is_listed_once():
+    allow, have = allowed(), packages()
+    assert have <= set(allow), f"add {sorted(have - set(allow))} to the imports list in docs/architecture.md"
+    assert set(allow) <= have, f"{sorted(set(allow) - have)} in docs/architecture.md are not packages of stalwart/"
+    named = {dst for dsts in allow.values() for dst in dsts}
+    assert named <= have, f"docs/architecture.md allows imports of {sorted(named - have)}, which do not exist"
 
 
-def test_no_import_goes_up_or_across_a_layer():
-    order = layers()
-    bad = [f"{where}: {v}" for src, dst, where in package_pairs() for v in violations([(src, dst)], order)]
+def test_every_import_is_allowed():
+    bad = forbidden(package_pairs(), allowed())
     assert bad == [], "\n".join(bad)
+
+
+def test_the_allow_lists_go_one_way_down():
+    allow = allowed()
+    assert _cycles({src: set(dsts) for src, dsts in allow.items()}) == []
+    assert out_of_order(allow) == []
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -105,9 +135,16 @@ def test_no_file_imports_in_a_circle():
 
 
 def test_the_checkers_catch_what_they_should():
-    """The rules are not vacuous: an upward or sideways import and a circle are reported."""
-    order = layers()
-    assert violations([("config", "train"), ("checkpoint", "observe"), ("train", "ft")], order) == [
-        f"config imports train (layer {order['train']} >= {order['config']})",
-        f"checkpoint imports observe (layer {order['observe']} >= {order['checkpoint']})"]
+    """The rules are not vacuous: a forbidden import, allow-lists in a circle or out of order, and a
+    file circle are reported."""
+    allow = allowed()
+    assert "train" not in allow["planner"] and "train" not in allow["sim"]
+    assert forbidden([("planner", "train", "stalwart/planner/x.py"), ("train", "ft", "stalwart/train/y.py")],
+                     allow) == ["stalwart/planner/x.py: planner imports train, which docs/architecture.md does "
+                                "not allow it"]
+    looped = parse_allowed("<!-- imports: x -->\n- `a` — may import nothing — base\n- `b` — may import `a` `c` — "
+                           "middle\n- `c` — may import `b` — top\n<!-- /imports -->")
+    assert looped == {"a": [], "b": ["a", "c"], "c": ["b"]}
+    assert _cycles({src: set(dsts) for src, dsts in looped.items()}) == [["b", "c", "b"]]
+    assert out_of_order(looped) == ["b may import c, which is not listed above it"]
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
