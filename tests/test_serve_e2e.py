@@ -7,8 +7,11 @@ The API's finer points run against an in-process server in test_serve_app.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from conftest import REPO, TINY_RUN, cli_env, run_cli
 
@@ -44,7 +48,7 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
 class Server:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.port_file = tmp / f"port-{time.monotonic_ns()}"
-        self.log = open(tmp / "server.log", "a+")
+        self.log = open(tmp / f"server-{self.port_file.name}.log", "a+")  # this server's output only
         self.proc = subprocess.Popen([sys.executable, "-m", "stalwart", "serve", *args, "--port", "0",
                                       "--port-file", str(self.port_file)], env=cli_env(), cwd=REPO,
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -64,14 +68,54 @@ class Server:
         r = self.client.completions.create(model=None, prompt=prompts, max_tokens=max_tokens, temperature=0)
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
-    def stop(self, sig: int = signal.SIGINT) -> int:
-        self.proc.send_signal(sig)
+    def stop(self, sig: int = signal.SIGINT, everyone: bool = False) -> int:
+        """Signal the command (as a Ctrl-C at its terminal does), or ``everyone``: every process of the
+        server at once (as a service manager stopping its cgroup does); its exit status."""
+        for pid in process_tree(self.proc.pid) if everyone else [self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
         return self.proc.wait(timeout=60)
+
+    def listening(self) -> list[str]:
+        """The addresses (host:port) every process of the server listens on (TCP, from /proc)."""
+        inodes = set()
+        for pid in process_tree(self.proc.pid):
+            with contextlib.suppress(OSError):
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(fd)
+                        if target.startswith("socket:["):
+                            inodes.add(target[8:-1])
+        found = []
+        for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, a socket of ours
+                    addr, port = fields[1].split(":")
+                    raw = bytes.fromhex(addr)
+                    # /proc shows the address as 32-bit words in host (little-endian) order.
+                    host = socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6,
+                                            b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4)))
+                    found.append(f"{host}:{int(port, 16)}")
+        return found
 
     def update(self, source: Path, **fields) -> dict:
         r = httpx.post(self.url + "/v1/weights", json={"source": str(source), **fields}, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux /proc)."""
+    parents = {}
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if p.name.isdigit():
+                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    tree = [pid]
+    for p in tree:
+        tree += [child for child, parent in parents.items() if parent == p]
+    return tree
 
 
 def generate(run: Path, prompt: str, n: int) -> str:
@@ -170,6 +214,10 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert one.stop() == 0
     tp = Server(tmp_path, "--run", str(a), "--tp", "2")
     try:
+        # Every socket the group listens on is on loopback (the HTTP one follows --host, 127.0.0.1 here):
+        # the launcher's rendezvous store, the group's store, gloo's connections.
+        listening = tp.listening()
+        assert len(listening) >= 4 and all(a.startswith("127.0.0.1:") for a in listening), listening
         assert tp.greedy(prompts) == expected
         assert tp.greedy(prompts[:1]) == expected[:1] and tp.greedy(prompts[:4]) == expected[:4]
         # Weight updates over both processes: from a run directory, then from one of a run's checkpoints.
@@ -180,9 +228,11 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         r = tp.client.completions.create(model=None, prompt=prompts[:4], max_tokens=8, temperature=0)
         assert [c.text for c in r.choices] == expected[:4] and r.system_fingerprint == "stalwart-weights-v2"
     finally:
-        # SIGTERM stops the group quietly: no launcher traceback, no warning from a rank.
-        assert tp.stop(signal.SIGTERM) == 0, tp.output()
-        assert "Traceback" not in tp.output() and "unwaited" not in tp.output(), tp.output()
+        # SIGINT to every process of the group at once stops it quietly, as one process: the start line
+        # and "stopped", exit status 0 (no launcher or rank traceback, no warning from a rank).
+        assert tp.stop(signal.SIGINT, everyone=True) == 0, tp.output()
+        lines = tp.output().splitlines()
+        assert len(lines) == 2 and "tp=2" in lines[0] and lines[1] == "stalwart serve: stopped", tp.output()
     # The exported Hugging Face directory, pipeline-split over two processes.
     run_cli("export", "--run", str(a), "--format", "hf", "--out", str(tmp_path / "hf"))
     pp = Server(tmp_path, "--hf", str(tmp_path / "hf"), "--pp", "2")
@@ -191,7 +241,10 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert pp.update(b)["weight_version"] == 1
         assert pp.greedy(prompts[:8]) == expected_b[:8]
     finally:
-        assert pp.stop() == 0, pp.output()
+        # SIGTERM to the command: the group stops in order, quietly.
+        assert pp.stop(signal.SIGTERM) == 0, pp.output()
+        assert pp.output().splitlines()[-1] == "stalwart serve: stopped", pp.output()
+        assert "Traceback" not in pp.output(), pp.output()
     routed = Server(tmp_path, "--run", str(a), "--replicas", "2")
     try:
         results: dict[int, str] = {}
@@ -257,3 +310,19 @@ def test_bad_command_lines_exit_2_with_one_line(runs, tmp_path):
             r = run_cli("serve", *args, check=False, timeout=120)
             assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
             assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is no error here")
+def test_a_device_this_machine_lacks_is_one_line(runs):
+    """`serve` (checked before any process starts, one process or a group) and `generate` refuse a
+    device the machine lacks in one line naming the setting, exit 2."""
+    a, _ = runs
+    cases = {("serve", "--run", str(a), "--device", "cuda"): "--device cuda: ",
+             ("serve", "--run", str(a), "--tp", "2", "--device", "cuda"): "--device cuda: ",
+             ("serve", "--run", str(a), "--engine.device", "cuda"): "engine.device cuda: ",
+             ("generate", "--run", str(a), "--device", "cuda"): "--device cuda: "}
+    for args, message in cases.items():
+        r = run_cli(*args, check=False, timeout=120)
+        assert r.returncode == 2 and message in r.stderr and r.stdout == "", (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

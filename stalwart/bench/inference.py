@@ -26,6 +26,7 @@ from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams
 from stalwart.models.flavors import FLAVORS
 from stalwart.models.llama import Transformer
+from stalwart.runtime.device import DEVICES, accelerator_name, resolve_device, synchronize
 
 
 @dataclass
@@ -73,12 +74,15 @@ def run_engine(model: Transformer, reqs: list[Req], cfg: EngineConfig) -> Result
 
 
 class _Clock:
-    """A logits processor that only records when each decoding step of a batch happened."""
+    """A logits processor that only records when each decoding step of a batch happened (once the
+    device has finished it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
+        synchronize(self.device)
         self.times.append(time.perf_counter())
         return scores
 
@@ -86,6 +90,7 @@ class _Clock:
 def run_hf(hf, reqs: list[Req], batch: int) -> Result:
     from transformers import LogitsProcessorList
 
+    device = hf.device
     start = time.perf_counter()
     ttft, tpot, tokens = [], [], 0
     for b in range(0, len(reqs), batch):
@@ -96,10 +101,11 @@ def run_hf(hf, reqs: list[Req], batch: int) -> Result:
         for i, r in enumerate(group):  # left padding, as decoder-only generation needs
             ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt):] = 1
-        clock = _Clock()
+        clock = _Clock(device)
         steps = max(r.out for r in group)
-        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                    logits_processor=LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None)
+        hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
+                    min_new_tokens=steps, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                    pad_token_id=0, eos_token_id=None)
         t = [x - start for x in clock.times]
         for r in group:
             ttft.append(t[0])
@@ -137,14 +143,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workloads", default="batch 1,batch 32,mixed")
     p.add_argument("--hf-batch", type=int, default=32, help="static batch size of transformers on the mixed trace")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where both run (auto = cuda if available)")
     a = p.parse_args(argv)
+    device = resolve_device(a.device)
     torch.set_grad_enabled(False)
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} thread(s); greedy, fp32, CPU")
+    where = accelerator_name(device) or f"{device.type}, {torch.get_num_threads()} thread(s)"
+    print(f"# torch {torch.__version__}, {where}; greedy, fp32")
     print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<13} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9}   (ms)")
     for spec in a.flavors.split(","):
         flavor, vocab = spec.split(":")
         model, hf = build(flavor, int(vocab))
+        model, hf = model.to(device), hf.to(device)
         loads = workloads(int(vocab))
         for name in a.workloads.split(","):
             reqs = loads[name]

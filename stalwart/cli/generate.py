@@ -7,6 +7,7 @@ from pathlib import Path
 
 from stalwart.checkpoint.run_checkpoint import load_run_model
 from stalwart.config.arguments import ArgumentParser
+from stalwart.runtime.device import DEVICES, resolve_device
 
 
 def main(argv: list[str]) -> int:
@@ -18,6 +19,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="0 = no top-k filtering")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the model runs (auto = cuda if available); the same seed draws the same tokens "
+                        "anywhere up to the device's arithmetic, since sampling runs on the host")
     a = p.parse_args(argv)
     if a.max_new_tokens < 0:
         p.error(f"--max-new-tokens must be at least 0 (got {a.max_new_tokens})")
@@ -33,7 +37,9 @@ def main(argv: list[str]) -> int:
     from stalwart.generate import sample
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    device = resolve_device(a.device)  # a device this machine lacks: one line, before reading anything
     model, tok, cfg, path = load_run_model(Path(a.run), a.checkpoint)
+    model.to(device)
     prompt_ids = tok.encode(a.prompt, add_special_tokens=False).ids
     ids = sample(model, prompt_ids, a.max_new_tokens, model.args.max_seq_len, a.temperature, a.top_k,
                  seed=a.seed, eos=eos_id(tok))

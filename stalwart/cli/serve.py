@@ -1,5 +1,6 @@
-"""`stalwart serve`: one replica in this process, a torchrun group per tensor-parallel replica, or
-several replicas behind a least-loaded router; `--plan` prints a placement and exits."""
+"""`stalwart serve`: one replica in this process, a process group per tensor/pipeline-parallel replica
+(serve/launcher.py: torch's elastic agent, every socket on loopback), or several replicas behind a
+least-loaded router; `--plan` prints a placement and exits."""
 
 from __future__ import annotations
 
@@ -12,22 +13,19 @@ import tempfile
 from pathlib import Path
 
 from stalwart.procs import die_with_parent
+from stalwart.runtime.device import check_device, is_accelerator
 from stalwart.serve.http import bind
-from stalwart.serve.options import parse, usage
+from stalwart.serve.options import device_setting, parse, usage
 
 
 def replica_command(argv: list[str], procs: int, port_file: Path | None) -> list[str]:
-    """The command line of one replica: itself if it is one process, else a torchrun group on loopback."""
-    from stalwart.comm.launch import free_port
-
+    """The command line of one replica: itself if it is one process, else the group launcher."""
     args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file and "--port-file" not in argv
                                          else [])
     if procs == 1:
         return [sys.executable, "-m", "stalwart.serve.replica", *args]
-    # "--" ends torchrun's own options (it would take --run for its --run-path).
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "stalwart.serve.replica",
-            "--", *args]
+    # "--" ends the launcher's (torchrun's) own options (it would take --run for its --run-path).
+    return [sys.executable, "-m", "stalwart.serve.launcher", str(procs), "--", *args]
 
 
 def main(argv: list[str]) -> int:
@@ -43,13 +41,17 @@ def main(argv: list[str]) -> int:
     from stalwart.infer.load import check_layout, read_args
 
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
+    procs = layout.tp * layout.pp
+    # A device the machine lacks (or too few GPUs: one per process) is one line now, not a failed group.
+    kind = check_device(cfg.engine.device, procs * layout.replicas, device_setting(argv))
+    if is_accelerator(kind):  # 'auto' too: one GPU per process, or one line now rather than a failed rank
+        check_device(kind, procs * layout.replicas, device_setting(argv))
     # A bad host or a taken port is one line now, not a failed group of processes.
     bind(cfg.server.host, cfg.server.port).close()
-    procs = layout.tp * layout.pp
     if layout.replicas == 1 and procs == 1:
         from stalwart.serve.replica import run_replica
 
-        return run_replica(cfg, source, port_file)
+        return run_replica(cfg, source, port_file, device_setting(argv))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if layout.replicas == 1:
         return _run_until_stopped(replica_command(argv, procs, port_file), env)
@@ -59,7 +61,8 @@ def main(argv: list[str]) -> int:
         inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
                                 "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
         files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
-        children = [_start(replica_command(inner, procs, f), env) for f in files]
+        children = [_start(replica_command(inner, procs, f), replica_env(env, kind, i, procs))
+                    for i, f in enumerate(files)]
         try:
             return run_router(cfg, source.name, children, files, port_file)
         finally:
@@ -79,44 +82,33 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0)
 
 
-def stop_replica(proc: subprocess.Popen, force: bool = False) -> None:
-    """Ask a replica to stop gracefully with SIGTERM.
+def replica_env(env: dict[str, str], kind: str, index: int, procs: int) -> dict[str, str]:
+    """Replica ``index``'s environment: on an accelerator, its own ``procs`` GPUs of those visible (the
+    preflight checked there are enough), so each replica's local ranks 0.. are different GPUs."""
+    if not is_accelerator(kind):
+        return env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range((index + 1) * procs)]
+    return dict(env, CUDA_VISIBLE_DEVICES=",".join(ids[index * procs:(index + 1) * procs]))
 
-    A one-process replica gets it itself. In a torchrun group rank 0 gets it: it stops serving, tells
-    the other ranks to stop, and torchrun ends when they have, quietly (torchrun itself answers a
-    signal with a traceback). ``force``, or no rank 0 found (yet): torchrun gets it.
-    """
-    target = None if force else _rank0_of(proc.pid)
+
+def stop_replica(proc: subprocess.Popen) -> None:
+    """Ask a replica to stop with SIGTERM: a one-process replica stops serving gracefully; a group's
+    launcher has rank 0 stop serving and tell the other ranks to stop (serve/launcher.py), and takes a
+    second SIGTERM as a forced stop. Either ends quietly, with exit status 0."""
     with contextlib.suppress(ProcessLookupError):
-        os.kill(target if target is not None else proc.pid, signal.SIGTERM)
-
-
-def _rank0_of(pid: int) -> int | None:
-    """The child of process ``pid`` that torchrun started as rank 0, if it runs (Linux /proc)."""
-    try:
-        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (task / "children").read_text().split()]
-    except (OSError, ValueError):
-        return None
-    for child in children:
-        try:
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"RANK=0" in environ and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in environ):
-            return child
-    return None
+        os.kill(proc.pid, signal.SIGTERM)
 
 
 def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
-    """Run a torchrun group; SIGINT/SIGTERM here stops it in order (a second one forcibly), and a stop
-    asked for is exit 0."""
+    """Run a replica's process group; SIGINT/SIGTERM here stops it in order (a second one forcibly), and a
+    stop asked for is exit 0."""
     child = _start(cmd, env)
     asked: list[int] = []
 
     def forward(sig, _frame) -> None:
         asked.append(sig)
-        stop_replica(child, force=len(asked) > 1)
+        stop_replica(child)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

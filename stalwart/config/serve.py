@@ -26,6 +26,10 @@ class EngineConfig:
                            "when a matrix has 1-3 rows, or an odd number under 10 on two threads). 1 = off: "
                            "faster at small batches, equal tokens but not equal bits. 8 = bitwise.", 1, min=1)
     dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "Where the weights, the KV cache and the forward pass live ('auto' = cuda if available; a device this "
+        "machine lacks is refused before any process starts; one GPU per process). Sampling runs on the host "
+        "either way, so a seed draws the same tokens on any device. `--device` sets it too.", "auto")
 
 
 @dataclass

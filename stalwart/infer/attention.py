@@ -48,13 +48,13 @@ class StepLayout:
     decode: DecodeGroup | None = None
 
 
-def decode_group(spans: list[Span]) -> DecodeGroup:
+def decode_group(spans: list[Span], device: torch.device) -> DecodeGroup:
     longest = max(s.context.numel() for s in spans)
-    context = torch.zeros(len(spans), longest, dtype=torch.long)
+    context = torch.zeros(len(spans), longest, dtype=torch.long, device=device)
     for i, s in enumerate(spans):
         context[i, :s.context.numel()] = s.context
-    return DecodeGroup(torch.tensor([s.q_start for s in spans]), context,
-                       torch.tensor([s.context.numel() for s in spans]))
+    return DecodeGroup(torch.tensor([s.q_start for s in spans], device=device), context,
+                       torch.tensor([s.context.numel() for s in spans], device=device))
 
 
 class StepContext:
@@ -128,7 +128,7 @@ class PagedAttention(nn.Module):
         shape = (*group.context.shape, *kc.shape[1:])  # (batch, max_ctx, kv_heads, head_dim)
         kk = kc.index_select(0, group.context.flatten()).view(shape).transpose(1, 2)
         vv = vc.index_select(0, group.context.flatten()).view(shape).transpose(1, 2)
-        k_pos = torch.arange(group.context.shape[1])
+        k_pos = torch.arange(group.context.shape[1], device=kc.device)
         allowed = k_pos[None, :] < group.lengths[:, None]  # (batch, max_ctx)
         if self.sliding_window > 0:
             allowed &= k_pos[None, :] >= group.lengths[:, None] - self.sliding_window

@@ -24,6 +24,7 @@ from stalwart.infer.blocks import BlockPool
 from stalwart.infer.sampling import Choice, SamplingParams, sample_row
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
 from stalwart.infer.text import TextTail
+from stalwart.runtime.device import HOST
 
 
 class RequestError(UserError, ValueError):
@@ -74,17 +75,18 @@ class Batch:
     spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
     rows: list[int]  # stream offsets whose logits are needed
 
-    def layout(self, block_size: int, group_decodes: bool) -> StepLayout:
-        """The attention layout; with ``group_decodes``, sequences decoding one token share one call."""
+    def layout(self, block_size: int, group_decodes: bool, device: torch.device) -> StepLayout:
+        """The attention layout, its index tensors on ``device`` (the cache's); with ``group_decodes``,
+        sequences decoding one token share one call."""
         spans, slots = [], []
         for q_start, q_len, ctx, blocks in self.spans:
-            context = context_slots(blocks, block_size, ctx)
+            context = context_slots(blocks, block_size, ctx).to(device)
             slots.append(context[ctx - q_len:])
-            spans.append(Span(q_start, q_len, context, torch.arange(ctx - q_len, ctx)))
+            spans.append(Span(q_start, q_len, context, torch.arange(ctx - q_len, ctx, device=device)))
         decodes = [s for s in spans if s.q_len == 1] if group_decodes else []
         if len(decodes) < 2:
             return StepLayout(torch.cat(slots), spans)
-        return StepLayout(torch.cat(slots), [s for s in spans if s.q_len != 1], decode_group(decodes))
+        return StepLayout(torch.cat(slots), [s for s in spans if s.q_len != 1], decode_group(decodes, device))
 
 
 class Engine:
@@ -98,14 +100,17 @@ class Engine:
         self.link = link  # infer.group.StepLink when several processes, else None
         self.pipe = pipe  # infer.group.PipeLink when pipeline parallel, else None
         self.weight_version = weight_version
-        dtype = next(model.parameters()).dtype
+        weight = next(model.parameters())
+        dtype = weight.dtype
         self.dtype = dtype
+        # The model's device holds the cache and runs the step; sampling reads the logits on the host.
+        self.device = weight.device
         kv_heads = self.args.n_kv_heads // tp_size
         # Every stage sizes its cache for the largest stage, so all ranks agree on the block count.
         stage_layers = -(-self.args.n_layers // (pipe.stages if pipe else 1))
         per_token = 2 * stage_layers * kv_heads * self.args.head_dim * dtype.itemsize
         num_blocks = max(1, int(cfg.kv_cache_mb * 2**20) // (per_token * cfg.block_size))
-        self.caches = [KVCache((num_blocks + 1) * cfg.block_size, kv_heads, self.args.head_dim, dtype, "cpu")
+        self.caches = [KVCache((num_blocks + 1) * cfg.block_size, kv_heads, self.args.head_dim, dtype, self.device)
                        for _ in model.layers]
         self.step_ctx = StepContext()
         install_paged_attention(model, self.caches, self.step_ctx)
@@ -176,20 +181,21 @@ class Engine:
         for piece in pieces:
             self.scheduler.commit(piece)
         outputs = []
-        for piece, row in zip(sampled, logits.float()):
+        for piece, row in zip(sampled, logits.float().to(HOST)):
             outputs.append(self._advance(self.requests[piece.seq.rid], row))
         return outputs
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits (len(batch.rows), vocab) of the requested stream offsets (None on a rank without them)."""
         m = self.model
-        positions = torch.tensor(batch.positions, dtype=torch.long)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         if m.tok_embeddings is not None:
-            x = torch.tensor([batch.tokens], dtype=torch.long)  # (1, tokens)
+            x = torch.tensor([batch.tokens], dtype=torch.long, device=self.device)  # (1, tokens)
         else:  # a later pipeline stage: the previous stage's activations (1, tokens, dim)
             x = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
         # Grouping decodes is faster but gives attention batch-dependent shapes: off in bitwise mode.
-        with self.step_ctx.use(batch.layout(self.cfg.block_size, group_decodes=self.cfg.pad_rows == 1)):
+        layout = batch.layout(self.cfg.block_size, self.cfg.pad_rows == 1, self.device)
+        with self.step_ctx.use(layout):
             h = m.hidden(x, positions)  # the model's own layers; attention reads and writes the paged cache
         logits = None
         if m.output is not None:

@@ -69,9 +69,11 @@ class StepLink:
 
 
 class PipeLink:
-    """This rank's neighbours in the pipeline (global ranks)."""
+    """This rank's neighbours in the pipeline (global ranks). Activations and logits travel on
+    ``device`` (the model's), the step messages above on the host."""
 
-    def __init__(self, rank: int, tp: int, pp: int) -> None:
+    def __init__(self, rank: int, tp: int, pp: int, device: torch.device) -> None:
+        self.device = device
         self.stage, self.tp_rank = divmod(rank, tp)
         self.stages = pp
         self.prev = rank - tp if self.stage > 0 else None
@@ -80,7 +82,7 @@ class PipeLink:
         self.rank = rank
 
     def recv_hidden(self, tokens: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-        h = torch.empty(1, tokens, dim, dtype=dtype)
+        h = torch.empty(1, tokens, dim, dtype=dtype, device=self.device)
         dist.recv(h, src=self.prev)
         return h
 
@@ -94,7 +96,7 @@ class PipeLink:
         if self.rank == self.last_leader:
             dist.send(logits.contiguous(), dst=0)
         elif self.rank == 0:
-            logits = torch.empty(rows, vocab, dtype=dtype)
+            logits = torch.empty(rows, vocab, dtype=dtype, device=self.device)
             dist.recv(logits, src=self.last_leader)
         return logits
 

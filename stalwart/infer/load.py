@@ -86,9 +86,11 @@ def check_layout(a: TransformerArgs, tp: int, pp: int) -> None:
         raise UserError(f"--pp {pp} exceeds the model's {a.n_layers} layers")
 
 
-def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None, stage: int = 0, stages: int = 1) -> nn.Module:
-    """The model with the loaded weights, in ``dtype``: pipeline stage ``stage`` of ``stages`` (the
-    trainer's split), its heads and MLP units split over ``tp_mesh`` if given."""
+def build_model(loaded: Loaded, dtype: torch.dtype, device: torch.device, tp_mesh=None, stage: int = 0,
+                stages: int = 1) -> nn.Module:
+    """The model with the loaded weights, in ``dtype`` on ``device``: pipeline stage ``stage`` of
+    ``stages`` (the trainer's split), its heads and MLP units split over ``tp_mesh`` (a mesh on
+    ``device``'s type) if given."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     a = loaded.args
     check_layout(a, tp, stages)
@@ -101,6 +103,7 @@ def build_model(loaded: Loaded, dtype: torch.dtype, tp_mesh=None, stage: int = 0
         from stalwart.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, tp_mesh, loss_parallel=False, sequence_parallel=False)
+    model.to(device)  # what tensor parallelism did not already place on its mesh's device
     copy_full_state(model, loaded.state)
     model.to(dtype)
     return model.eval()

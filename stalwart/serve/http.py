@@ -31,6 +31,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, for which every SIGINT/SIGTERM asks for the graceful shutdown (bounded by
+    ``timeout_graceful_shutdown``). uvicorn's own forces an exit on a SIGINT after another signal, which
+    cancels the app's lifespan with a traceback; in a tensor-parallel group one stop can reach rank 0
+    more than once (from the terminal, the launcher, the command), and all of them mean the same."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.should_exit = True
+
+
 def serve(app, host: str, port: int, what: str, port_file: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and shuts down gracefully)."""
     sock = bind(host, port)
@@ -41,11 +51,12 @@ def serve(app, host: str, port: int, what: str, port_file: Path | None = None) -
     if port_file is not None:
         write_text_atomic(port_file, str(actual))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that was
-    # installed before it: make that a no-op, so a requested shutdown ends with exit status 0.
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    server = _GracefulServer(config)
+    # Also before uvicorn listens to the signals (a stop asked for during its start-up stops it) and after
+    # (a stop during its shutdown changes nothing). A stop asked for is exit status 0.
+    previous = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -10,7 +10,8 @@ from stalwart.config.serve import ServeConfig
 from stalwart.infer.load import Source
 
 USAGE = """usage: stalwart serve (--run RUN_DIR [--checkpoint DIR] | --hf DIR) [--host 127.0.0.1] [--port P]
-                      [--tp N] [--pp N] [--replicas N] [--config FILE] [--section.key VALUE ...]
+                      [--tp N] [--pp N] [--replicas N] [--device auto|cpu|cuda] [--config FILE]
+                      [--section.key VALUE ...]
        stalwart serve --plan [--model.flavor F] [--hosts.preset P] [--target.kind latency|throughput] ...
 
 Serves a run's newest checkpoint (any training layout) or an exported Hugging Face directory over an
@@ -21,12 +22,17 @@ swap weights without a restart. Listens on 127.0.0.1 unless --host says otherwis
 
 # CLI-contract flags -> config keys
 ALIASES = {"--host": "server.host", "--port": "server.port", "--tp": "layout.tp", "--pp": "layout.pp",
-           "--replicas": "layout.replicas"}
+           "--replicas": "layout.replicas", "--device": "engine.device"}
 PATH_FLAGS = ("--run", "--hf", "--checkpoint", "--config", "--port-file")
 
 
 def usage() -> str:
     return USAGE + "\n\nConfiguration (TOML [section] key = value, or --section.key VALUE):\n" + help_text(ServeConfig)
+
+
+def device_setting(argv: list[str]) -> str:
+    """How the user named the device, for a one-line error: the flag if given, else the config key."""
+    return "--device" if any(a == "--device" or a.startswith("--device=") for a in argv) else "engine.device"
 
 
 def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None]:

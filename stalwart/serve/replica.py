@@ -1,13 +1,13 @@
 """One model replica: load, split over the tensor-parallel group, run the engine, serve HTTP on rank 0.
 
-With one process it runs in the `stalwart serve` process itself; with ``--tp N --pp M`` torchrun
-starts N x M copies of ``python -m stalwart.serve.replica`` and rank 0 serves while the others follow
-its steps (``infer/group.py``).
+With one process it runs in the `stalwart serve` process itself; with ``--tp N --pp M`` torch's
+elastic agent (``serve/launcher.py``) starts N x M copies of ``python -m stalwart.serve.replica`` and
+rank 0 serves while the others follow its steps (``infer/group.py``). The device and the process group
+come from the runtime (``engine.device``; the group's store on loopback).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -17,12 +17,16 @@ from stalwart.errors import UserError
 from stalwart.infer.load import Source
 from stalwart.procs import die_with_parent
 
+IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a follower rank waits this long for rank 0's next step
 
-def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None) -> int:
+
+def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
+                device_setting: str = "engine.device") -> int:
     import torch
 
     from stalwart.infer.engine import Engine
     from stalwart.infer.load import build_model, read_source, source_from
+    from stalwart.runtime.device import resolve_device
     from stalwart.serve.app import create_app
     from stalwart.serve.http import serve
     from stalwart.serve.loop import EngineLoop
@@ -33,23 +37,24 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
     if world != tp * pp:
         raise UserError(f"this replica has {world} processes but layout.tp x layout.pp = {tp * pp}")
     tp_mesh = link = pipe = None
+    stops = _note_stop_signals() if rank != 0 else []
     if world > 1:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
         from stalwart.infer.group import PipeLink, StepLink
+        from stalwart.runtime.group import device_mesh, init_from_env
 
         # An idle server waits in a broadcast for the next step for as long as it is idle.
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=30))
-        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+        device = init_from_env(cfg.engine.device, IDLE_TIMEOUT_S, device_setting).device
+        mesh = device_mesh(device, (pp, tp), ("pp", "tp"))
         tp_mesh = mesh["tp"] if tp > 1 else None
         link = StepLink()
-        pipe = PipeLink(rank, tp, pp) if pp > 1 else None
+        pipe = PipeLink(rank, tp, pp, device) if pp > 1 else None
+    else:
+        device = resolve_device(cfg.engine.device, 0, device_setting)
     try:
         torch.set_grad_enabled(False)
         loaded = read_source(source)
         dtype = getattr(torch, cfg.engine.dtype)
-        model = build_model(loaded, dtype, tp_mesh, rank // tp, pp)
+        model = build_model(loaded, dtype, device, tp_mesh, rank // tp, pp)
         engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg.engine, tp_size=tp, link=link, pipe=pipe)
 
         def load(where: str) -> dict:
@@ -63,26 +68,41 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None)
         name = cfg.server.model_name or source.name
         loop = EngineLoop(engine, link, load).start()
         try:
-            what = (f"{name} ({loaded.origin}; tp={tp} pp={pp}, {engine.pool.num_blocks} KV blocks of "
-                    f"{cfg.engine.block_size} tokens)")
+            what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
+                    f"blocks of {cfg.engine.block_size} tokens)")
             serve(create_app(loop, name), cfg.server.host, cfg.server.port, what, port_file)
         finally:
             loop.stop()
         return 0
+    except Exception:
+        if stops:  # rank 0 went away while the group was being stopped: nothing failed
+            return 0
+        raise
     finally:
-        if world > 1:
-            import torch.distributed as dist
+        from stalwart.runtime.group import leave
 
-            dist.destroy_process_group()
+        leave()
+
+
+def _note_stop_signals() -> list[int]:
+    """A rank other than 0 leaves stopping to rank 0: SIGINT/SIGTERM are noted (in the list returned),
+    not acted on. Rank 0, stopped by the same signal or by the launcher, tells this rank to stop."""
+    import signal
+
+    noted: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _frame: noted.append(s))
+    return noted
 
 
 def main(argv: list[str]) -> int:
-    """Entry of a replica process started by `stalwart serve` (alone or under torchrun)."""
-    from stalwart.serve.options import parse
+    """Entry of a replica process started by `stalwart serve` (alone, or as one rank of serve/launcher.py's group)."""
+    from stalwart.serve.options import device_setting, parse
 
     die_with_parent()
-    cfg, source, port_file = parse(argv[1:] if argv[:1] == ["--"] else argv)
-    return run_replica(cfg, source, port_file)
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    cfg, source, port_file = parse(argv)
+    return run_replica(cfg, source, port_file, device_setting(argv))
 
 
 if __name__ == "__main__":
@@ -91,3 +111,5 @@ if __name__ == "__main__":
     except UserError as e:
         print(f"stalwart serve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before serving began (while loading): nothing to shut down
+        sys.exit(130)
