@@ -5,6 +5,7 @@ a lost generator fails only its own link."""
 
 from __future__ import annotations
 
+import json
 import os
 import traceback
 from pathlib import Path
@@ -148,3 +149,19 @@ def test_buckets_split_large_tensors_and_cover_every_byte():
     assert len(buckets) == len(manifest["buckets"])
     with pytest.raises(ValueError):
         plan_buckets(pieces, 0)
+
+
+@pytest.mark.e2e
+def test_weight_sync_bench_compares_both_paths_and_the_direct_one_skips_the_controller(tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "rows.json"
+    p = run_cli("bench", "weight-sync", "--flavor", "debug", "--repeats", "1", "--json", str(out), timeout=300)
+    rows = {r["path"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"via-controller", "direct"} and all(r["weights_match"] for r in rows.values())
+    weights_bytes = rows["via-controller"]["controller_bytes"]
+    assert weights_bytes > 2 * 4 * 100_000  # the debug model's weights, in and out of the controller
+    assert rows["direct"]["controller_bytes"] < 2048 and rows["direct"]["seconds"] > 0, p.stdout
+    assert "| direct |" in p.stdout
+    bad = run_cli("bench", "weight-sync", "--repeats", "0", check=False)
+    assert bad.returncode == 2 and "--repeats" in bad.stderr and "Traceback" not in bad.stderr

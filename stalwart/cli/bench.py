@@ -17,9 +17,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "data": ("stalwart.bench.data", "data prepare MB/s and tokens/s vs tokenizers, loader tokens/s, RSS, first batch"),
     "sandbox": ("stalwart.bench.sandbox", "reward sandbox: programs scored per second, serial and threaded"),
     "observe": ("stalwart.bench.observe_overhead", "observability hot path (phase timer, flight recorder) as % of a step"),
+    "weight-sync": ("stalwart.bench.weight_sync", "RL weight sync trainers -> generators: direct vs via the controller"),
 }
 # benchmark -> the module an optional extra provides that it needs (checked before it is imported)
-NEEDS: dict[str, str] = {"inference": "transformers"}
+NEEDS: dict[str, str] = {"inference": "transformers", "weight-sync": "monarch"}
 
 
 def main(argv: list[str]) -> int:
