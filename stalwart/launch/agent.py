@@ -163,7 +163,7 @@ def _root_cause(failures: dict, paths: RunPaths, since: float, injected: list[di
 
 
 @contextlib.contextmanager
-def _patched_agent(factory):
+def patched_agent(factory):
     """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments), and the
     rendezvous store listen on its endpoint's address only."""
     from torch.distributed.launcher import api
@@ -191,7 +191,7 @@ class _DropMessage:
 
 
 @contextlib.contextmanager
-def _quiet_process_logs():
+def quiet_process_logs():
     """torch logs every worker it stops and every failed exit with a traceback-like block; the
     supervisor reports the root cause itself, in one line."""
     import logging
@@ -251,7 +251,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
 
     code = EXIT_OK
     try:
-        with _patched_agent(factory), _quiet_process_logs():
+        with patched_agent(factory), quiet_process_logs():
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         sup = holder.get("sup")

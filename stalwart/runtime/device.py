@@ -44,7 +44,7 @@ def check_device(requested: str, local_processes: int = 1, setting: str = "--dev
     if requested not in DEVICES:
         raise UserError(f"{setting} must be one of {', '.join(DEVICES)} (got {requested!r})")
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else HOST.type
+        requested = "cuda" if torch.cuda.is_available() else HOST.type
     if requested != HOST.type:
         if not torch.cuda.is_available():
             build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device is visible"

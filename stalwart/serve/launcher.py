@@ -59,7 +59,7 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
     from torch.distributed.run import config_from_args, get_args_parser
 
     # NOTE: the store patch and the log filter are the training launcher's (one copy of each).
-    from stalwart.launch.agent import _patched_agent, _quiet_process_logs
+    from stalwart.launch.agent import patched_agent, quiet_process_logs
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -79,7 +79,7 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, before_workers)
     try:
-        with _patched_agent(OrderedStopAgent), _quiet_process_logs():
+        with patched_agent(OrderedStopAgent), quiet_process_logs():
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except SignalException:  # a forced stop: torch has stopped the workers
         return 0
