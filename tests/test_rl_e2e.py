@@ -195,3 +195,28 @@ def test_a_device_the_machine_lacks_is_one_line_before_any_actor(tmp_path):
     assert "Monarch" not in p.stdout + p.stderr and not (tmp_path / "x").exists()
     p = run_cli("rl", "--config", "rl_code", "--workers.device", "tpu", "--run.dir", str(tmp_path / "y"), check=False)
     assert p.returncode == 2 and "workers.device" in p.stderr and not (tmp_path / "y").exists()
+
+
+def test_async_run_survives_a_generator_and_a_trainer_killed_while_weights_are_in_flight(tmp_path):
+    """In async mode a weight sync is queued behind the generations sent before it: a generator killed
+    then is replaced and brought to the trainers' newest version, pieces sent to the dead one go to its
+    replacement, and a trainer killed later is recovered from the trainers' own snapshots (two FSDP
+    ranks: the replacement reads its shard from its snapshot) while syncs are pending."""
+    run = tmp_path / "async-hurt"
+    args = [*TINY, "--rl.mode", "async", "--rl.logprobs", "engine", "--rl.steps", "5", "--rl.max_tokens", "48",
+            "--workers.generators", "2", "--workers.trainers", "2", "--parallelism.data_parallel", "shard"]
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", *args, "--run.dir", str(run)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed: list = []
+    killer = threading.Thread(target=_kill_when, args=(run, [(2, "generator"), (3, "trainer")], killed, proc))
+    killer.start()
+    out, _ = proc.communicate(timeout=400)
+    killer.join()
+    assert proc.returncode == 0, out[-4000:]
+    assert [k[1] for k in killed] == ["generator", "trainer"]
+    steps = _rl_steps(run)
+    assert sorted(steps) == [1, 2, 3, 4, 5] and all(m["staleness_max"] <= 1 for m in steps.values())
+    s = json.loads((run / "summary.json").read_text())
+    assert s["groups_trained"] == 5 * 4 and s["replacements"]["generator"] == 1 and s["replacements"]["trainer"] == 1
+    rec = [e for e in _events(run) if e["event"] == "rl_trainer_recovered"]
+    assert len(rec) == 1 and rec[0]["survivors"] == [1] and rec[0]["source"] == "snapshot"

@@ -132,6 +132,19 @@ def plan_buckets(pieces: list[Piece], bucket_bytes: int) -> tuple[dict, list[lis
     return {"tensors": tensors, "chunks": chunks, "buckets": sizes}, buckets
 
 
+def _post(links: list[Link], tensor: torch.Tensor, errors: dict[int, str]) -> list[tuple[int, object]]:
+    """Start sending ``tensor`` on every link that has not failed; a link that refuses fails alone."""
+    works = []
+    for i, link in enumerate(links):
+        if i in errors:
+            continue
+        try:
+            works.append((i, link.group.send([tensor], link.receiver, TAG)))
+        except Exception as e:  # noqa: BLE001 - a connection already closed by a lost generator
+            errors[i] = f"{type(e).__name__}: {e}"
+    return works
+
+
 def _wait_live(works: Iterable[tuple[int, object]], errors: dict[int, str]) -> None:
     for i, w in works:
         if i in errors:
@@ -156,9 +169,8 @@ def send_weights(links: list[Link], state: Mapping[str, torch.Tensor], rank: int
                           dtype=torch.int64, device=device)
     text = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     errors: dict[int, str] = {}
-    _wait_live([(i, link.group.send([header], link.receiver, TAG)) for i, link in enumerate(links)], errors)
-    _wait_live([(i, link.group.send([text], link.receiver, TAG)) for i, link in enumerate(links)
-                if i not in errors], errors)
+    _wait_live(_post(links, header, errors), errors)
+    _wait_live(_post(links, text, errors), errors)
     current, flat = -1, None  # one piece's bytes at a time (a copy only if it is not contiguous)
     inflight: deque[list] = deque()
     for b, chunks in enumerate(buckets):
@@ -167,8 +179,7 @@ def send_weights(links: list[Link], state: Mapping[str, torch.Tensor], rank: int
             if i != current:
                 current, flat = i, _bytes(pieces[i].local)
             buf[start:start + hi - lo].copy_(flat[lo:hi])
-        inflight.append([(j, link.group.send([buf], link.receiver, TAG)) for j, link in enumerate(links)
-                         if j not in errors])
+        inflight.append(_post(links, buf, errors))
         if len(inflight) > 1:  # two buckets in flight: the next is packed while this one is sent
             _wait_live(inflight.popleft(), errors)
     while inflight:

@@ -34,6 +34,7 @@ from stalwart.config.render import to_toml
 from stalwart.config.rl import RLConfig
 from stalwart.controller.journal import Journal
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
+from stalwart.controller.replay import RecoveriesExhausted
 from stalwart.errors import UserError
 from stalwart.metrics.records import EventLog, JsonlWriter
 from stalwart.paths import RunPaths
@@ -155,7 +156,7 @@ class RLDriver:
     def _context(self) -> RunContext:
         return RunContext(self.cfg, self.task, self.args, self.length, self.pad, self.journal, self.metrics,
                           self.events, self.progress, self.evaluate, self._eval_record, str(self.paths.rebalance),
-                          self.t0)
+                          self.store, self.t0)
 
     def _run(self) -> dict[str, Any]:
         cfg, svc = self.cfg, self.svc
@@ -239,6 +240,9 @@ def run_rl_job(cfg: RLConfig) -> int:
         except ActorsFailed as e:
             print(f"stalwart rl: {e}", flush=True)
             return 75
+        except RecoveriesExhausted as e:
+            print(f"stalwart rl: {e}", flush=True)
+            return e.exit_code
     print(f"stalwart rl: held-out reward {s['initial_reward_mean']:.3f} after fine-tuning -> "
           f"{s['final_reward_mean']:.3f} after {s['steps']} RL steps ({s['wall_s']:.0f} s); "
           f"summary in {RunPaths.of(cfg.run).summary}", flush=True)

@@ -96,6 +96,9 @@ class GeneratorActor(Actor):
         except (WeightSyncError, RuntimeError) as e:
             self.link_ = None
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "version": self.engine.weight_version}
+        except BaseException:  # anything else: the link is dropped all the same (the senders fail at once)
+            self.link_ = None
+            raise
         recv_s = time.perf_counter() - t0
         if reference:
             self.reference = Transformer(self.args).to(self.device).eval()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from stalwart.controller.mesh import ActorsFailed
+from stalwart.controller.replay import Recovery, RecoveryRole, Restored
 from stalwart.rl import rollout
 from stalwart.rl.balance import Layout, decide
 from stalwart.rl.services import Generators, Rewards, Trainers
@@ -53,6 +54,7 @@ class RunContext:
     evaluate: Callable[[str], dict[str, Any]]
     record_eval: Callable[[int, dict[str, Any]], None]
     rebalance_dir: str
+    store: Any                    # the controller's store (the trainers' group attempts meet on it)
     t0: float
 
 
@@ -88,11 +90,15 @@ class Stepper:
         self.ready: dict[int, tuple[list[rollout.Group], dict[str, float]]] = {}  # generated before a rebalance
         self.busy: list[tuple[float, float]] = []  # per step: generator and trainer worker-seconds
         self.syncs: list[Sync] = []                # weight syncs sent and not yet settled (async)
-        self.recoveries = 0
         self.snap_step = 0
         self.trained: dict[str, int] = {}          # gid -> the step that trained it
         self.kept: dict[int, list] = {}            # step -> the trainer rows, since the snapshot
         self.staleness_max = 0
+        tr, c = svc.trainers, run.cfg.controller
+        role = RecoveryRole(attempt=lambda: tr.attempt, rebuild=self._rebuild, restore=self._restore,
+                            replay=lambda t: tr.train(t, self.kept[t]), matched=("loss", "grad_norm"))
+        self.recovery = Recovery(tr.mesh, run.store, run.journal, role, run.events, max_recoveries=c.max_recoveries,
+                                 settle_s=c.step_timeout_s + 2.0, engine="rl_trainer")
 
     def plan(self, s: int) -> list[rollout.GroupRequest]:
         return rollout.plan_step(s, self.run_.cfg.run.seed, self.run_.task.train, self.r.prompts_per_step,
@@ -106,10 +112,11 @@ class Stepper:
             sync = self.syncs[0]
             try:
                 fig = self.svc.weights.settle(sync)
-            except ActorsFailed as e:  # a trainer failed while sending: recover, then send again
-                self.recover(e, sync.version + 1)
-                self.syncs[0] = self.svc.weights.publish(sync.version)
+            except ActorsFailed as e:  # a trainer failed while sending: recover (the trainers replay every
+                self.recover(e, sync.version)  # step the journal holds), then send what they hold now
+                self.syncs[0] = self.svc.weights.publish(self.svc.trainers.version)
                 continue
+            self.recovery.step_done(sync.version)
             self.syncs.pop(0)
         return fig
 
@@ -229,7 +236,7 @@ class Stepper:
                     steps_to.setdefault("minutes_to_0.8", (time.time() - run.t0) / 60)
         self.settle_syncs()
         run.progress.close()
-        return {"trainer_recoveries": self.recoveries, "staleness_max": self.staleness_max,
+        return {"trainer_recoveries": self.recovery.count, "staleness_max": self.staleness_max,
                 "groups_trained": len(self.trained), **steps_to}
 
     # ------------------------------------------------------------------ balancing
@@ -293,45 +300,25 @@ class Stepper:
     def _train_recovering(self, s: int, per_rank) -> dict[str, Any]:
         while True:
             try:
-                return self.svc.trainers.train(s, per_rank)
+                rec = self.svc.trainers.train(s, per_rank)
             except ActorsFailed as e:
                 self.recover(e, s)
+                continue
+            self.recovery.step_done(s)
+            return rec
 
     def recover(self, err: ActorsFailed, s: int) -> None:
-        """Replace the failed trainers, restore every trainer from its snapshot (a replacement takes its
-        shard from the snapshot's own or peer copy), replay the steps since, up to step ``s - 1``."""
-        run, tr = self.run_, self.svc.trainers
-        self.recoveries += 1
-        if self.recoveries > run.cfg.controller.max_recoveries:
-            raise err
-        failed = sorted({f.rank for f in err.failures})
-        for f in err.failures:
-            run.events("rl_worker_failure", mesh="trainer", step=s, **f.as_event())
-        run.progress.phase(f"trainer(s) {failed} failed at step {s}: replacing them and replaying from the "
-                           f"snapshot of step {self.snap_step}")
-        for rank in failed:  # a group that lost a member is dead for all: everyone rejoins
-            tr.mesh.replace(rank)
-        try:
-            tr.mesh.wait(err.pending, run.cfg.controller.step_timeout_s + 2.0, "surviving trainers")
-        except ActorsFailed:
-            pass
-        tr.warm()
+        """The failed trainers are replaced, every trainer restores its snapshot (a replacement takes its
+        shard from the snapshot's own or peer copy) and the journaled steps since are replayed and checked
+        (``controller.replay.Recovery``); the caller then retries what failed."""
+        self.run_.progress.phase(f"trainer(s) {sorted({f.rank for f in err.failures})} failed at step {s}: "
+                                 f"replacing them, replaying from the snapshot of step {self.snap_step}")
+        self.recovery.recover(err, s)
+
+    def _rebuild(self) -> None:
+        self.svc.trainers.warm()
         self._regroup_trainers()
-        restored = tr.restore()
-        applied = {e["step"]: e for e in run.journal.entries if e.get("cmd") == "applied"}
-        replayed = 0
-        for t in sorted(k for k in self.kept if restored < k < s):
-            rec = tr.train(t, self.kept[t])
-            want = applied[t]
-            if (rec["loss"], rec["grad_norm"]) != (want["loss"], want["grad_norm"]):
-                raise ReplayDiverged(f"replayed step {t} gave loss {rec['loss']!r}, grad norm {rec['grad_norm']!r}; "
-                                     f"the journal holds {want['loss']!r}, {want['grad_norm']!r}")
-            replayed += 1
-        run.journal.append("recovery", ranks=failed, step=s - 1, source="snapshot", snapshot=restored,
-                           replay=replayed)
-        run.events("rl_trainer_recovered", ranks=failed, snapshot_step=restored, replayed=replayed,
-                   attempt=tr.attempt, pids=dict(tr.pids))
 
-
-class ReplayDiverged(RuntimeError):
-    """A replayed step did not reproduce its journaled result: determinism is broken."""
+    def _restore(self) -> Restored:
+        step = self.svc.trainers.restore()
+        return Restored(step, "snapshot", {"snapshot_step": step, "pids": dict(self.svc.trainers.pids)})

@@ -25,6 +25,7 @@ class Pending:
     endpoint: Any  # the actor class's endpoint (``GeneratorActor.generate``)
     pieces: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     sent_at: float = 0.0
+    incarnations: dict[int, int] = field(default_factory=dict)  # the worker of each rank it went to
 
 
 class Pool:
@@ -46,6 +47,7 @@ class Pool:
         for rank, piece in pieces.items():
             fut = self.mesh.call(endpoint, args(piece), ranks=[rank])[rank]
             p.pieces[rank] = (fut, (piece, args))
+            p.incarnations[rank] = self.incarnation[rank]
         return p
 
     def collect(self, pending: Pending) -> dict[int, Any]:
@@ -54,12 +56,18 @@ class Pool:
         todo = dict(pending.pieces)
         while todo:
             rank, (fut, (piece, args)) = next(iter(todo.items()))
+            if pending.incarnations.get(rank, self.incarnation[rank]) != self.incarnation[rank]:
+                # its worker was replaced since (another call saw it fail): the piece goes to the new one
+                pending.incarnations[rank] = self.incarnation[rank]
+                todo[rank] = (self.mesh.call(pending.endpoint, args(piece), ranks=[rank])[rank], (piece, args))
+                continue
             try:
                 out[rank] = self.mesh.wait({rank: fut}, self.timeout_s,
                                            f"{self.kind} {self.mesh.endpoint_name(pending.endpoint)}")[rank]
                 del todo[rank]
             except ActorsFailed as e:
                 self.replace(rank, e, pending.endpoint)
+                pending.incarnations[rank] = self.incarnation[rank]
                 todo[rank] = (self.mesh.call(pending.endpoint, args(piece), ranks=[rank])[rank], (piece, args))
         return out
 

@@ -42,6 +42,7 @@ class Trainers:
         self.abandon = abandon  # gives an attempt of the group up (actors still waiting to join leave)
         self.attempt = 0
         self.epoch = 0          # bumped whenever the group is rebuilt: every weight link must be joined again
+        self.version = 0        # the step the trainers' weights are at (what a weight sync can send now)
 
     @property
     def n(self) -> int:
@@ -74,13 +75,17 @@ class Trainers:
     def build(self, phase: str, args: Any, length: int, micro_per_rank: int, steps: int) -> dict[str, Any]:
         from stalwart.rl.trainer import PolicyTrainerActor
 
-        return self._all(PolicyTrainerActor.build, (phase, args, length, micro_per_rank, steps))[0]
+        info = self._all(PolicyTrainerActor.build, (phase, args, length, micro_per_rank, steps))[0]
+        self.version = 0
+        return info
 
     def train(self, step: int, per_rank: list) -> dict[str, Any]:
         """One training step on every rank (rows per rank); rank 0's record. Raises ``ActorsFailed``."""
         from stalwart.rl.trainer import PolicyTrainerActor
 
-        return self._all(PolicyTrainerActor.train, lambda rank: (step, per_rank[rank]), self.timeouts.step_s)[0]
+        rec = self._all(PolicyTrainerActor.train, lambda rank: (step, per_rank[rank]), self.timeouts.step_s)[0]
+        self.version = step
+        return rec
 
     def snapshot(self, step: int) -> int:
         """Every rank keeps its own shard at ``step`` (in memory, a copy on a peer); bytes on rank 0."""
@@ -92,7 +97,8 @@ class Trainers:
         """Every rank loads the newest complete snapshot; its step."""
         from stalwart.rl.trainer import PolicyTrainerActor
 
-        return self._all(PolicyTrainerActor.restore)[0]["step"]
+        self.version = self._all(PolicyTrainerActor.restore)[0]["step"]
+        return self.version
 
     def save_checkpoint(self, root: str) -> str:
         from stalwart.rl.trainer import PolicyTrainerActor
@@ -102,7 +108,8 @@ class Trainers:
     def load_checkpoint(self, path: str) -> int:
         from stalwart.rl.trainer import PolicyTrainerActor
 
-        return self._all(PolicyTrainerActor.load_checkpoint, (path,))[0]["step"]
+        self.version = self._all(PolicyTrainerActor.load_checkpoint, (path,))[0]["step"]
+        return self.version
 
     def link(self, generator: int, attempt: int, generators: int) -> dict[int, Any]:
         """Every rank starts joining ``generator``'s weight link; the futures."""

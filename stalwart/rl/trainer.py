@@ -150,12 +150,17 @@ class PolicyTrainerActor(Actor):
         A link that fails is dropped and named in the reply; the others are not held up by it."""
         from stalwart.comm.weight_sync import send_weights
 
-        if version != self.done:
-            raise RuntimeError(f"trainer {self.rank} holds the weights of step {self.done}, not version {version}")
         t0 = time.perf_counter()
-        links = [self.links[g] for g in generators]
-        errors = send_weights(links, self.core.model.state_dict(), self.rank, version, reference,
-                              max(1, int(self.cfg.rl.weight_sync_bucket_mb * 2**20)))
+        try:
+            if version != self.done:
+                raise RuntimeError(f"trainer {self.rank} holds the weights of step {self.done}, not version {version}")
+            links = [self.links[g] for g in generators]
+            errors = send_weights(links, self.core.model.state_dict(), self.rank, version, reference,
+                                  max(1, int(self.cfg.rl.weight_sync_bucket_mb * 2**20)))
+        except BaseException:  # the links are dropped: the generators waiting on them fail at once
+            for g in generators:
+                self.links.pop(g, None)
+            raise
         failed = {generators[i]: e for i, e in errors.items()}
         for g in failed:
             self.links.pop(g, None)

@@ -49,11 +49,13 @@ def gather(calls: list[tuple[ActorMesh, dict[int, Any], float, str]],
            on_failure: Callable[[int, ActorsFailed], None]) -> list[dict[int, Any] | ActorsFailed]:
     """Wait for futures on several meshes at once, each within its own bound: per call, its replies, or
     the failure that ended it (a death or an endpoint error at once, a hang at its bound).
-    ``on_failure(call, failure)`` runs as soon as a call fails, so that the others can end too (the
-    failed actors are killed: their peers' transfers fail at once instead of waiting)."""
+    ``on_failure(call, failure)`` runs as soon as a call fails, so that the others can end too (a hung
+    actor is killed first, the very process the call went to: its peers' transfers then fail at once
+    instead of waiting)."""
     out: list[dict[int, Any] | ActorsFailed] = [{} for _ in calls]
     pending = [dict(futures) for _, futures, _, _ in calls]
     deadlines = [time.monotonic() + bound for _, _, bound, _ in calls]
+    pids = [dict(mesh.pids) for mesh, _, _, _ in calls]
     while any(pending):
         for i, (mesh, _, _, what) in enumerate(calls):
             if not pending[i]:
@@ -70,7 +72,8 @@ def gather(calls: list[tuple[ActorMesh, dict[int, Any], float, str]],
                 e.replies = out[i]
                 out[i], pending[i] = e, {}
                 for f in e.failures:
-                    mesh.kill(f.rank)
+                    if f.cause == "hang" and mesh.pids.get(f.rank) == pids[i].get(f.rank):
+                        mesh.kill(f.rank)
                 on_failure(i, e)
     return out
 
@@ -131,6 +134,8 @@ class WeightSync:
     def publish(self, version: int, reference: bool = False, generators: list[int] | None = None) -> Sync:
         """Start sending ``version`` (the trainers' current weights) to ``generators`` (all by default)."""
         gens = list(range(self.generators.n)) if generators is None else generators
+        if not reference:  # one brought up meanwhile may hold it already (a newer version is never sent back)
+            gens = [g for g in gens if self.installed.get(g, -1) < version]
         self.join_links(gens)
         gens = [g for g in gens if self._current(g)]
         sync = Sync(version, reference, gens, self.trainers.epoch, {g: self.pool.incarnation[g] for g in gens},
@@ -208,5 +213,5 @@ class WeightSync:
         if self.has_reference:
             self.join_links([generator])
             self.generators.load_reference(generator, self.reference_run)
-        if self.version is not None:
-            self.settle(self.publish(self.version, False, [generator]))
+        if self.version is not None:  # the trainers' weights now (trained, maybe not yet published)
+            self.settle(self.publish(self.trainers.version, False, [generator]))
