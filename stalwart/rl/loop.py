@@ -27,7 +27,7 @@ from stalwart.rl import rollout
 from stalwart.rl.balance import Layout, decide
 from stalwart.rl.services import Generators, Rewards, Trainers
 from stalwart.rl.setup import sft_rows
-from stalwart.rl.weights import Sync, WeightSync
+from stalwart.rl.weights import Sync, TrainersFailed, WeightSync
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Stepper:
     """The RL steps of one run."""
 
     def __init__(self, run: RunContext, svc: Services) -> None:
-        self.run_, self.svc = run, svc
+        self.ctx, self.svc = run, svc
         r = run.cfg.rl
         self.r = r
         self.ahead = r.max_offpolicy_steps if r.mode == "async" else 0
@@ -101,7 +101,7 @@ class Stepper:
                                  settle_s=c.step_timeout_s + 2.0, engine="rl_trainer")
 
     def plan(self, s: int) -> list[rollout.GroupRequest]:
-        return rollout.plan_step(s, self.run_.cfg.run.seed, self.run_.task.train, self.r.prompts_per_step,
+        return rollout.plan_step(s, self.ctx.cfg.run.seed, self.ctx.task.train, self.r.prompts_per_step,
                                  self.r.group_size)
 
     # ------------------------------------------------------------------ weights
@@ -112,20 +112,40 @@ class Stepper:
             sync = self.syncs[0]
             try:
                 fig = self.svc.weights.settle(sync)
-            except ActorsFailed as e:  # a trainer failed while sending: recover (the trainers replay every
+            except TrainersFailed as e:  # a trainer failed while sending: recover (the trainers replay every
                 self.recover(e, sync.version)  # step the journal holds), then send what they hold now
-                self.syncs[0] = self.svc.weights.publish(self.svc.trainers.version)
+                self.syncs[0] = self._send_current()
                 continue
             self.recovery.step_done(sync.version)
             self.syncs.pop(0)
         return fig
 
+    def _send_current(self) -> Sync:
+        """Start sending the trainers' current weights to every generator (the trainers recovered first
+        if one fails while the links are joined)."""
+        while True:
+            try:
+                return self.svc.weights.publish(self.svc.trainers.version)
+            except TrainersFailed as e:
+                self.recover(e, self.svc.trainers.version + 1)
+
     def publish(self, s: int) -> dict[str, float]:
         """The trainers' weights of step ``s`` go to the generators as version ``s``: at once in sync mode,
         queued behind the generations already sent in async mode."""
         self.settle_syncs()  # the previous version's sync (done by now, normally)
-        self.syncs.append(self.svc.weights.publish(s))
+        self.syncs.append(self._send_current())
         return {} if self.ahead else self.settle_syncs()
+
+    def catch_up(self, s: int) -> None:
+        """Before generating with the current weights (a regeneration, an evaluation): the syncs sent are
+        settled and every generator holds the trainers' weights (a newcomer that missed them gets them)."""
+        while True:
+            self.settle_syncs()
+            try:
+                self.svc.weights.catch_up()
+                return
+            except TrainersFailed as e:
+                self.recover(e, s)
 
     # ------------------------------------------------------------------ one step
     def groups_for(self, s: int) -> tuple[list[rollout.Group], dict[str, float]]:
@@ -137,7 +157,7 @@ class Stepper:
         stale = [g for g in groups if not rollout.admissible(g.version, s, self.ahead)]
         fig["regenerated_groups"] = 0
         while stale:  # too old (or, impossible by construction, newer than the trainer): generate again
-            self.settle_syncs()
+            self.catch_up(s)
             again, more = gen.run([g.request for g in stale])
             fig["regenerated_groups"] += len(again)
             fig["gen_s"] += more["gen_s"]
@@ -150,7 +170,7 @@ class Stepper:
     def pack(self, s: int, groups: list[rollout.Group]) -> list[list[list[tuple[np.ndarray, np.ndarray]]]]:
         """Per trainer rank, per update (``rl.updates_per_step`` mini-batches of whole groups), the packed
         micro-batches (one group each); each update's weights make its own aggregate."""
-        r, run = self.r, self.run_
+        r, run = self.r, self.ctx
         n = self.svc.trainers.n
         adv = rollout.advantages([g.rewards for g in groups], r.scale_advantages)
         u = r.updates_per_step
@@ -166,7 +186,7 @@ class Stepper:
 
     def step(self, s: int) -> dict[str, Any]:
         """RL step ``s``: generate (or collect), score, train, publish; its metrics record."""
-        svc, r, run = self.svc, self.r, self.run_
+        svc, r, run = self.svc, self.r, self.ctx
         gen, rew = svc.generators, svc.rewards
         t0 = time.perf_counter()
         busy0 = (sum(gen.pool.busy_s), sum(rew.pool.busy_s))
@@ -216,7 +236,7 @@ class Stepper:
                 "generators": gen.n, "trainers": svc.trainers.n}
 
     def run(self) -> dict[str, Any]:
-        r, run = self.r, self.run_
+        r, run = self.r, self.ctx
         self.take_snapshot(0)
         steps_to = {}
         run.progress.start()
@@ -226,7 +246,7 @@ class Stepper:
             run.progress.step(record)
             self.maybe_rebalance(s)
             if s % r.eval_interval == 0 and s != r.steps:
-                self.settle_syncs()
+                self.catch_up(s + 1)
                 run.progress.phase(f"evaluating the held-out instances after step {s}")
                 ev = run.evaluate(f"step-{s}")
                 run.record_eval(s, ev)
@@ -234,21 +254,21 @@ class Stepper:
                 if ev["held_out_reward"] >= 0.8:
                     steps_to.setdefault("steps_to_0.8", s)
                     steps_to.setdefault("minutes_to_0.8", (time.time() - run.t0) / 60)
-        self.settle_syncs()
+        self.catch_up(r.steps + 1)  # the final evaluation follows
         run.progress.close()
         return {"trainer_recoveries": self.recovery.count, "staleness_max": self.staleness_max,
                 "groups_trained": len(self.trained), **steps_to}
 
     # ------------------------------------------------------------------ balancing
     def maybe_rebalance(self, s: int) -> None:
-        r, w, svc = self.r, self.run_.cfg.workers, self.svc
+        r, w, svc = self.r, self.ctx.cfg.workers, self.svc
         if w.balance != "adaptive" or s % w.balance_window or s >= r.steps:
             return
         recent = self.busy[-w.balance_window:]
         gen_b, train_b = (sum(b[i] for b in recent) / len(recent) for i in (0, 1))
         move = decide(gen_b, train_b, Layout(svc.generators.n, svc.trainers.n),
                       r.prompts_per_step // r.updates_per_step, w.balance_min_gain)
-        self.run_.events("rl_balance", step=s, generator_busy_s=gen_b, trainer_busy_s=train_b,
+        self.ctx.events("rl_balance", step=s, generator_busy_s=gen_b, trainer_busy_s=train_b,
                          generators=svc.generators.n, trainers=svc.trainers.n,
                          move=None if move is None else [move.to.generators, move.to.trainers])
         if move is not None:
@@ -259,7 +279,7 @@ class Stepper:
         sent are collected first; the trainers' state crosses the change of their count through a
         checkpoint on disk (each rank writes its shards, each new rank reads its own); new generators get
         the weights of step ``s`` from the new trainers."""
-        svc, run = self.svc, self.run_
+        svc, run = self.svc, self.ctx
         t0 = time.perf_counter()
         before = (svc.generators.n, svc.trainers.n)
         for t in sorted(self.inflight):
@@ -287,15 +307,15 @@ class Stepper:
     # ------------------------------------------------------------------ trainer recovery
     def _regroup_trainers(self) -> None:
         """Every trainer joins a new group (of the mesh's size) and builds its RL core."""
-        cfg, tr = self.run_.cfg, self.svc.trainers
+        cfg, tr = self.ctx.cfg, self.svc.trainers
         tr.regroup()
-        tr.build("rl", self.run_.args, self.run_.length, cfg.rl.prompts_per_step // tr.n, cfg.rl.steps)
+        tr.build("rl", self.ctx.args, self.ctx.length, cfg.rl.prompts_per_step // tr.n, cfg.rl.steps)
 
     def take_snapshot(self, s: int) -> None:
         self.svc.trainers.snapshot(s)
         self.kept = {k: v for k, v in self.kept.items() if k > s}
         self.snap_step = s
-        self.run_.journal.append("snapshot", sync=False, step=s)
+        self.ctx.journal.append("snapshot", sync=False, step=s)
 
     def _train_recovering(self, s: int, per_rank) -> dict[str, Any]:
         while True:
@@ -311,7 +331,7 @@ class Stepper:
         """The failed trainers are replaced, every trainer restores its snapshot (a replacement takes its
         shard from the snapshot's own or peer copy) and the journaled steps since are replayed and checked
         (``controller.replay.Recovery``); the caller then retries what failed."""
-        self.run_.progress.phase(f"trainer(s) {sorted({f.rank for f in err.failures})} failed at step {s}: "
+        self.ctx.progress.phase(f"trainer(s) {sorted({f.rank for f in err.failures})} failed at step {s}: "
                                  f"replacing them, replaying from the snapshot of step {self.snap_step}")
         self.recovery.recover(err, s)
 

@@ -31,6 +31,14 @@ from stalwart.rl.services import Generators, Trainers
 RETRIES = 3  # a generator whose transfer failed (not lost) is sent the version again this many times
 
 
+class TrainersFailed(ActorsFailed):
+    """A trainer failed while weights were being linked or sent: the trainers must be recovered."""
+
+    @classmethod
+    def of(cls, err: ActorsFailed) -> "TrainersFailed":
+        return cls(err.failures, err.replies, err.pending)
+
+
 @dataclass
 class Sync:
     """A sync in flight."""
@@ -66,14 +74,19 @@ def gather(calls: list[tuple[ActorMesh, dict[int, Any], float, str]],
                 pending[i] = {}
             except ActorsFailed as e:
                 out[i].update(e.replies)
-                if left > 0 and all(f.cause == "hang" for f in e.failures):
-                    pending[i] = dict(e.pending) | {f.rank: pending[i][f.rank] for f in e.failures}
+                slow = {f.rank: pending[i][f.rank] for f in e.failures if f.cause == "hang"}
+                real = [f for f in e.failures if f.cause != "hang"]
+                if left > 0 and not real:  # only this slice's bound passed: still running
+                    pending[i] = dict(e.pending) | slow
                     continue
-                e.replies = out[i]
+                if real:  # the others still running are not hung: they wait on the failed (on_failure frees them)
+                    e = ActorsFailed(real, out[i], dict(e.pending) | slow)
+                else:
+                    e.replies = out[i]
+                    for f in e.failures:  # hung past the bound: the very process the call went to
+                        if mesh.pids.get(f.rank) == pids[i].get(f.rank):
+                            mesh.kill(f.rank)
                 out[i], pending[i] = e, {}
-                for f in e.failures:
-                    if f.cause == "hang" and mesh.pids.get(f.rank) == pids[i].get(f.rank):
-                        mesh.kill(f.rank)
                 on_failure(i, e)
     return out
 
@@ -118,7 +131,7 @@ class WeightSync:
                                                                              "weight link")],
                                   lambda _i, _e: self.abandon(prefix))
             if isinstance(got_t, ActorsFailed):
-                raise got_t
+                raise TrainersFailed.of(got_t)
             if isinstance(got_g, ActorsFailed):  # the generator is lost: its pool replaces it and brings it up
                 self.pool.replace(g, got_g, GeneratorActor.link)
                 continue
@@ -151,8 +164,8 @@ class WeightSync:
 
     def settle(self, sync: Sync) -> dict[str, float]:
         """Wait for ``sync``: every generator it went to holds its version, or was replaced and brought up
-        to the newest. Raises ``ActorsFailed`` when a trainer failed and the trainers have not regrouped
-        since (the loop recovers them and publishes again)."""
+        to the newest. Raises :class:`TrainersFailed` when a trainer failed and the trainers have not
+        regrouped since (the loop recovers them and publishes again)."""
         from stalwart.rl.generator import GeneratorActor
 
         if not sync.generators:
@@ -178,7 +191,7 @@ class WeightSync:
                 again.append(g)
         if isinstance(got_t, ActorsFailed):
             if sync.epoch == t.epoch:
-                raise got_t
+                raise TrainersFailed.of(got_t)
             return {"weight_sync_s": time.perf_counter() - sync.t0, "superseded": 1.0}
         for rep in got_t.values():
             for g in rep["failed"]:
@@ -188,9 +201,9 @@ class WeightSync:
         fig = {"weight_sync_s": time.perf_counter() - sync.t0,
                "weight_send_s": max(rep["send_s"] for rep in got_t.values()),
                "weight_recv_s": max((rep["recv_s"] for rep in got_g.values() if rep.get("ok")), default=0.0)}
-        newest = self.version if not sync.reference else sync.version
-        again = [g for g in again if sync.reference or self.installed.get(g, -1) < (newest or 0)]
-        if again and newest is not None:
+        newest = sync.version if sync.reference else self.trainers.version  # what the trainers hold now
+        again = [g for g in again if sync.reference or self.installed.get(g, -1) < newest]
+        if again:
             if sync.tries >= RETRIES:
                 raise RuntimeError(f"weight version {sync.version} did not reach generators {again} after "
                                    f"{RETRIES} tries")
@@ -213,5 +226,21 @@ class WeightSync:
         if self.has_reference:
             self.join_links([generator])
             self.generators.load_reference(generator, self.reference_run)
-        if self.version is not None:  # the trainers' weights now (trained, maybe not yet published)
+        if self.version is None:
+            return
+        try:  # the trainers' weights now (trained, maybe not yet published)
             self.settle(self.publish(self.trainers.version, False, [generator]))
+        except TrainersFailed as e:  # it stays behind: catch_up brings it up once the trainers are recovered
+            self.events("rl_generator_behind", generator=generator, error=str(e))
+
+    def behind(self) -> list[int]:
+        """Generators that do not hold the trainers' current weights (a newcomer whose bring-up met a
+        trainer failure, a sync that failed)."""
+        if self.version is None:
+            return []
+        return [g for g in range(self.generators.n) if self.installed.get(g, -1) < self.trainers.version]
+
+    def catch_up(self) -> None:
+        """Every generator holds the trainers' current weights (raises ``TrainersFailed``)."""
+        if self.behind():
+            self.settle(self.publish(self.trainers.version, False, self.behind()))
