@@ -147,10 +147,12 @@ class WeightSync:
     def publish(self, version: int, reference: bool = False, generators: list[int] | None = None) -> Sync:
         """Start sending ``version`` (the trainers' current weights) to ``generators`` (all by default)."""
         gens = list(range(self.generators.n)) if generators is None else generators
-        if not reference:  # one brought up meanwhile may hold it already (a newer version is never sent back)
-            gens = [g for g in gens if self.installed.get(g, -1) < version]
+        def wanted(g: int) -> bool:  # one brought up meanwhile may hold it already (never sent it again)
+            return reference or self.installed.get(g, -1) < version
+
+        gens = [g for g in gens if wanted(g)]
         self.join_links(gens)
-        gens = [g for g in gens if self._current(g)]
+        gens = [g for g in gens if self._current(g) and wanted(g)]
         sync = Sync(version, reference, gens, self.trainers.epoch, {g: self.pool.incarnation[g] for g in gens},
                     t0=time.perf_counter())
         if gens:
