@@ -98,8 +98,9 @@ def test_one_rl_step_with_generator_and_trainer_on_cuda(tmp_path: Path) -> None:
 
 
 def test_weight_sync_on_cuda(tmp_path: Path) -> None:
-    out = run_cli("bench", "weight-sync", "--device", "cuda", "--flavor", "125M", "--repeats", "2",
-                  "--json", str(tmp_path / "sync.json"), timeout=900)
+    out = run_cli("bench", "weight-sync", "--device", "cuda", "--flavor", "125M", "--trainers", "1",
+                  "--repeats", "2", "--json", str(tmp_path / "sync.json"), timeout=900)
     rows = json.loads((tmp_path / "sync.json").read_text())
-    assert rows and all(r["seconds"] > 0 for r in rows), out.stdout
+    assert rows and all(r["seconds"] > 0 and r["weights_match"] for r in rows), out.stdout
+    assert all(r["controller_bytes"] < 4096 for r in rows if r["path"] == "direct")
     record("weight sync on cuda, 125M", rows=rows)
