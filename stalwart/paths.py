@@ -100,6 +100,12 @@ class RunPaths:
         return self.root / "tokenizer.json"
 
     @property
+    def publish(self) -> Path:
+        """Where a run that publishes live weights (``publish.interval``) says how to reach its store;
+        present while its training runs."""
+        return self.root / "publish.json"
+
+    @property
     def prepared_data(self) -> Path:
         """Text data given as data.path, tokenized once into shards (``stalwart data prepare``'s layout)."""
         return self.root / "data"

@@ -239,6 +239,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class PublishConfig:
+    """Live weights for a running `stalwart serve` (``POST /v1/weights {"source": RUN_DIR, "live": true}``)."""
+
+    interval: int = option("Every this many steps, send the current weights to every server that asked for them "
+                           "(in memory, each rank its own shards, over loopback; docs/serving.md). 0 = off: no "
+                           "store, no file, nothing per step.", 0, min=0)
+    bucket_mb: float = option("Weights go out in buckets of at most this many MiB (a rank holds two at a time).",
+                              128.0, min=0.001)
+    timeout_s: float = option("How long the trainer ranks wait for a server that asked, and for each transfer to "
+                              "it, before they give it up and train on.", 60.0, min=1.0)
+
+
+@dataclass
 class EvalConfig:
     interval: int = option("Evaluate on the held-out split every this many steps (0 = only at the end).",
                            50, min=0)
@@ -326,6 +339,7 @@ class JobConfig:
     training: TrainingConfig = section(TrainingConfig, "Training loop.")
     parallelism: ParallelismConfig = section(ParallelismConfig, "Parallel layout of the device mesh.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpointing and resume.")
+    publish: PublishConfig = section(PublishConfig, "Live weights from this run to `stalwart serve`.")
     eval: EvalConfig = section(EvalConfig, "Periodic evaluation on held-out data.")
     metrics: MetricsConfig = section(MetricsConfig, "Metrics and progress display.")
     sample: SampleConfig = section(SampleConfig, "Text sample at the end of training.")
@@ -343,6 +357,10 @@ class JobConfig:
         if t.global_batch % t.micro_batch:
             raise ConfigError(f"training.global_batch ({t.global_batch}) must be a multiple of "
                               f"training.micro_batch ({t.micro_batch})")
+        if self.publish.interval and self.parallelism.pp > 1:
+            raise ConfigError(f"publish.interval: live weights cannot be sent from a pipeline-parallel layout "
+                              f"(parallelism.pp = {self.parallelism.pp}: each stage holds only its layers); serve "
+                              "this run's checkpoints instead")
 
     def notes(self) -> list[str]:
         """Settings that are valid but adjusted; the run prints each once at start."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import Callable
@@ -18,6 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from stalwart.comm.live import NotPublishing, NothingPublished
+from stalwart.comm.weight_sync import WeightSyncError
+from stalwart.errors import UserError
 from stalwart.infer.engine import Output, RequestError
 from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.serve.errors import ApiError, error_body, install_error_handlers
@@ -62,6 +66,9 @@ class Job:
             if not self.versions or self.versions[-1] != out.weight_version:
                 self.versions.append(out.weight_version)
         self._loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+LIVE_TIMEOUT_S = 120.0  # a live update's default wait for the next publish (``timeout``)
 
 
 def _error_event(f: Failure) -> str:
@@ -200,9 +207,47 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         metrics.outcome("ok")
         return chat_response(rid, jobs[0], outs, last, len(prompt), created, model_name, tokenizer, req.logprobs)
 
+    async def update_live(req: WeightsRequest):
+        """The next weights the training run ``source`` publishes, waited for while the engine serves on."""
+        if req.version is not None:
+            raise ApiError(400, "version: a live update's version is the step the trainers send; leave it out",
+                           "version")
+        timeout = req.timeout or LIVE_TIMEOUT_S
+        cancelled = threading.Event()
+        t0 = time.monotonic()
+        try:
+            pending = loop.update_live(req.source, timeout, cancelled)
+        except UserError as e:
+            raise ApiError(400, str(e), "live") from None
+        except EngineUnavailable as e:
+            raise ApiError(e.status, str(e), None, "server_error") from None
+        try:
+            version = await asyncio.wrap_future(pending)
+        except EngineUnavailable as e:
+            raise ApiError(e.status, str(e), None, "server_error") from None
+        except WeightVersionError as e:
+            raise ApiError(409, str(e), "version", "conflict_error") from None
+        except NothingPublished:
+            raise ApiError(504, f"{req.source} published no weights within timeout = {timeout:g} s; the served "
+                                f"weights (version {engine.weight_version}) stay", "timeout",
+                           "timeout_error") from None
+        except (NotPublishing, UserError) as e:
+            raise ApiError(400, f"source: {e}", "source") from None
+        except (WeightSyncError, RuntimeError, OSError) as e:  # the transfer failed: the old weights stay
+            raise ApiError(502, f"receiving the weights of {req.source} failed ({type(e).__name__}: {e}); the "
+                                f"served weights (version {engine.weight_version}) stay", None, "server_error") from None
+        finally:
+            cancelled.set()  # a client gone while waiting: the subscription is given up
+        return {"weight_version": version, "source": req.source, "live": True,
+                "seconds": round(time.monotonic() - t0, 3)}
+
     @app.post("/v1/weights")
     async def update_weights(req: WeightsRequest):
         """Pause, load new weights, resume: the requests in flight go on under the new version."""
+        if req.live:
+            return await update_live(req)
+        if req.timeout is not None:
+            raise ApiError(400, "timeout applies to live updates only (\"live\": true)", "timeout")
         try:
             version = await asyncio.wrap_future(loop.update_weights(req.source, req.version))
         except EngineUnavailable as e:

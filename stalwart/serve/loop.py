@@ -3,6 +3,8 @@
 Requests, aborts and weight updates arrive as commands from the HTTP server's event loop and are
 applied between engine steps. A weight update is therefore a pause (no step runs while the new
 weights are copied in), an update, and a resume; requests in flight keep their place and go on.
+A live update (the next weights a training run publishes, ``comm/live.py``) is waited for and
+received on a thread of its own while the engine goes on; only its install is such a pause.
 
 The prompts of one HTTP request are submitted together and start together or not at all. If the
 engine thread ever fails it prints why, every request waiting on it gets a 500, later ones are
@@ -21,10 +23,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from stalwart.comm.live import Address, receive_next
+from stalwart.comm.weight_sync import OutOfOrder
 from stalwart.errors import UserError
 from stalwart.infer.engine import Engine, Output, RequestError
 from stalwart.infer.load import source_from
 from stalwart.infer.sampling import SamplingError, SamplingParams
+from stalwart.paths import RunPaths
 
 
 @dataclass
@@ -123,6 +128,36 @@ class EngineLoop:
         self.wake.set()
         return done
 
+    def update_live(self, run_dir: str, timeout_s: float, cancelled: threading.Event) -> Future:
+        """The next weights the training run in ``run_dir`` publishes: waited for (up to ``timeout_s``, or
+        until ``cancelled``) and received on a thread of its own, then installed between two steps; the
+        future gives the version (the trainers' step). One process only: the other ranks of a replica
+        would not receive them."""
+        done: Future = Future()
+        if self.link is not None:
+            raise UserError("live updates need a one-process replica (this one has several processes: "
+                            "layout.tp = layout.pp = 1)")
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+        threading.Thread(target=self._receive_live, args=(run_dir, timeout_s, cancelled, done),
+                         name="stalwart-live-weights", daemon=True).start()
+        return done
+
+    def _receive_live(self, run_dir: str, timeout_s: float, cancelled: threading.Event, done: Future) -> None:
+        try:
+            address = Address.read(RunPaths(run_dir).publish)
+            version, state = receive_next(address, self.engine.weight_version, timeout_s, cancelled.is_set)
+            with self._lock:
+                if self._closed is not None:
+                    raise self._closed
+                self.commands.put(("install", state, version, done))
+            self.wake.set()
+        except OutOfOrder as e:
+            done.set_exception(WeightVersionError(str(e)))
+        except BaseException as e:  # noqa: BLE001 - reported to the caller; the served weights stay
+            done.set_exception(e)
+
     def queued(self) -> int:
         """Requests waiting: submitted, or in the scheduler's queue."""
         return self._pending + len(self.engine.scheduler.waiting)
@@ -169,7 +204,7 @@ class EngineLoop:
             if cmd[0] == "add":
                 ends.update((r.rid, Failure(closed.status, str(closed), None, "server_error")) for r in cmd[1])
                 self.sinks.update((r.rid, r.sink) for r in cmd[1])
-            elif cmd[0] == "load":
+            elif cmd[0] in ("load", "install"):
                 cmd[3].set_exception(closed)
         for rid, end in ends.items():
             with contextlib.suppress(RuntimeError):  # the server's event loop may be gone already
@@ -192,6 +227,8 @@ class EngineLoop:
                 out = self.engine.abort(cmd[1])
                 if out is not None:
                     self._deliver(out)
+            elif cmd[0] == "install":
+                self._install(*cmd[1:])
             else:
                 self._load(*cmd[1:])
 
@@ -218,6 +255,19 @@ class EngineLoop:
                 self._pending -= len(requests)
 
     def _load(self, where: str, version: int | None, done: Future) -> None:
+        def apply(v: int) -> None:
+            source_from(where)  # a path that names no weights fails here, before the other ranks hear of it
+            if self.link is not None:  # first: the other ranks read the weights together with this one
+                self.link.send_load(where, v)
+            self.engine.update_weights(lambda: self.load(where), v)
+
+        self._update(version, done, apply)
+
+    def _install(self, state: dict, version: int, done: Future) -> None:
+        self._update(version, done, lambda v: self.engine.update_weights(lambda: state, v))
+
+    def _update(self, version: int | None, done: Future, apply: Callable[[int], None]) -> None:
+        """Apply a weight update as ``version`` (default: the served one + 1), only if newer."""
         current = self.engine.weight_version
         version = current + 1 if version is None else version
         if version <= current:
@@ -225,10 +275,7 @@ class EngineLoop:
                                                   f"(version {current})"))
             return
         try:
-            source_from(where)  # a path that names no weights fails here, before the other ranks hear of it
-            if self.link is not None:  # first: the other ranks read the weights together with this one
-                self.link.send_load(where, version)
-            self.engine.update_weights(lambda: self.load(where), version)
+            apply(version)
         except Exception as e:  # noqa: BLE001 - reported to the caller; the old weights stay
             done.set_exception(e)
         else:

@@ -116,6 +116,9 @@ class WeightsRequest(BaseModel):
 
     source: str  # a run directory, one of its checkpoints, or a Hugging Face directory
     version: int | None = Field(None, ge=1)  # default: the version served + 1; never lower than it
+    # live: source is a training run's directory; the next weights its trainers publish, version = their step
+    live: bool = False
+    timeout: float | None = Field(None, gt=0, le=86400)  # live only: seconds to wait for that publish
 
 
 def chat_prompt(messages: list[Message]) -> str:

@@ -4,7 +4,8 @@ The loop trains; the components decide when they act. ``Trainer.__init__`` build
 config sections: the training core (model, layout, optimizer, schedule), the data, the observer
 (records, timings, flight recorder), the guard (heartbeat, non-finite / spike / straggler decisions,
 through the optimizer gate), fault injection (only when configured), the evaluator and the
-checkpointer (which also chooses what to resume from). Every stateful piece exposes
+checkpointer (which also chooses what to resume from), and the weight publisher (live weights for
+running servers, only when configured). Every stateful piece exposes
 ``state_dict``/``load_state_dict``, so a resumed run continues bit for bit.
 """
 
@@ -35,6 +36,7 @@ from stalwart.runtime.env import DistEnv
 from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.evaluator import Evaluator
 from stalwart.train.observer import Observer, TimedLoader
+from stalwart.train.publisher import WeightPublisher
 
 
 def _resolve_precision(requested: str, configured_peak: float, env: DistEnv) -> tuple[torch.dtype, str, Peak]:
@@ -96,6 +98,8 @@ class Trainer:
                     "config_sha256": hashlib.sha256(to_toml(cfg).encode()).hexdigest()}
         self.checkpointer = Checkpointer(cfg.checkpoint, self.paths, env, self.core, {"data": data},
                                          self.observer.events, describe, phase=self.observer.phase)
+        self.publisher = WeightPublisher(cfg.publish, self.paths, env, self.core.model, self.observer.events,
+                                         self.observer.say, self.observer.phase)
         self.state = self.core.state
         self.guard = Guard(cfg.fault, self.paths, env.rank, env.world_size, self.observer.events)
         self.core.opt.gates.append(self.guard.gate)
@@ -111,7 +115,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        with self.observer, self.guard, self.injector or contextlib.nullcontext(), self.data_loader:
+        with self.observer, self.guard, self.injector or contextlib.nullcontext(), self.data_loader, self.publisher:
             self.begin()
             while self.state.step < self.end:
                 self.step()
@@ -133,6 +137,7 @@ class Trainer:
         self.observer.log(record)
         self.evaluator.maybe_run(n, self.end)
         self.checkpointer.maybe_save(n, self.end)
+        self.publisher.maybe_publish(n)
         return record
 
     def begin(self) -> None:
