@@ -41,7 +41,8 @@ from stalwart.atomic import write_text_atomic
 from stalwart.ft.records import read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
-from stalwart.runtime.group import bound_tcp_store
+from stalwart.runtime.device import LOOPBACK
+from stalwart.runtime.group import bound_tcp_store, listen_on
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 
@@ -222,8 +223,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     if args.standalone or str(args.nnodes) in ("1", "1:1"):
         # One host: nothing listens beyond loopback (the stores, gloo's and NCCL's sockets).
         args.local_addr = args.local_addr or "127.0.0.1"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        listen_on(LOOPBACK)
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "127.0.0.1:0"
         import uuid

@@ -85,9 +85,19 @@ def init_from_env(device_request: str | torch.device, timeout_s: float = 1800.0,
     return env
 
 
+def listen_on(host: str) -> None:
+    """Let the sockets of the groups this process (and the workers it starts) makes listen on ``host``'s
+    interface only, where it is loopback (gloo and NCCL otherwise take the address the machine's name
+    resolves to); a choice already made in the environment (``*_SOCKET_IFNAME``) stands."""
+    if host == LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
 def join(rank: int, world_size: int, addr: str, port: int, device: torch.device = HOST,
          timeout_s: float = 120.0) -> DistEnv:
-    """Join a group whose store rank 0 serves on ``addr`` only."""
+    """Join a group whose store rank 0 serves on ``addr`` only (its sockets too, where it is loopback)."""
+    listen_on(addr)
     store = bound_tcp_store(addr, port, world_size, rank == 0, timedelta(seconds=timeout_s))
     init_group(device, rank, world_size, store, timeout_s)
     return DistEnv.of(rank, world_size, device)
@@ -103,6 +113,7 @@ def join_attempt(rank: int, world_size: int, store_port: int, attempt: int, devi
     ``attempt-N/abort``."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    listen_on(host)
     store = dist.TCPStore(host, store_port, world_size, False, timeout=timedelta(seconds=setup_s))
     prefix = dist.PrefixStore(f"attempt-{attempt}", store)
     wait_for_members(prefix, world_size, setup_s, f"process group {attempt}")

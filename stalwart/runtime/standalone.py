@@ -41,10 +41,11 @@ def wait_for_members(store: dist.Store, world_size: int, setup_s: float, what: s
 
 
 def standalone_group(store: dist.Store, prefix: str, rank: int, world_size: int, device: torch.device,
-                     timeout_s: float, setup_s: float):
+                     timeout_s: float, setup_s: float, host: str = LOOPBACK):
     """A group object of ``world_size`` members under ``prefix`` of ``store``, on ``device``'s backend.
 
-    ``timeout_s`` bounds each operation on it; ``setup_s`` how long members wait for each other."""
+    ``timeout_s`` bounds each operation on it; ``setup_s`` how long members wait for each other. The
+    host backend's sockets listen on ``host``'s address only (loopback for members on one host)."""
     scoped = dist.PrefixStore(prefix, store)
     wait_for_members(scoped, world_size, setup_s, f"group {prefix}")
     timeout = timedelta(seconds=timeout_s)
@@ -53,7 +54,10 @@ def standalone_group(store: dist.Store, prefix: str, rank: int, world_size: int,
         options = nccl.Options()
         options._timeout = timeout
         return nccl(scoped, rank, world_size, options)
-    return dist.ProcessGroupGloo(scoped, rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(scoped, rank, world_size, options)
 
 
 def abandon(store: dist.Store, prefix: str) -> None:

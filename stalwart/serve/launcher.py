@@ -61,8 +61,10 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
     # NOTE: the store patch and the log filter are the training launcher's (one copy of each).
     from stalwart.launch.agent import patched_agent, quiet_process_logs
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    from stalwart.runtime.device import LOOPBACK
+    from stalwart.runtime.group import listen_on
+
+    listen_on(LOOPBACK)
     # The agent would serve the workers a second store of its own, on every interface; instead rank 0
     # serves the group's store, on loopback (runtime.group.init_from_env).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
