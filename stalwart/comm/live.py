@@ -19,7 +19,6 @@ and a server may share a GPU, or have none.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 import uuid
@@ -31,6 +30,7 @@ from typing import Callable
 import torch
 
 from stalwart.comm.weight_sync import Link, receive_weights
+from stalwart.procs import pid_alive
 from stalwart.runtime.device import HOST, LOOPBACK
 from stalwart.runtime.group import bound_tcp_store
 from stalwart.runtime.standalone import connect_store, standalone_group
@@ -111,18 +111,8 @@ def connect(address: Address, setup_s: float = 10.0):
         socket.create_connection((address.host, address.port), timeout=setup_s).close()
     except OSError as e:
         raise NotPublishing(f"nothing answers at {address.host}:{address.port} (training pid {address.pid}: "
-                            f"{'running' if _alive(address.pid) else 'gone'}; {type(e).__name__})") from None
+                            f"{'running' if pid_alive(address.pid) else 'gone'}; {type(e).__name__})") from None
     return connect_store(address.port, setup_s, address.host)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def register(store) -> str:

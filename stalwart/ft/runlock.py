@@ -22,6 +22,7 @@ import time
 from stalwart.atomic import output_dir
 from stalwart.errors import UserError
 from stalwart.paths import RunPaths
+from stalwart.procs import pid_alive
 
 
 # Set by a launcher that holds the lock for its workers (the value is its PID; a worker trusts it only
@@ -38,16 +39,6 @@ def describe_holder(rec: dict) -> str:
     started = rec.get("start")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
     return f"host {rec.get('host', '?')}, PID {rec.get('pid', '?')}, started {when}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLock:
@@ -104,7 +95,7 @@ class RunLock:
             break
         previous = self._read(fd)
         if previous and previous.get("pid") and not (self.job and previous.get("job") == self.job):
-            gone = previous.get("host") != socket.gethostname() or not _pid_alive(int(previous["pid"]))
+            gone = previous.get("host") != socket.gethostname() or not pid_alive(int(previous["pid"]))
             print(f"warning: taking over the lock of run directory {self.paths.root} left by a run that "
                   f"{'is gone' if gone else 'released it'} ({describe_holder(previous)})", file=sys.stderr, flush=True)
         rec = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.time(), "job": self.job,
