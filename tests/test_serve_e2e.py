@@ -118,6 +118,18 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def greedy_at_once(server: Server, prompts: list[str]) -> list[str | None]:
+    """Each prompt's greedy text, every prompt sent at the same time on a thread of its own."""
+    results: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, server.greedy([prompts[i]])[0]))
+               for i in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    return [results.get(i) for i in range(len(prompts))]
+
+
 def generate(run: Path, prompt: str, n: int) -> str:
     out = run_cli("generate", "--run", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
                   "--temperature", "0").stdout
@@ -247,14 +259,7 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert "Traceback" not in pp.output(), pp.output()
     routed = Server(tmp_path, "--run", str(a), "--replicas", "2")
     try:
-        results: dict[int, str] = {}
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, routed.greedy([prompts[i]])[0]))
-                   for i in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert [results[i] for i in range(8)] == expected[:8]
+        assert greedy_at_once(routed, prompts[:8]) == expected[:8]
         health = httpx.get(routed.url + "/health").json()
         assert health["status"] == "ok" and all(r["served"] > 0 for r in health["replicas"])
         replicas = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _has_parent(p, routed.proc.pid)]
@@ -262,14 +267,7 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         # kill -9 of one replica: every request goes to the other, none fails.
         dead = replicas.pop()
         subprocess.run(["kill", "-9", dead.name], check=True)
-        results.clear()
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, routed.greedy([prompts[i]])[0]))
-                   for i in range(10)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert [results.get(i) for i in range(10)] == expected[:10]
+        assert greedy_at_once(routed, prompts[:10]) == expected[:10]
         health = httpx.get(routed.url + "/health").json()
         assert health["status"] == "degraded" and sorted(r["ok"] for r in health["replicas"]) == [False, True]
         # kill -9 of the launcher leaves no replica behind.
