@@ -2,12 +2,21 @@
 
     python benchmarks/peer_bench.py --setup            # once: the peers' environment (pinned versions)
     python benchmarks/peer_bench.py [--repeats 3] [--steps 8] [--configs 1x1,1x2,2x1] [--dtypes float32,bfloat16]
+                                    [--modes eager,compiled]
 
 Peers (see benchmarks/peers/worker.py for exactly what each runs): Stalwart's training core,
+torchtitan's Llama 3 model (PyPI ``torchtitan``, FSDP2 for several processes, as torchtitan trains),
 karpathy/nanoGPT's model.py (vendored at a fixed commit, MIT licence) and Hugging Face transformers'
 LlamaForCausalLM. They run in their own virtual environment (``benchmarks/.peers-venv``), which holds
-the pinned ``transformers`` below and sees torch from the environment that created it (a ``.pth``
-file), so every peer runs the same torch build.
+the pinned packages below and sees torch from the environment that created it (a ``.pth`` file), so
+every peer runs the same torch build. torchtitan's own requirements are wide (datasets, wandb, ...);
+only the modules its model code imports are installed, pinned, without their dependencies (``triton``
+among them: torchtitan's MoE module imports it unconditionally; on CPU tensors inductor still generates
+C++).
+
+Every figure is reported as tokens/s and as model TFLOP/s (tokens/s x the peer's FLOPs per token, the
+same 6N + attention convention for all): nanoGPT's GPT-2 block does fewer FLOPs per token than the Llama
+block of the others, so its tokens/s compares different work.
 
 The measurements interleave: every repeat runs every configuration and every peer, with the peers'
 order rotated from repeat to repeat, so a change in the machine's load hits all of them alike. The
@@ -30,9 +39,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "peers" / "worker.py"
 DEFAULT_VENV = HERE / ".peers-venv"
-PINNED = ["transformers==5.23.0"]  # the `peers` extra in pyproject.toml
-PEERS = ("stalwart", "nanogpt", "hf")
-NAMES = {"stalwart": "Stalwart", "nanogpt": "nanoGPT", "hf": "HF transformers (Llama)"}
+PINNED = ["transformers==5.23.0", "torchtitan==0.3.0", "spmd_types==0.2.3", "tyro==1.0.17",
+          "docstring_parser==0.18.0", "triton==3.9.0"]  # the `peers` extra in pyproject.toml
+PEERS = ("stalwart", "torchtitan", "nanogpt", "hf")
+NAMES = {"stalwart": "Stalwart", "torchtitan": "torchtitan", "nanogpt": "nanoGPT", "hf": "HF transformers (Llama)"}
 
 
 def setup(venv: Path) -> None:
@@ -44,49 +54,61 @@ def setup(venv: Path) -> None:
     (Path(site) / "shared-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--ignore-installed", "--no-deps", *PINNED],
                    check=True)
-    subprocess.run([str(py), "-c", "import transformers, torch; print('peers env: transformers', "
-                    "transformers.__version__, 'from', transformers.__file__, '; torch', torch.__version__)"],
-                   check=True)
+    subprocess.run([str(py), "-c", "import transformers, torch, torchtitan.models.llama3; print('peers env: "
+                    "transformers', transformers.__version__, 'from', transformers.__file__, '; torchtitan', "
+                    "torchtitan.__file__, '; torch', torch.__version__)"], check=True)
 
 
-def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: int, dtype: str = "float32") -> dict:
+def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: int, dtype: str = "float32",
+            compiled: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([str(py), str(WORKER), "--peer", peer, "--procs", str(procs), "--threads", str(threads),
-                           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype],
+                           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype]
+                          + (["--compile"] if compiled else []),
                           capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{peer} {procs}x{threads} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _key(r: dict) -> tuple:
+    return r.get("dtype", "float32"), bool(r.get("compile")), r["procs"], r["threads"]
+
+
 def summarize(results: list[dict]) -> list[dict]:
     """Per configuration and precision: every peer's repeats and median, and Stalwart's median over the
     best peer's."""
     rows = []
-    configs = sorted({(r.get("dtype", "float32"), r["procs"], r["threads"]) for r in results},
-                     key=lambda c: (c[0] != "float32", c[1], c[2]))
-    for dtype, procs, threads in configs:
-        here = [r for r in results if (r.get("dtype", "float32"), r["procs"], r["threads"]) == (dtype, procs, threads)]
+    configs = sorted({_key(r) for r in results}, key=lambda c: (c[0] != "float32", c[1], c[2], c[3]))
+    for key in configs:
+        dtype, compiled, procs, threads = key
+        here = [r for r in results if _key(r) == key]
         runs = {p: [r["tokens_per_s"] for r in here if r["peer"] == p] for p in PEERS}
+        tflops = {p: [r["tokens_per_s"] * r["flops_per_token"] / 1e12 for r in here if r["peer"] == p]
+                  for p in PEERS}
         medians = {p: statistics.median(v) for p, v in runs.items() if v}
-        others = {p: m for p, m in medians.items() if p != "stalwart"}
+        tflops_medians = {p: statistics.median(v) for p, v in tflops.items() if v}
+        others = {p: m for p, m in tflops_medians.items() if p != "stalwart"}
         best = max(others, key=others.get) if others else None
-        ratio = medians["stalwart"] / others[best] if best and "stalwart" in medians else None
-        rows.append({"dtype": dtype, "procs": procs, "threads": threads, "runs": runs, "medians": medians,
-                     "best_peer": best, "ratio": ratio})
+        ratio = tflops_medians["stalwart"] / others[best] if best and "stalwart" in tflops_medians else None
+        rows.append({"dtype": dtype, "compile": compiled, "procs": procs, "threads": threads, "runs": runs,
+                     "medians": medians, "tflops": tflops_medians, "best_peer": best, "ratio": ratio})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| config | " + " | ".join(NAMES[p] for p in PEERS) + " | Stalwart / best peer |",
+    """tokens/s: median (every repeat), then the median's model TFLOP/s; the ratio is by model FLOP/s."""
+    lines = ["| config | " + " | ".join(NAMES[p] for p in PEERS) + " | Stalwart / best peer (FLOP/s) |",
              "|---|" + "---|" * (len(PEERS) + 1)]
     for row in rows:
         cells = []
         for p in PEERS:
             v = row["runs"].get(p) or []
-            cells.append(f"{row['medians'][p]:,.0f} ({', '.join(f'{x:,.0f}' for x in v)})" if v else "-")
+            cells.append(f"{row['medians'][p]:,.0f} ({', '.join(f'{x:,.0f}' for x in v)}); "
+                         f"{row['tflops'][p]:.3f} TFLOP/s" if v else "-")
         ratio = f"{row['ratio']:.2f}x vs {NAMES[row['best_peer']]}" if row["ratio"] else "-"
         precision = "" if row.get("dtype", "float32") == "float32" else f", {row['dtype']}"
+        precision += ", compiled" if row.get("compile") else ""
         lines.append(f"| {row['procs']} process x {row['threads']} thread{precision} | " + " | ".join(cells)
                      + f" | {ratio} |")
     return "\n".join(lines)
@@ -111,6 +133,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtypes", default="float32",
                    help="precisions, comma-separated: float32 (the reference) and/or bfloat16 (mixed precision: "
                         "Stalwart's training.dtype, the peers under torch.autocast)")
+    p.add_argument("--modes", default="eager", help="eager and/or compiled (regional compile of every peer's "
+                   "blocks; the warm-up absorbs compilation), comma-separated")
     p.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     a = p.parse_args(argv)
     if a.setup:
@@ -127,12 +151,14 @@ def main(argv: list[str]) -> int:
     for rep in range(a.repeats):
         order = peers[rep % len(peers):] + peers[:rep % len(peers)]
         for dtype in a.dtypes.split(","):
-            for procs, threads in configs:
-                for peer in order:
-                    r = measure(py, peer, procs, threads, a.steps, a.warmup, dtype)
-                    results.append({**r, "repeat": rep})
-                    print(f"repeat {rep + 1} {procs}x{threads} {dtype} {peer:>8}: {r['tokens_per_s']:8.0f} tokens/s "
-                          f"({r['step_s'] * 1e3:.0f} ms/step)", flush=True)
+            for mode in a.modes.split(","):
+                for procs, threads in configs:
+                    for peer in order:
+                        r = measure(py, peer, procs, threads, a.steps, a.warmup, dtype, mode == "compiled")
+                        results.append({**r, "repeat": rep})
+                        print(f"repeat {rep + 1} {procs}x{threads} {dtype} {mode} {peer:>10}: "
+                              f"{r['tokens_per_s']:8.0f} tokens/s ({r['step_s'] * 1e3:.0f} ms/step, warm-up "
+                              f"{r['warmup_s']:.1f} s)", flush=True)
     print(f"after: {_uptime()}\n")
     print(format_table(summarize(results)))
     if a.json:

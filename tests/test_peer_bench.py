@@ -17,18 +17,30 @@ def _load(name: str, path: Path):
     return module
 
 
-def test_table_compares_stalwart_with_the_best_peer_per_config():
+FLOPS = {"stalwart": 24e6, "torchtitan": 24e6, "nanogpt": 20e6, "hf": 24e6}
+
+
+def _results(runs, **extra) -> list[dict]:
+    return [{"peer": p, "procs": n, "threads": t, "tokens_per_s": x, "flops_per_token": FLOPS[p], **extra}
+            for p, n, t, xs in runs for x in xs]
+
+
+def test_table_compares_stalwart_with_the_best_peer_per_config_by_model_flops():
     bench = _load("peer_bench", BENCH / "peer_bench.py")
     runs = [("stalwart", 1, 1, [100, 110, 90]), ("nanogpt", 1, 1, [120, 118, 119]), ("hf", 1, 1, [80, 81, 82]),
-            ("stalwart", 2, 1, [200, 210]), ("nanogpt", 2, 1, [150, 160]), ("hf", 2, 1, [170, 190])]
-    results = [{"peer": p, "procs": n, "threads": t, "tokens_per_s": x} for p, n, t, xs in runs for x in xs]
-    rows = bench.summarize(results)
+            ("torchtitan", 1, 1, [95, 96, 97]),
+            ("stalwart", 2, 1, [200, 210]), ("nanogpt", 2, 1, [150, 160]), ("hf", 2, 1, [170, 190]),
+            ("torchtitan", 2, 1, [100, 101])]
+    rows = bench.summarize(_results(runs))
     assert [(r["procs"], r["threads"]) for r in rows] == [(1, 1), (2, 1)]
-    assert rows[0]["best_peer"] == "nanogpt" and rows[0]["ratio"] == pytest.approx(100 / 119)
+    # By FLOP/s at 1x1: nanoGPT 119 x 20 MFLOP = 2.38 GFLOP/s beats torchtitan's 96 x 24 = 2.30, and
+    # Stalwart's 100 x 24 = 2.40 is 1.01x of it (by tokens/s it would read 0.84x).
+    assert rows[0]["best_peer"] == "nanogpt" and rows[0]["ratio"] == pytest.approx(100 * 24 / (119 * 20))
     assert rows[1]["best_peer"] == "hf" and rows[1]["ratio"] == pytest.approx(205 / 180)
     table = bench.format_table(rows)
-    assert "0.84x vs nanoGPT" in table and "1.14x vs HF transformers (Llama)" in table
+    assert "1.01x vs nanoGPT" in table and "1.14x vs HF transformers (Llama)" in table
     assert "100 (100, 110, 90)" in table  # every repeat is shown, not only the median
+    assert "0.002 TFLOP/s" in table
 
 
 def test_vendored_nanogpt_keeps_its_licence_and_commit():
@@ -39,9 +51,19 @@ def test_vendored_nanogpt_keeps_its_licence_and_commit():
 
 def test_table_keeps_precisions_apart():
     bench = _load("peer_bench", BENCH / "peer_bench.py")
-    results = [{"peer": p, "procs": 1, "threads": 1, "tokens_per_s": x, "dtype": d}
+    results = [{"peer": p, "procs": 1, "threads": 1, "tokens_per_s": x, "dtype": d, "flops_per_token": 1e6}
                for p, d, x in [("stalwart", "bfloat16", 300), ("nanogpt", "bfloat16", 200), ("hf", "bfloat16", 150),
                                ("stalwart", "float32", 100), ("nanogpt", "float32", 125), ("hf", "float32", 90)]]
     rows = bench.summarize(results)
     assert [(r["dtype"], r["ratio"]) for r in rows] == [("float32", pytest.approx(0.8)), ("bfloat16", pytest.approx(1.5))]
     assert "| 1 process x 1 thread, bfloat16 |" in bench.format_table(rows)
+
+
+def test_table_keeps_compiled_and_eager_apart():
+    bench = _load("peer_bench", BENCH / "peer_bench.py")
+    runs = [("stalwart", 1, 1, [100]), ("torchtitan", 1, 1, [90])]
+    rows = bench.summarize(_results(runs, compile=False) + _results([("stalwart", 1, 1, [130]),
+                                                                      ("torchtitan", 1, 1, [100])], compile=True))
+    assert [(r["compile"], r["best_peer"], r["ratio"]) for r in rows] == [
+        (False, "torchtitan", pytest.approx(100 / 90)), (True, "torchtitan", pytest.approx(1.3))]
+    assert "| 1 process x 1 thread, compiled |" in bench.format_table(rows)

@@ -1,6 +1,7 @@
 """One measurement of the peer benchmark: one framework, one process/thread count, the reference workload.
 
-    python benchmarks/peers/worker.py --peer {stalwart,nanogpt,hf} --procs N --threads T [--steps S --warmup W]
+    python benchmarks/peers/worker.py --peer {stalwart,torchtitan,nanogpt,hf} --procs N --threads T
+                                      [--steps S --warmup W --dtype D --compile]
 
 Prints one JSON line: tokens/s over the timed steps (all processes together), step time, FLOPs per token.
 
@@ -11,10 +12,20 @@ mechanism applied to its model).
 
 The reference workload, the same in every peer: 4 layers, dim 256, 4 heads, seq 256, micro-batch 8 per
 process, vocab 256, fp32, AdamW (lr 1e-3, weight decay 0.1), gradient clipping at 1.0, random byte tokens.
+``--compile`` compiles each peer the way it compiles itself: per transformer block (Stalwart's
+``parallelism.compile``, torchtitan's ``apply_compile``; the same regional ``Module.compile`` on nanoGPT's
+and transformers' blocks). The warm-up steps absorb the compilation; its time is reported as
+``warmup_s``.
+
 Each peer runs its own model code and its usual data-parallel wrapper:
 
 - stalwart: Stalwart's training core (``TrainCore.train_step``, what `stalwart train` runs: the layout
   `parallelism.data_parallel = auto` picks, clipping, the gated optimizer), Llama block, SwiGLU hidden 768.
+- torchtitan: torchtitan's own Llama 3 model (``Llama3Model`` built from its config classes at the reference
+  shape, fused wqkv as in every torchtitan flavor, SwiGLU hidden 768, untied head, torchtitan's init), with
+  its maskless SDPA inner attention (the causal kernel Stalwart runs; torchtitan's language-model default,
+  flex attention, needs compile to be fast on CPU and masks per document), a plain loop, and for N > 1 its
+  default data-parallel layout: FSDP2 ``fully_shard`` on every block and the root (``dp_shard = -1``).
 - nanogpt: karpathy/nanoGPT's ``model.py`` (vendored, unchanged, ``nanogpt_model.py``) with its training
   script's settings (bias-free, no dropout, tied head), GPT-2 block (MLP 4 x dim, GELU), DDP for N > 1.
 - hf: Hugging Face ``transformers`` ``LlamaForCausalLM`` (SDPA attention, SwiGLU hidden 768, untied
@@ -42,7 +53,7 @@ def _tokens(rank: int, n: int = 4) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=gen) for _ in range(n)]
 
 
-def _stalwart(rank: int, world: int, dtype: str):
+def _stalwart(rank: int, world: int, dtype: str, compiled: bool):
     from stalwart.bench.throughput import reference_args
     from stalwart.config.job import (CommConfig, OptimizerConfig, ParallelismConfig, SchedulerConfig,
                                      TrainingConfig)
@@ -51,7 +62,7 @@ def _stalwart(rank: int, world: int, dtype: str):
     from stalwart.train.core import CoreSpec, TrainCore
 
     args = reference_args()
-    spec = CoreSpec(args, ParallelismConfig(), CommConfig(), OptimizerConfig(lr=1e-3),
+    spec = CoreSpec(args, ParallelismConfig(compile=compiled), CommConfig(), OptimizerConfig(lr=1e-3),
                     SchedulerConfig(kind="constant", warmup_steps=0),
                     TrainingConfig(steps=10**6, global_batch=MICRO * world, micro_batch=MICRO, dtype=dtype,
                                    device="cpu"), SEQ, accum_steps=1)
@@ -60,12 +71,20 @@ def _stalwart(rank: int, world: int, dtype: str):
     return (lambda i: core.train_step(batches[i % len(batches)])), core.flops_per_token
 
 
-def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int, dtype: str):
-    """forward -> loss -> backward -> clip -> AdamW, DDP-wrapped with more than one process; forward and
-    loss under bf16 autocast when ``dtype`` is bfloat16."""
+def _compile_blocks(blocks, compiled: bool, fullgraph: bool = False) -> None:
+    """Regional compilation: each transformer block compiled in place."""
+    if compiled:
+        for block in blocks:
+            block.compile(fullgraph=fullgraph)
+
+
+def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int, dtype: str, wrap: bool = True):
+    """forward -> loss -> backward -> clip -> AdamW, DDP-wrapped with more than one process (unless the
+    peer wrapped the model itself: ``wrap`` False); forward and loss under bf16 autocast when ``dtype`` is
+    bfloat16."""
     import contextlib
 
-    if world > 1:
+    if world > 1 and wrap:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
@@ -84,7 +103,59 @@ def _plain_loop(model: torch.nn.Module, world: int, loss_of, rank: int, dtype: s
     return step
 
 
-def _nanogpt(rank: int, world: int, dtype: str):
+def _torchtitan(rank: int, world: int, dtype: str, compiled: bool):
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.param_init import depth_scaled_std
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.llama3.model import Llama3TransformerBlock
+
+    from functools import partial
+
+    torch.manual_seed(0)
+    linear = {"weight": partial(torch.nn.init.trunc_normal_, std=0.02), "bias": torch.nn.init.zeros_}
+    norm = {"weight": torch.nn.init.ones_}
+
+    def depth(layer: int) -> dict:
+        return {"weight": partial(torch.nn.init.trunc_normal_, std=depth_scaled_std(0.02, layer)),
+                "bias": torch.nn.init.zeros_}
+
+    rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0)
+    layers = [Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+        ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+        attention=make_gqa_config(dim=DIM, n_heads=HEADS, n_kv_heads=HEADS, wqkv_param_init=linear,
+                                  wo_param_init=depth(i), inner_attention=ScaledDotProductAttention.Config(),
+                                  fuse_qkv=True, rope=rope),
+        feed_forward=make_ffn_config(dim=DIM, hidden_dim=HIDDEN, w1_param_init=linear, w2w3_param_init=depth(i)),
+    ) for i in range(LAYERS)]
+    cfg = Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={"weight": partial(torch.nn.init.normal_, std=1.0)}),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=linear),
+        layers=layers)
+    model = cfg.build()
+    model.init_states()
+    n = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+    flops = 6 * n + 12 * LAYERS * DIM * SEQ
+    _compile_blocks(model.layers.values(), compiled, fullgraph=True)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+
+    def loss_of(m, x, y):
+        return F.cross_entropy(m(x).flatten(0, 1).float(), y.flatten())
+
+    return _plain_loop(model, world, loss_of, rank, dtype, wrap=False), flops
+
+
+def _nanogpt(rank: int, world: int, dtype: str, compiled: bool):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from nanogpt_model import GPT, GPTConfig
 
@@ -93,10 +164,11 @@ def _nanogpt(rank: int, world: int, dtype: str):
                           dropout=0.0, bias=False))
     n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
     flops = 6 * n + 12 * LAYERS * DIM * SEQ  # the same convention as Stalwart's flops_per_token
+    _compile_blocks(model.transformer.h, compiled)
     return _plain_loop(model, world, lambda m, x, y: m(x, y)[1], rank, dtype), flops
 
 
-def _hf(rank: int, world: int, dtype: str):
+def _hf(rank: int, world: int, dtype: str, compiled: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -106,6 +178,7 @@ def _hf(rank: int, world: int, dtype: str):
     model = LlamaForCausalLM(cfg).float()
     n = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
     flops = 6 * n + 12 * LAYERS * DIM * SEQ
+    _compile_blocks(model.model.layers, compiled)
 
     def loss_of(m, x, y):
         logits = m(input_ids=x).logits
@@ -114,14 +187,15 @@ def _hf(rank: int, world: int, dtype: str):
     return _plain_loop(model, world, loss_of, rank, dtype), flops
 
 
-PEERS = {"stalwart": _stalwart, "nanogpt": _nanogpt, "hf": _hf}
+PEERS = {"stalwart": _stalwart, "torchtitan": _torchtitan, "nanogpt": _nanogpt, "hf": _hf}
 
 
 def _run(rank: int, world: int, port: int, opts: dict, out: str) -> None:
     torch.set_num_threads(opts["threads"])
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    step, flops = PEERS[opts["peer"]](rank, world, opts["dtype"])
+    step, flops = PEERS[opts["peer"]](rank, world, opts["dtype"], opts["compile"])
+    start = time.perf_counter()
     for i in range(opts["warmup"]):
         step(i)
     if world > 1:
@@ -136,8 +210,9 @@ def _run(rank: int, world: int, port: int, opts: dict, out: str) -> None:
         tokens = opts["steps"] * MICRO * SEQ * world
         with open(out, "w") as fh:
             json.dump({"peer": opts["peer"], "procs": world, "threads": opts["threads"], "dtype": opts["dtype"],
-                       "tokens_per_s": tokens / elapsed, "step_s": elapsed / opts["steps"],
-                       "flops_per_token": flops}, fh)
+                       "compile": opts["compile"], "tokens_per_s": tokens / elapsed,
+                       "step_s": elapsed / opts["steps"], "warmup_s": t0 - start, "flops_per_token": flops,
+                       "tflops": tokens / elapsed * flops / 1e12}, fh)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -151,10 +226,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--compile", action="store_true", help="compile each transformer block (regional)")
     a = p.parse_args(argv)
     import tempfile
 
-    opts = {"peer": a.peer, "threads": a.threads, "steps": a.steps, "warmup": a.warmup, "dtype": a.dtype}
+    opts = {"peer": a.peer, "threads": a.threads, "steps": a.steps, "warmup": a.warmup, "dtype": a.dtype,
+            "compile": a.compile}
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
         if a.procs == 1:
