@@ -44,6 +44,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             + "\n".join(bad))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One data cache (stalwart.data.cache) per test session, shared by its xdist workers and the CLI
+    runs they start (they inherit the environment): text is tokenized once per session, and no session
+    sees another's entries or the user's ~/.cache."""
+    if hasattr(config, "workerinput") or os.environ.get("STALWART_TEST_CACHE_OWNER"):
+        return  # an xdist worker: the controller made it
+    import tempfile
+
+    os.environ["STALWART_CACHE"] = tempfile.mkdtemp(prefix="stalwart-test-cache-")
+    os.environ["STALWART_TEST_CACHE_OWNER"] = str(os.getpid())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get("STALWART_TEST_CACHE_OWNER") == str(os.getpid()) and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(os.environ.pop("STALWART_CACHE"), ignore_errors=True)
+        os.environ.pop("STALWART_TEST_CACHE_OWNER", None)
+
+
 # A small slice of the standard library: real text, quick to tokenize.
 SMALL_CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
 

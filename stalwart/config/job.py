@@ -104,14 +104,17 @@ class ModelConfig:
 class DataConfig:
     path: str = option("Training data: a dataset made by `stalwart data prepare` (a directory with index.json), "
                        "or text: a file, a directory, a glob of .txt/.py/.md/.jsonl/.parquet files, or a Hugging "
-                       "Face `datasets.save_to_disk` directory, tokenized once into <run>/data. Empty = the bundled "
-                       "default corpus (this Python's standard library sources).", "")
+                       "Face `datasets.save_to_disk` directory, tokenized once into the data cache (data.cache). "
+                       "Empty = the bundled default corpus (this Python's standard library sources).", "")
     mix: str = option("Weights of the prepared dataset's sources, 'NAME:WEIGHT,NAME:WEIGHT' (normalised; a "
                       "source left out gets none). Each global batch holds each source's share to within one "
                       "sequence. Empty = every source by its token count.", "")
     verify: Literal["full", "size"] = option("Checks of a prepared dataset at start (on the first rank): "
                                              "'full' = every shard's sha256, 'size' = presence and sizes only.",
                                              "full")
+    cache: str = option("Where text given as data.path is tokenized, once per machine, and shared by every run "
+                        "of the same inputs, settings and tokenizer (<run>/data links to its entry). Empty = "
+                        "$STALWART_CACHE, else $XDG_CACHE_HOME/stalwart, else ~/.cache/stalwart.", "")
     prefetch: int = option("Global batches built ahead of the step on a background thread (0 = build in "
                            "the step).", 2, min=0)
     format: Literal["auto", "text", "jsonl", "parquet"] = option(

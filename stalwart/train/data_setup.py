@@ -1,23 +1,32 @@
 """The run's data from the ``data`` config section: tokenizer, training loader and validation set.
 
 ``data.path`` is either a prepared dataset (``stalwart data prepare``) or text, which the first rank
-tokenizes once into ``<run>/data`` in the same layout (kept for resumes). Either way every rank then
-reads only its own sequences from the shards.
+tokenizes once into the machine's data cache (``stalwart.data.cache``: shared by every run of the same
+text, settings and tokenizer) and links as ``<run>/data`` (kept for resumes). A run directory from
+before the cache, whose ``data`` is a folder, keeps using it. Either way every rank then reads only its
+own sequences from the shards.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.distributed as dist
 
+from stalwart.data.cache import cache_root, cached, data_key, link_run_data
 from stalwart.data.corpus import Corpus
 from stalwart.data.loader import Batch, DataLoader, validation_batches
 from stalwart.data.mixture import parse_mix
-from stalwart.data.prepare import Source, parse_inputs, prepare
+from stalwart.data.prepare import Source, parse_inputs, prepare, tokenizer_sha256
 from stalwart.data.prepared import Prepared, is_prepared, open_prepared
 from stalwart.data.tokenizer import eos_id, load_tokenizer, run_tokenizer
 from stalwart.paths import RunPaths
+
+
+SHARD_MB = 8.0  # text per shard of a run's own data (the default of `stalwart data prepare`)
 
 
 def _barrier() -> None:
@@ -31,6 +40,7 @@ class RunData:
     eos: int
     prepared: Prepared
     source: str  # in words, for the banner
+    timing: dict = field(default_factory=dict)  # the first rank's start-up work: seconds per part, cache use
 
     def loader(self, cfg, seq_len: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                seed: int) -> DataLoader:
@@ -53,24 +63,54 @@ def build_run_data(cfg, paths: RunPaths, is_main: bool, init_from_hf: str = "") 
     it left: the run's tokenizer and the data."""
     given = is_prepared(cfg.path)
     prepared_path = cfg.path if given else str(paths.prepared_data)
-    data = None
+    data, timing, clock = None, {}, time.perf_counter()
     if is_main:
         paths.root.mkdir(parents=True, exist_ok=True)
         data = open_prepared(cfg.path) if given else None
         corpus = None if given else Corpus(cfg.path, cfg.format, cfg.text_field, cfg.val_fraction,
                                            cfg.decode_errors)
+        clock = _lap(timing, "scan_s", clock)
         tok = run_tokenizer(cfg, paths.tokenizer, data, corpus, init_from_hf)
+        clock = _lap(timing, "tokenizer_s", clock)
         if not given:
-            source = parse_inputs([cfg.path])[0]
-            prepare([Source(source.name, cfg.path)], paths.prepared_data, tok, eos_id(tok), workers=1,
-                    fmt=cfg.format, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
-                    decode_errors=cfg.decode_errors, corpora=[corpus], out_name="run.dir (its data/ folder)")
+            timing["cache"] = _prepare_text(cfg, paths, tok, corpus)
+            clock = _lap(timing, "prepare_s", clock)
             data = open_prepared(prepared_path)
         data.verify(full=cfg.verify == "full")
+        clock = _lap(timing, "verify_s", clock)
     _barrier()
     data = data or open_prepared(prepared_path)
     tok = load_tokenizer(paths.tokenizer)  # every rank reads the one file the first rank decided
+    _lap(timing, "open_s", clock)
     where = cfg.path or "the bundled corpus (Python standard library)"
     words = (f"{where} (prepared: {len(data.names)} source(s))" if given
-             else f"{where} (tokenized into {paths.prepared_data})")
-    return RunData(tok, eos_id(tok), data, words)
+             else f"{where} (tokenized into {_shown(paths.prepared_data)})")
+    return RunData(tok, eos_id(tok), data, words, timing)
+
+
+def _lap(timing: dict, name: str, since: float) -> float:
+    now = time.perf_counter()
+    timing[name] = round(now - since, 3)
+    return now
+
+
+def _shown(data: Path) -> str:
+    return f"{os.readlink(data)}, linked as {data}" if data.is_symlink() else str(data)
+
+
+def _prepare_text(cfg, paths: RunPaths, tok, corpus: Corpus) -> str:
+    """Text into shards: the run's own ``data`` folder if it has one (a run begun before the cache),
+    else the machine's cache, linked as ``<run>/data``. Returns how: own, hit, prepared or waited."""
+    name = parse_inputs([cfg.path])[0].name
+    source = Source(name, os.path.abspath(cfg.path) if cfg.path else "")
+    settings = dict(fmt=cfg.format, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
+                    decode_errors=cfg.decode_errors)
+    own = paths.prepared_data
+    if own.is_dir() and not own.is_symlink():
+        prepare([source], own, tok, eos_id(tok), corpora=[corpus], out_name="run.dir (its data/ folder)", **settings)
+        return "own"
+    key = data_key([source], [corpus], tokenizer_sha256(tok), shard_mb=SHARD_MB, **settings)
+    entry, how = cached(cache_root(cfg.cache) / "data", key, lambda folder: prepare(
+        [source], folder, tok, eos_id(tok), corpora=[corpus], shard_mb=SHARD_MB, out_name="data.cache", **settings))
+    link_run_data(own, entry)
+    return how
