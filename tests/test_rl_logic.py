@@ -1,5 +1,5 @@
-"""RL post-training, pure logic: GRPO advantages and loss against hand-computed values, the code
-task's families and its held-out split."""
+"""RL post-training, pure logic: the algorithms' advantages and loss against hand-computed values, dynamic
+sampling, the code task's families and its held-out split."""
 
 import math
 
@@ -14,14 +14,30 @@ pytestmark = pytest.mark.unit
 
 
 def test_group_advantages_by_hand():
-    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    r = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]
     a = grpo.group_advantages(r, eps=0.0 + 1e-12)
     std = math.sqrt(((0.5 ** 2) * 4) / 3)  # unbiased std of [1, 0, 0, 1]
-    assert torch.allclose(a[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / std)
-    assert torch.equal(a[1], torch.zeros(4))  # a group that scored alike carries no signal
-    assert torch.equal(grpo.group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    assert a[0] == pytest.approx(np.array([0.5, -0.5, -0.5, 0.5]) / std)
+    assert np.array_equal(a[1], np.zeros(4))  # a group that scored alike carries no signal
+    assert grpo.group_advantages(r, scale=False)[0].tolist() == [0.5, -0.5, -0.5, 0.5]
     with pytest.raises(ValueError, match="k >= 2"):
-        grpo.group_advantages(torch.ones(3, 1))
+        grpo.group_advantages([[1.0]])
+
+
+def test_every_algorithms_advantages_by_hand():
+    r = [[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.5, 0.5, 0.5]]
+    std = math.sqrt(1 / 3)
+    dapo = grpo.group_advantages(r, "dapo", eps=1e-12)
+    assert dapo[0] == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std])  # grpo's
+    # rloo: reward minus the mean of the other rewards. [1, 0, 0, 1]: 1 - 1/3, 0 - 2/3; [1, 0, 0]: 1 - 0, 0 - 1/2
+    rloo = grpo.group_advantages(r, "rloo")
+    assert rloo[0] == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3]) and rloo[1] == pytest.approx([1.0, -0.5, -0.5])
+    # dr_grpo: centred, never divided by the std (scale is grpo's switch only)
+    dr = grpo.group_advantages(r, "dr_grpo", scale=True)
+    assert dr[0].tolist() == [0.5, -0.5, -0.5, 0.5] and dr[1] == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    for algorithm in ("grpo", "dapo", "rloo", "dr_grpo"):  # alike rewards: no signal under any of them
+        assert np.array_equal(grpo.group_advantages(r, algorithm)[2], np.zeros(3)), algorithm
+    assert grpo.informative([1.0, 0.0]) and not grpo.informative([0.5, 0.5, 0.5])
 
 
 def test_clipped_loss_and_aggregations_by_hand():
@@ -40,6 +56,13 @@ def test_clipped_loss_and_aggregations_by_hand():
     assert seq_sum == pytest.approx((sum(tok[0]) + sum(tok[1])) / 2)
     seq_mean = grpo.policy_loss(logp, old, adv, mask, how="seq-mean-token-mean").loss.item()
     assert seq_mean == pytest.approx((sum(tok[0]) / 3 + sum(tok[1]) / 2) / 2)
+    # Dr. GRPO: the token sums over a constant length (max_tokens 4), then the mean: (-3.2 / 4 + 3.6 / 4) / 2
+    dr = grpo.policy_loss(logp, old, adv, mask, how="seq-mean-token-sum-norm", max_tokens=4).loss.item()
+    assert dr == pytest.approx(0.05)
+    # DAPO's clip-higher: the ratio-2 token with A = 1 is clipped at 1.28 instead of 1.2; the lower bound is
+    # unchanged: (-1.28 - 1 - 1 + 1.6 + 2) / 5
+    dapo = grpo.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, how="token-mean")
+    assert dapo.loss.item() == pytest.approx(0.064) and dapo.clip_fraction.item() == pytest.approx(2 / 5)
 
 
 def test_kl_penalty_is_k3_and_zero_at_the_reference():
@@ -135,8 +158,10 @@ def test_packed_rows_line_up_targets_old_logprobs_and_mask():
     assert pack_group(g, np.zeros(3), 8, 0, 0.5, 1, False)[1][..., ON_POLICY].max() == 0.0
 
 
-@pytest.mark.parametrize("how", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(how):
+@pytest.mark.parametrize("how,algorithm", [("token-mean", "grpo"), ("seq-mean-token-sum", "grpo"),
+                                           ("seq-mean-token-mean", "grpo"), ("token-mean", "rloo"),
+                                           ("seq-mean-token-sum-norm", "dr_grpo")])
+def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(how, algorithm):
     """Two ranks with two micro-batches each: the runner divides by the micro-batches and data
     parallelism averages the ranks, so each part's weighted loss must add up to grpo.policy_loss on
     the whole batch."""
@@ -146,15 +171,14 @@ def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(
         MASK,
         OLD_LOGP,
         TOKEN,
-        advantages,
         aggregation_weights,
         pack_group,
     )
 
     torch.manual_seed(0)
     groups = [_group(1, i, [float(i % 2), 1.0, 0.0, 0.5]) for i in range(4)]
-    adv = advantages([g.rewards for g in groups], True)
-    w = aggregation_weights(groups, how, ranks=2, micro_per_rank=2)
+    adv = grpo.group_advantages([g.rewards for g in groups], algorithm)
+    w = aggregation_weights(groups, how, ranks=2, micro_per_rank=2, max_tokens=5)
     packed = [pack_group(g, a, 6, 0, w, 0, False) for g, a in zip(groups, adv)]
     logits = [torch.randn(4, 6, 16) for _ in groups]
     obj = GRPOObjective(0.2, 0.2, how, 0.0)
@@ -164,7 +188,7 @@ def test_objective_over_micro_batches_and_ranks_adds_up_to_the_global_aggregate(
     rows = torch.from_numpy(np.concatenate([r for _, r in packed]))
     logp = token_logprobs(torch.cat(logits), rows[..., TOKEN].long())
     ref = policy_loss(logp, rows[..., OLD_LOGP].float(), torch.from_numpy(np.concatenate(adv)).float(),
-                      rows[..., MASK], how=how)
+                      rows[..., MASK], how=how, max_tokens=5)
     assert float(distributed) == pytest.approx(float(ref.loss), rel=1e-5)
 
 
@@ -190,3 +214,78 @@ def test_hidden_tests_never_all_share_one_answer():
     for seed in (0, 1):
         for inst in all_instances():
             assert len({c.output for c in inst.cases(3, seed)}) >= 2, (seed, inst.key)
+
+
+def test_the_algorithm_picks_the_defaults_it_leaves_unset_and_refuses_what_it_cannot_take():
+    from stalwart.config import ConfigError, load
+    from stalwart.config.rl import RLConfig
+
+    def rl(*args):
+        return load(RLConfig, None, list(args)).rl
+
+    got = {a: (c.clip_low, c.clip_high, c.aggregation, c.scale_advantages, c.dynamic_sampling)
+           for a in ("grpo", "dapo", "rloo", "dr_grpo") for c in [rl("--rl.algorithm", a)]}
+    assert got == {"grpo": (0.2, 0.2, "token-mean", True, False), "dapo": (0.2, 0.28, "token-mean", True, True),
+                   "rloo": (0.2, 0.2, "token-mean", False, False),
+                   "dr_grpo": (0.2, 0.2, "seq-mean-token-sum-norm", False, False)}
+    c = rl("--rl.algorithm", "dapo", "--rl.clip_high", "0.3", "--rl.dynamic_sampling", "false")
+    assert (c.clip_high, c.dynamic_sampling) == (0.3, False)
+    assert rl("--rl.scale_advantages", "false").scale_advantages is False
+    with pytest.raises(ConfigError, match="dapo's loss is token-level"):
+        rl("--rl.algorithm", "dapo", "--rl.aggregation", "seq-mean-token-mean")
+    with pytest.raises(ConfigError, match="rloo's advantages are not divided"):
+        rl("--rl.algorithm", "rloo", "--rl.scale_advantages", "true")
+    with pytest.raises(ConfigError, match="did you mean 'dapo'"):
+        rl("--rl.algorithm", "dappo")
+
+
+def test_dynamic_sampling_refills_zero_variance_groups_with_new_instances():
+    """Step 1 plans 4 groups, two of them scoring alike. The first refill round gives one informative
+    group and one alike, the second the last informative one: the step trains 4 informative groups,
+    planned ones first in index order, and every group sampled counts in the figures."""
+    from types import SimpleNamespace
+
+    from stalwart.config import load
+    from stalwart.config.rl import RLConfig
+    from stalwart.rl.loop import Stepper
+    from stalwart.rl.rollout import Group, plan_step, refill_plan
+
+    cfg = load(RLConfig, None, ["--rl.algorithm", "dapo", "--rl.prompts_per_step", "4", "--rl.group_size", "2"])
+    pool, _ = split(0, 0.3)
+    scores = iter([[0.0, 1.0], [1.0, 1.0], [0.0, 0.5], [0.0, 0.0],  # the planned groups 0-3
+                   [1.0, 0.0], [0.5, 0.5],                        # round 1: groups 4, 5
+                   [0.0, 1.0]])                                   # round 2: group 6
+    plans = []
+
+    def run(plan):
+        plans.append(plan)
+        return [Group(q, [1], [[2], [3]], [[-0.1], [-0.2]], 0) for q in plan], {
+            "gen_s": 1.0, "rescore_s": 0.0, "rollout_tokens": 2 * len(plan)}
+
+    def score(groups):
+        for g in groups:
+            g.rewards = next(scores)
+        return {"score_s": 0.5, "programs_run": 2 * len(groups)}
+
+    st = Stepper.__new__(Stepper)
+    st.r = cfg.rl
+    st.ctx = SimpleNamespace(cfg=cfg, task=SimpleNamespace(train=pool))
+    st.svc = SimpleNamespace(generators=SimpleNamespace(run=run), rewards=SimpleNamespace(score=score))
+    st.catch_up = lambda s: None
+    planned, _ = run(plan_step(1, 0, pool, 4, 2))
+    plans.clear()
+    gfig, sfig = {"gen_s": 1.0, "rescore_s": 0.0, "rollout_tokens": 8}, score(planned)
+    trained, sampled, fig = st.refill(1, planned, gfig, sfig)
+    assert [g.request.index for g in trained] == [0, 2, 4, 6]
+    assert [len(p) for p in plans] == [2, 1] and plans[0] == refill_plan(
+        1, 1, 0, pool, {g.request.instance.key for g in planned}, 2, 2, 4)
+    assert len({g.request.instance.key for g in sampled}) == len(sampled) == 7  # no instance twice in a step
+    assert len({s for g in sampled for s in g.request.seeds}) == 14
+    assert fig == {"dynamic_sampling_rounds": 2, "sampled_groups": 7, "zero_variance_groups": 0}
+    assert gfig == {"gen_s": 3.0, "rescore_s": 0.0, "rollout_tokens": 14} and sfig["programs_run"] == 14
+    # out of rounds: the places left take zero-variance groups
+    st.r.dynamic_sampling_rounds = 1
+    scores = iter([[1.0, 1.0]] * 4 + [[0.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.5]])  # one round of 4
+    planned, _ = run(plan_step(2, 0, pool, 4, 2))
+    trained, _, fig = st.refill(2, planned, gfig, score(planned))
+    assert [g.request.index for g in trained] == [0, 1, 2, 4] and fig["zero_variance_groups"] == 3

@@ -69,8 +69,18 @@ class SFTConfig:
     lr: float = option("Learning rate of the warm-up fine-tuning (constant, AdamW).", 1e-3, min=0.0)
 
 
+Algorithm = Literal["grpo", "dapo", "rloo", "dr_grpo"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+DAPO_CLIP_HIGH = 0.28  # DAPO's clip-higher upper bound (eps_high)
+
+
 @dataclass
 class GRPOConfig:
+    algorithm: Algorithm = option(
+        "The policy-gradient algorithm: grpo (group-normalised advantages); dapo (grpo's advantages with "
+        "clip-higher, token-level loss and dynamic sampling); rloo (leave-one-out baseline); dr_grpo (centred "
+        "advantages, token sums over a constant length). Each picks the defaults of clip_high, aggregation, "
+        "scale_advantages and dynamic_sampling left unset.", "grpo")
     steps: int = option("RL optimizer steps.", 60, min=1)
     prompts_per_step: int = option("Problem instances per step (each gets group_size responses).", 16, min=1)
     group_size: int = option("Responses per prompt; advantages are relative to the group.", 8, min=2)
@@ -79,15 +89,24 @@ class GRPOConfig:
     max_tokens: int = option("Longest response, tokens.", 32, min=1)
     clip_low: float = option("PPO clip: the ratio is kept above 1 - clip_low for negative advantages.", 0.2,
                              min=0.0, max=1.0)
-    clip_high: float = option("PPO clip: the ratio is kept below 1 + clip_high for positive advantages.", 0.2,
-                              min=0.0)
+    clip_high: float | None = option("PPO clip: the ratio is kept below 1 + clip_high for positive advantages "
+                                     f"(unset: {DAPO_CLIP_HIGH} under dapo, its clip-higher; 0.2 otherwise).",
+                                     None, min=0.0)
     kl_coef: float = option("Weight of the k3 KL estimate to the frozen reference policy (the fine-tuned model); "
                             "0 = no reference kept.", 0.0, min=0.0)
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = option(
-        "How token losses become one number: every response token weighs the same, or per response (sum or "
-        "mean of its tokens) then the mean over responses.", "token-mean")
-    scale_advantages: bool = option("Divide advantages by the group's standard deviation (GRPO); false keeps "
-                                    "only the centring (Dr. GRPO).", True)
+    aggregation: Aggregation | None = option(
+        "How token losses become one number: every response token weighs the same (token-mean), or per response "
+        "(the sum of its tokens, that sum over rl.max_tokens, or their mean) then the mean over responses (unset: "
+        "seq-mean-token-sum-norm under dr_grpo, token-mean otherwise; dapo takes token-mean only).", None)
+    scale_advantages: bool | None = option(
+        "Divide advantages by the group's standard deviation (unset: true under grpo and dapo; rloo and dr_grpo "
+        "never scale).", None)
+    dynamic_sampling: bool | None = option(
+        "Train only on groups whose rewards differ: a group that scored alike carries no gradient, and more "
+        "groups are sampled and scored in its place (unset: on under dapo, off otherwise).", None)
+    dynamic_sampling_rounds: int = option(
+        "Dynamic sampling: at most this many extra rounds of generation per step; a step still short of "
+        "informative groups then trains with zero-variance groups in the remaining places.", 3, min=1)
     updates_per_step: int = option("Optimizer steps per RL step: the step's groups split into this many "
                                    "mini-batches, trained in turn on the same samples (PPO epochs of one pass; "
                                    "clipping bounds how far the later ones move).", 1, min=1)
@@ -114,8 +133,24 @@ class GRPOConfig:
         128.0, min=0.001)
 
     def __post_init__(self) -> None:
+        """Settings left unset take the algorithm's values; a setting the algorithm cannot take is refused."""
         if self.clip_low >= 1.0:
             raise ConfigError(f"rl.clip_low ({self.clip_low}) must be below 1 (the ratio's lower bound is 1 - clip_low)")
+        a = self.algorithm
+        if self.clip_high is None:
+            self.clip_high = DAPO_CLIP_HIGH if a == "dapo" else 0.2
+        if self.aggregation is None:
+            self.aggregation = "seq-mean-token-sum-norm" if a == "dr_grpo" else "token-mean"
+        elif a == "dapo" and self.aggregation != "token-mean":
+            raise ConfigError(f"rl.aggregation = {self.aggregation!r}: dapo's loss is token-level (token-mean); "
+                              "unset rl.aggregation or choose another rl.algorithm")
+        if self.scale_advantages is None:
+            self.scale_advantages = a in ("grpo", "dapo")
+        elif self.scale_advantages and a in ("rloo", "dr_grpo"):
+            raise ConfigError(f"rl.scale_advantages = true: {a}'s advantages are not divided by the group's "
+                              "standard deviation; unset it or choose rl.algorithm grpo")
+        if self.dynamic_sampling is None:
+            self.dynamic_sampling = a == "dapo"
 
 
 @dataclass
@@ -160,7 +195,8 @@ class RLConfig:
     controller: ControllerConfig = section(ControllerConfig, "Actor supervision (poll interval, spares, recovery).")
     task: TaskConfig = section(TaskConfig, "The verifiable code task and its held-out split.")
     sft: SFTConfig = section(SFTConfig, "Warm-up supervised fine-tuning before RL.")
-    rl: GRPOConfig = section(GRPOConfig, "The GRPO algorithm and the sync/async schedule.")
+    rl: GRPOConfig = section(GRPOConfig, "The RL algorithm (GRPO, DAPO, RLOO, Dr. GRPO) and the sync/async "
+                                         "schedule.")
     workers: WorkersConfig = section(WorkersConfig, "How many actors each mesh has.")
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
 

@@ -25,6 +25,7 @@ from stalwart.controller.mesh import ActorsFailed
 from stalwart.controller.replay import Recovery, RecoveryRole, Restored
 from stalwart.rl import rollout
 from stalwart.rl.balance import Layout, decide
+from stalwart.rl.grpo import group_advantages, informative
 from stalwart.rl.services import Generators, Rewards, Trainers
 from stalwart.rl.setup import sft_rows
 from stalwart.rl.weights import Sync, TrainersFailed, WeightSync
@@ -172,13 +173,14 @@ class Stepper:
         micro-batches (one group each); each update's weights make its own aggregate."""
         r, run = self.r, self.ctx
         n = self.svc.trainers.n
-        adv = rollout.advantages([g.rewards for g in groups], r.scale_advantages)
+        adv = group_advantages([g.rewards for g in groups], r.algorithm, r.scale_advantages)
         u = r.updates_per_step
         per_rank: list[list[list]] = [[[] for _ in range(u)] for _ in range(n)]
         size = len(groups) // u
         for j in range(u):
             part = range(j * size, (j + 1) * size)
-            weight = rollout.aggregation_weights([groups[i] for i in part], r.aggregation, n, size // n)
+            weight = rollout.aggregation_weights([groups[i] for i in part], r.aggregation, n, size // n,
+                                                 r.max_tokens)
             for i in part:
                 per_rank[i % n][j].append(rollout.pack_group(groups[i], adv[i], run.length, run.pad, weight, s - 1,
                                                              r.kl_coef > 0))
@@ -195,6 +197,9 @@ class Stepper:
                 self.inflight[t] = gen.generate(self.plan(t))
         groups, gfig = self.groups_for(s)
         sfig = rew.score(groups)
+        sampled, dfig = groups, {}
+        if r.dynamic_sampling:
+            groups, sampled, dfig = self.refill(s, groups, gfig, sfig)
         per_rank = self.pack(s, groups)
         stale = [rollout.staleness(g.version, s) for g in groups]
         self.staleness_max = max(self.staleness_max, max(stale))
@@ -215,7 +220,7 @@ class Stepper:
         trainer_busy = rec["trainer_s"] + send_s
         self.busy.append((sum(gen.pool.busy_s) - busy0[0], trainer_busy * svc.trainers.n))
         wall = time.perf_counter() - t0
-        rewards = [x for g in groups for x in g.rewards]
+        rewards = [x for g in sampled for x in g.rewards]
         gen_busy = sum(gen.pool.busy_s) - busy0[0]
         rew_busy = sum(rew.pool.busy_s) - busy0[1]
         return {"step": s, "kind": "rl", "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
@@ -233,7 +238,39 @@ class Stepper:
                 "generator_idle_frac": max(0.0, 1 - gen_busy / (wall * gen.n)),
                 "reward_idle_frac": max(0.0, 1 - rew_busy / (wall * rew.n)),
                 "trainer_idle_frac": max(0.0, 1 - trainer_busy / wall),
-                "generators": gen.n, "trainers": svc.trainers.n}
+                "generators": gen.n, "trainers": svc.trainers.n, **dfig}
+
+    def refill(self, s: int, groups: list[rollout.Group], gfig: dict[str, float], sfig: dict[str, float]
+               ) -> tuple[list[rollout.Group], list[rollout.Group], dict[str, Any]]:
+        """Dynamic sampling (DAPO): a group whose rewards are all alike carries no gradient, so more
+        groups (new instances, generated with the current weights) are sampled and scored in its place,
+        for at most ``rl.dynamic_sampling_rounds`` rounds; places still empty then take zero-variance
+        groups. The step's figures grow by the extra work. Returns (the groups to train, every group
+        sampled, the figures of the refill)."""
+        want, r = len(groups), self.r
+        keep = [g for g in groups if informative(g.rewards)]
+        alike = [g for g in groups if not informative(g.rewards)]
+        sampled, rounds = list(groups), 0
+        while len(keep) < want and rounds < r.dynamic_sampling_rounds:
+            rounds += 1
+            plan = rollout.refill_plan(s, rounds, self.ctx.cfg.run.seed, self.ctx.task.train,
+                                       {g.request.instance.key for g in sampled}, want - len(keep),
+                                       r.group_size, max(g.request.index for g in sampled) + 1)
+            if not plan:
+                break
+            self.catch_up(s)  # generated with the trainers' current weights (version s - 1): on-policy
+            more, fig = self.svc.generators.run(plan)
+            for key in ("gen_s", "rescore_s", "rollout_tokens"):
+                gfig[key] += fig[key]
+            score = self.svc.rewards.score(more)
+            sfig["score_s"] += score["score_s"]
+            sfig["programs_run"] += score["programs_run"]
+            sampled += more
+            keep += [g for g in more if informative(g.rewards)]
+            alike += [g for g in more if not informative(g.rewards)]
+        trained = sorted(keep[:want] + alike[:max(0, want - len(keep))], key=lambda g: g.request.index)
+        return trained, sampled, {"dynamic_sampling_rounds": rounds, "sampled_groups": len(sampled),
+                                  "zero_variance_groups": sum(not informative(g.rewards) for g in trained)}
 
     def run(self) -> dict[str, Any]:
         r, run = self.r, self.ctx

@@ -1,4 +1,6 @@
-"""The GRPO objective as a training-core loss function, and the statistics of the step it computed.
+"""The policy objective (every ``rl.algorithm``: GRPO, DAPO, RLOO, Dr. GRPO) as a training-core loss
+function, and the statistics of the step it computed. The algorithms differ here only in their clip
+bounds and aggregation; their advantages arrive in the rows (``grpo.group_advantages``).
 
 ``TrainCore.train_step(micro, loss_fn=objective)`` hands it (logits, rows) per micro-batch, where rows
 is the packed float64 tensor of ``rollout.pack_group`` (target token, old log-probability, advantage,
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stalwart.rl.grpo import kl_k3
+from stalwart.rl.grpo import clipped_surrogate, kl_k3
 from stalwart.rl.rollout import (
     ADVANTAGE,
     MASK,
@@ -51,15 +53,12 @@ class GRPOObjective:
         old = rows[..., OLD_LOGP].float()
         adv = rows[..., ADVANTAGE].float()
         weight = rows[..., WEIGHT].float()
-        ratio = torch.exp(logp - old)
-        unclipped = ratio * adv
-        clipped = ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv
-        per_token = -torch.minimum(unclipped, clipped)
+        per_token, ratio, clipped, unclipped = clipped_surrogate(logp, old, adv, self.clip_low, self.clip_high)
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl_k3(logp, rows[..., REF_LOGP].float())
         if self.how == "token-mean":
             loss = (per_token * mask * weight).sum()
-        else:
+        else:  # per response: the weight of seq-mean-token-sum-norm also holds its 1 / max_tokens
             per_seq = (per_token * mask).sum(dim=1)
             if self.how == "seq-mean-token-mean":
                 per_seq = per_seq / mask.sum(dim=1).clamp(min=1)

@@ -67,6 +67,19 @@ def plan_step(step: int, seed: int, pool: list[Instance], prompts: int, k: int) 
             for i, j in enumerate(chosen)]
 
 
+def refill_plan(step: int, round_: int, seed: int, pool: list[Instance], exclude: set[str], count: int, k: int,
+                first_index: int) -> list[GroupRequest]:
+    """Dynamic sampling's extra groups for step ``step``, round ``round_`` (1, 2, ...): ``count`` instances
+    of ``pool`` not in ``exclude`` (keys), drawn by their own seeded generator, as groups ``first_index``,
+    ``first_index + 1``, ... (past every index the step used before, so identities and seeds stay unique)."""
+    rng = random.Random(_seed(seed, "rl-refill", step, round_))
+    free = [j for j, inst in enumerate(pool) if inst.key not in exclude]
+    chosen = rng.sample(free, min(count, len(free)))
+    return [GroupRequest(step, first_index + i, pool[j], tuple(_seed(seed, "sample", step, first_index + i, s)
+                                                                for s in range(k)))
+            for i, j in enumerate(chosen)]
+
+
 def eval_plan(seed: int, instances: list[Instance], samples: int, tag: str) -> list[GroupRequest]:
     """Evaluation groups: every instance once, ``samples`` seeded responses each; ``tag`` keeps the seeds of
     different evaluations apart."""
@@ -82,17 +95,6 @@ def staleness(version: int, step: int) -> int:
 
 def admissible(version: int, step: int, bound: int) -> bool:
     return 0 <= staleness(version, step) <= bound
-
-
-def advantages(rewards: list[list[float]], scale: bool, eps: float = 1e-6) -> list[np.ndarray]:
-    """GRPO advantages per group (reward minus the group's mean, over its unbiased std when ``scale``);
-    the same arithmetic as ``grpo.group_advantages``, in float64 numpy."""
-    out = []
-    for r in rewards:
-        a = np.asarray(r, dtype=np.float64)
-        c = a - a.mean()
-        out.append(c / (a.std(ddof=1) + eps) if scale else c)
-    return out
 
 
 def row_length(prompt_len: int, max_tokens: int) -> int:
@@ -130,13 +132,15 @@ def pack_group(group: Group, adv: np.ndarray, length: int, pad: int, weight: flo
     return inputs, rows
 
 
-def aggregation_weights(groups: list[Group], how: str, ranks: int, micro_per_rank: int) -> float:
+def aggregation_weights(groups: list[Group], how: str, ranks: int, micro_per_rank: int, max_tokens: int = 1) -> float:
     """The per-token (token-mean) or per-response weight that turns each rank's micro-batch loss into its
     share of the global aggregate: the runner divides by the micro-batches and data parallelism averages
-    over ranks, so both are multiplied back."""
+    over ranks, so both are multiplied back (seq-mean-token-sum-norm also divides by ``max_tokens``)."""
     scale = ranks * micro_per_rank
     if how == "token-mean":
         tokens = sum(len(r) for g in groups for r in g.responses)
         return scale / max(tokens, 1)
     responses = sum(len(g.responses) for g in groups)
+    if how == "seq-mean-token-sum-norm":
+        return scale / (max(responses, 1) * max_tokens)
     return scale / max(responses, 1)

@@ -1,0 +1,62 @@
+"""`stalwart rl --rl.algorithm dapo|rloo|dr_grpo` for real, two steps each on four families: every
+algorithm trains through the same actors and objective as GRPO (whose own runs are in test_rl_e2e.py).
+The first step's samples do not depend on the algorithm (same seeds, same fine-tuned weights), so
+rloo and dr_grpo see the same rewards and differ in their loss; dapo's dynamic sampling trains only
+groups past the planned ones when the planned ones scored alike, each once."""
+
+import json
+import math
+import shutil
+
+import pytest
+from conftest import read_metrics, run_cli
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
+
+QUICK = ["--config", "rl_code", "--rl.mode", "sync", "--rl.steps", "2", "--rl.prompts_per_step", "4",
+         "--rl.group_size", "4", "--rl.max_tokens", "24", "--rl.eval_interval", "100", "--rl.eval_samples", "1",
+         "--task.tests", "2", "--task.families", "add,sub,mul,length", "--task.eval_per_family", "1",
+         "--controller.supervision_poll_s", "0.2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("algorithms")
+    for algorithm in ("dapo", "rloo", "dr_grpo"):
+        run_cli("rl", *QUICK, "--rl.algorithm", algorithm, "--run.dir", str(root / algorithm), timeout=400)
+    return root
+
+
+def _steps(run):
+    return {m["step"]: m for m in read_metrics(run) if m.get("kind") == "rl"}
+
+
+@pytest.mark.parametrize("algorithm", ["dapo", "rloo", "dr_grpo"])
+def test_every_algorithm_trains_two_steps(runs, algorithm):
+    steps = _steps(runs / algorithm)
+    assert sorted(steps) == [1, 2]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in steps.values())
+    summary = json.loads((runs / algorithm / "summary.json").read_text())
+    assert summary["groups_trained"] == 2 * 4 and 0.0 <= summary["final_reward_mean"] <= 1.0
+    dynamic = {"dynamic_sampling_rounds", "sampled_groups", "zero_variance_groups"}
+    assert dynamic <= set(steps[1]) if algorithm == "dapo" else not dynamic & set(steps[1])
+
+
+def test_rloo_and_dr_grpo_score_the_same_samples_and_differ_in_their_loss(runs):
+    rloo, dr = _steps(runs / "rloo")[1], _steps(runs / "dr_grpo")[1]
+    assert rloo["reward_mean"] == dr["reward_mean"] and rloo["train_tokens"] == dr["train_tokens"]
+    assert rloo["loss"] != dr["loss"]
+
+
+def test_dapo_replaces_groups_that_scored_alike(runs):
+    run = runs / "dapo"
+    journal = [json.loads(x) for x in (run / "controller" / "journal.jsonl").read_text().splitlines()]
+    trained = {e["step"]: e["groups"] for e in journal if e["cmd"] == "step"}
+    for s, m in _steps(run).items():
+        assert len(trained[s]) == len(set(trained[s])) == 4
+        refilled = [g for g in trained[s] if int(g.split("/")[1]) >= 4]  # groups sampled past the plan
+        assert (m["dynamic_sampling_rounds"] > 0) == (m["sampled_groups"] > 4)
+        assert len(refilled) <= m["sampled_groups"] - 4
+        if m["zero_variance_groups"] == 0 and m["sampled_groups"] > 4:
+            assert refilled  # a planned group that scored alike was replaced
