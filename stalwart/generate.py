@@ -29,9 +29,14 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               gen: torch.Generator) -> int:
+               gen: torch.Generator, allowed: torch.Tensor | None = None) -> int:
     """One token from one row of logits (vocab,), fp32 on the host: the most likely at temperature 0,
-    else one draw from ``gen`` (greedy draws nothing, so it leaves ``gen`` as it was)."""
+    else one draw from ``gen`` (greedy draws nothing, so it leaves ``gen`` as it was).
+
+    ``allowed`` (vocab,) bool, when given, is a mask (a structured output's grammar): every other token
+    is set to -inf first, greedy or not. Without it the logits are used as they are."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)

@@ -23,6 +23,7 @@ from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, dec
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.sampling import Choice, SamplingParams, sample_row
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
+from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
 from stalwart.runtime.device import HOST
 
@@ -54,6 +55,7 @@ class RequestState:
     params: SamplingParams
     gen: torch.Generator
     tail: TextTail
+    grammar: GrammarState | None = None  # a structured output's position in its constraint
 
     @property
     def generated(self) -> list[int]:
@@ -120,6 +122,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, cfg.max_batch_tokens, cfg.max_seqs, cfg.prefix_caching)
         self.requests: dict[str, RequestState] = {}
         self.tokens_generated = 0
+        self.grammars = Grammars(tokenizer, eos_id, self.args.vocab_size)  # structured outputs' compiler
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class Engine:
         """Raise RequestError or SamplingError if the engine cannot take this request (reads nothing
         that changes)."""
         params.validate()
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
         if not prompt:
             raise RequestError("the prompt is empty", "prompt")
         if any(t < 0 or t >= self.args.vocab_size for t in prompt):
@@ -153,7 +158,8 @@ class Engine:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight")
         state = RequestState(Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens), params,
-                             params.generator(), TextTail(self.tokenizer, params.stop))
+                             params.generator(), TextTail(self.tokenizer, params.stop),
+                             self.grammars.start(params.structured) if params.structured is not None else None)
         self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
         self.requests[rid] = state
 
@@ -241,11 +247,16 @@ class Engine:
         batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
 
     def _advance(self, state: RequestState, logits: torch.Tensor) -> Output:
-        choice = sample_row(logits, state.params, state.gen)
+        grammar = state.grammar
+        choice = sample_row(logits, state.params, state.gen, allowed=grammar.allowed() if grammar else None)
         seq = state.seq
         seq.tokens.append(choice.token)
         self.tokens_generated += 1
+        if grammar is not None:
+            grammar.advance(choice.token)
         if choice.token == self.eos_id and not state.params.ignore_eos:
+            reason = "stop"
+        elif grammar is not None and grammar.done:  # the structured output is complete
             reason = "stop"
         elif len(state.generated) >= state.params.max_tokens or len(seq.tokens) >= self.args.max_seq_len:
             reason = "length"

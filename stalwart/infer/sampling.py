@@ -40,6 +40,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
     seed: int | None = None
     ignore_eos: bool = False
+    # infer.structured.Constraint: the output must match it (a JSON schema, regex, grammar); None: free
+    structured: object | None = None
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -69,10 +71,12 @@ class Choice:
     top: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Choice:
+def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+               allowed: torch.Tensor | None = None) -> Choice:
     """One token from one row of logits (vocab,), fp32 on the host, drawn by the one sampler
-    (``generate.next_token``); with its log-probabilities when the request asks for them."""
-    token = next_token(logits, params.temperature, params.top_k, params.top_p, gen)
+    (``generate.next_token``), for a structured output only among the ``allowed`` tokens (its grammar's
+    mask); with its log-probabilities when the request asks for them."""
+    token = next_token(logits, params.temperature, params.top_k, params.top_p, gen, allowed)
     if params.logprobs is None:
         return Choice(token)
     logp = torch.log_softmax(logits, dim=-1)

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stalwart.infer.sampling import SamplingError, SamplingParams
+from stalwart.serve.formats import ResponseFormat, StructuredOutputs, constraint_of
 
 # Strict: a value of the wrong JSON type is refused, not coerced ("5" is no max_tokens, true no 1).
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -38,6 +39,9 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+    # a structured output (serve/formats.py): OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -53,7 +57,8 @@ class SamplingRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, stop=stop, logprobs=logprobs, seed=self.seed,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos,
+                              structured=constraint_of(self.response_format, self.structured_outputs))
 
 
 class CompletionRequest(SamplingRequest):
