@@ -56,10 +56,11 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     total = opts["warmup"] + opts["steps"]
     # The training core `stalwart train` runs, fed random tokens: the same model, initialiser, FSDP2
     # wrapping, optimizer, clipping and step.
-    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1), CommConfig(), OptimizerConfig(lr=1e-3),
-                    SchedulerConfig(kind="constant", warmup_steps=0),
+    elastic = opts.get("elastic", False)
+    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1, data_parallel="replicate" if elastic else "auto"),
+                    CommConfig(), OptimizerConfig(lr=1e-3), SchedulerConfig(kind="constant", warmup_steps=0),
                     TrainingConfig(steps=total, global_batch=mb * world, micro_batch=mb, dtype="float32",
-                                   device=device.type), seq, accum_steps=1)
+                                   device=device.type, elastic_exact=elastic), seq, accum_steps=1)
     core = TrainCore.build(spec, DistEnv.of(rank, world, device))
     gen = torch.Generator().manual_seed(rank)
     tokens = [torch.randint(0, 256, (mb, seq + 1), generator=gen).to(device) for _ in range(4)]
@@ -89,8 +90,10 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "step_s": elapsed / opts["steps"], "layout": "replicated (DDP)" if replicated else
-              ("sharded (FSDP)" if world > 1 else "one process")}
+              "step_s": elapsed / opts["steps"], "elastic_exact": elastic,
+              "layout": ("replicated, elastic-exact tree sum" if elastic and world > 1 else
+                         "replicated (DDP)" if replicated else "sharded (FSDP)" if world > 1 else "one process")
+              + (" (elastic-exact)" if elastic and world == 1 else "")}
     if replicated:
         result.update(exposed_all_reduce_ms(core.pm.stages[0]))  # averaged over warm-up and timed steps
     if rank == 0:
@@ -137,6 +140,21 @@ def run(world: int, opts: dict) -> dict:
             return json.load(fh)
 
 
+def elastic_cost(results: list[dict]) -> str:
+    """Per process count: the elastic-exact step time over the default's, every pair and the median."""
+    import statistics
+
+    lines = ["elastic-exact cost per step (elastic step time / default step time):"]
+    for world in sorted({r["world"] for r in results}):
+        base = [r["step_s"] for r in results if r["world"] == world and not r["elastic_exact"]]
+        exact = [r["step_s"] for r in results if r["world"] == world and r["elastic_exact"]]
+        ratios = [e / b for b, e in zip(base, exact)]
+        if ratios:
+            lines.append(f"  {world} process{'es' if world > 1 else ''}: median {statistics.median(ratios):.3f}x "
+                         f"({', '.join(f'{x:.3f}' for x in ratios)})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench throughput", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,6 +164,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="threads per process (0 = cores / procs)")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where to train (auto = cuda if available)")
+    p.add_argument("--elastic", choices=("off", "on", "both"), default="off",
+                   help="training.elastic_exact: off, on, or both interleaved (the default layout and the "
+                        "world-size independent gradient sum, alternately, with the cost per step printed)")
+    p.add_argument("--repeats", type=int, default=1, help="measure every configuration this many times")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many steps on rank 0 and print the per-op breakdown")
@@ -158,16 +180,21 @@ def main(argv: list[str]) -> int:
           f"{a.micro_batch}/process, fp32, AdamW, vocab 256; {cores} cores; device {kind}")
     print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}  "
           "layout (gradient all-reduce ms/step: span, exposed after backward's compute)")
-    for world in procs:
-        threads = a.threads or max(1, cores // world)
-        r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch, "threads": threads,
-                        "profile": a.profile, "device": kind})
-        frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
-        r["fraction_of_peak"] = frac
-        results.append(r)
-        comm = f" ({r['all_reduce_ms']:.0f}, {r['exposed_ms']:.0f} exposed)" if "exposed_ms" in r else ""
-        print(f"{world:>5} {threads:>8} {r['tokens_per_s']:>10.0f} {r['gflops_per_s']:>9.1f} {100 * frac:>8.1f}% "
-              f"{r['step_s']:>7.3f} {r['mem_mib']:>8.0f}  {r['layout']}{comm}", flush=True)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[a.elastic]
+    for _ in range(a.repeats):
+        for world in procs:
+            threads = a.threads or max(1, cores // world)
+            for elastic in modes:
+                r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch,
+                                "threads": threads, "profile": a.profile, "device": kind, "elastic": elastic})
+                frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
+                r["fraction_of_peak"] = frac
+                results.append(r)
+                comm = f" ({r['all_reduce_ms']:.0f}, {r['exposed_ms']:.0f} exposed)" if "exposed_ms" in r else ""
+                print(f"{world:>5} {threads:>8} {r['tokens_per_s']:>10.0f} {r['gflops_per_s']:>9.1f} "
+                      f"{100 * frac:>8.1f}% {r['step_s']:>7.3f} {r['mem_mib']:>8.0f}  {r['layout']}{comm}", flush=True)
+    if a.elastic == "both":
+        print(elastic_cost(results))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)

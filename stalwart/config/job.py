@@ -172,6 +172,11 @@ class TrainingConfig:
         "'auto' = bfloat16 where its measured (or spec-sheet) matmul peak is >= 1.5x float32's, else float32; "
         "the banner says which ran and why.",
         "auto")
+    elastic_exact: bool = option(
+        "Sum each step's micro-batch gradients (and losses) in one fixed tree over the global batch, whatever "
+        "ranks hold them, so 1, 2, 4... processes give the same bits and a run can change its number of "
+        "processes on resume and stay bit for bit (parallel/elastic.py). Replicated data parallel only; "
+        "costs an all-gather in place of DDP's overlapped all-reduce.", False)
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where to train ('auto' = cuda if available; a device this machine lacks is refused before any worker "
         "starts). `--device` sets it too.", "auto")

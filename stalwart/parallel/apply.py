@@ -24,9 +24,11 @@ from stalwart.parallel.parts import ParallelModel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg, param_dtype: torch.dtype,
-                comm_cfg, rank: int = 0) -> ParallelModel:
+                comm_cfg, rank: int = 0, elastic: bool = False) -> ParallelModel:
     """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section;
-    ``comm_cfg``: the comm section (DDP's bucket size; which algorithms the gradient collectives use)."""
+    ``comm_cfg``: the comm section (DDP's bucket size; which algorithms the gradient collectives use).
+    ``elastic``: the ranks replicate the model but the step reduces the gradients itself
+    (``parallel/elastic.py``), so no DDP wrapper is applied."""
     # 1. Pipeline split.
     if dims.pp > 1:
         from stalwart.parallel.pipeline import split_model
@@ -40,7 +42,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
         pm = split_model(model, pp_rank, dims.pp, cfg.pp_schedule, cfg.pp_virtual_stages)
     else:
         pm = ParallelModel(model, [model])
-    replicated = meshes is not None and replicates_whole_model(dims)
+    replicated = meshes is not None and replicates_whole_model(dims) and not elastic
     for stage in pm.stages:
         # 2. Tensor + sequence parallel.
         if dims.tp > 1:
@@ -70,10 +72,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
 
             apply_replicate(stage, meshes.dp.get_group(), comm_cfg.bucket_mb)
             pm.replicated = True
-        elif meshes is not None and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
+        elif meshes is not None and not elastic and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
                        meshes.expert_fsdp, dims.dp)
-    if (meshes is None or replicated) and param_dtype != torch.float32:
+    if (meshes is None or replicated or elastic) and param_dtype != torch.float32:
         # No FSDP to cast: parallel/precision.py casts each unit's parameters as it runs, same policy.
         from stalwart.parallel.precision import apply_cast
 

@@ -28,6 +28,7 @@ from stalwart.data.loader import Batch
 from stalwart.models.llama import Transformer, TransformerArgs, count_params, flops_per_token
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
+from stalwart.parallel.elastic import TreeAccumulator, check_elastic_layout
 from stalwart.parallel.replicate import start_replicas
 from stalwart.runtime.device import is_accelerator
 from stalwart.runtime.env import DistEnv
@@ -108,7 +109,11 @@ class TrainCore:
         # from the same bits.
         with torch.device("meta"):
             model = Transformer(a)
-        self.pm = parallelize(model, dims, self.mesh, spec.parallelism, self.param_dtype, spec.comm, env.rank)
+        elastic = bool(getattr(spec.training, "elastic_exact", False))
+        if elastic:
+            check_elastic_layout(dims)
+        self.pm = parallelize(model, dims, self.mesh, spec.parallelism, self.param_dtype, spec.comm, env.rank,
+                              elastic=elastic)
         self.model = self.pm.container  # every parameter this rank owns, under its original name
         materialize_and_init(self.model, self.device, spec.seed, stages=self.pm.stages)
         if self.pm.replicated:
@@ -120,6 +125,10 @@ class TrainCore:
         self.runner = StepRunner(self.pm, dims, self.mesh, self.device, env.rank, spec.accum_steps,
                                  spec.parallelism.pp_schedule, timer)
         self.timer = self.runner.timer
+        if elastic:
+            leaves = spec.training.global_batch // spec.training.micro_batch
+            self.runner.use_elastic(TreeAccumulator(leaves, dims.dp_rank(env.rank), dims.dp),
+                                    self.mesh.dp.get_group() if dims.dp > 1 else None, self.params)
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.state = TrainState()
         self.backward_hooks: list[BackwardHook] = []

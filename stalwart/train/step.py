@@ -55,6 +55,14 @@ class StepRunner:
             self.schedule = build_schedule(pm, self.pp_group, device, schedule_name, n_microbatches,
                                            loss_fn=lambda out, tgt: self._loss_fn(out, tgt))
         self._loss_fn: LossFn = cross_entropy
+        self.elastic = None  # a parallel.elastic.TreeAccumulator when training.elastic_exact is on
+        self.elastic_group = None
+        self.params: list[torch.nn.Parameter] = []
+
+    def use_elastic(self, accumulator, group, params: list[torch.nn.Parameter]) -> None:
+        """Sum the micro-batches' gradients in the canonical tree of ``accumulator`` and exchange them over
+        ``group`` (the data-parallel group; None on one process) instead of leaving it to DDP."""
+        self.elastic, self.elastic_group, self.params = accumulator, group, params
 
     def _loss_context(self):
         if self.pm.loss_parallel:
@@ -79,6 +87,8 @@ class StepRunner:
         self._loss_fn = loss_fn
         if self.schedule is not None:
             return self._pipeline_step(micro)
+        if self.elastic is not None:
+            return self._elastic_step(micro, loss_fn)
         model = self.pm.stages[0]
         set_aux_grad_scale(model, 1.0 / len(micro))  # the balance loss's gradient, scaled like the loss's
         total = torch.zeros((), device=self.device)
@@ -91,6 +101,24 @@ class StepRunner:
                     (loss / len(micro)).backward()
             total += _local(loss.detach())
         return total / len(micro)
+
+    def _elastic_step(self, micro: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        """Each micro-batch's gradient and loss into the world-size independent tree; the mean over the
+        global batch lands in the gradients (the same on every rank) and is the returned loss."""
+        from stalwart.parallel.elastic import assign_grads, flat_grads
+
+        model = self.pm.stages[0]
+        set_aux_grad_scale(model, 1.0)
+        for batch in micro:
+            inputs, targets, positions = self._prepare(batch)
+            with self.timer.phase("forward"):
+                loss = loss_fn(model(inputs, positions), targets)
+            with self.timer.phase("backward"):
+                loss.backward()
+            self.elastic.push(flat_grads(self.params, _local(loss.detach())))
+        with self.timer.phase("reduce"):
+            total = self.elastic.total(self.elastic_group).div_(self.elastic.leaves)
+        return assign_grads(self.params, total)[0]
 
     def _pipeline_step(self, micro: list[Batch]) -> torch.Tensor | None:
         inputs = torch.cat([b.inputs for b in micro]).to(self.device)

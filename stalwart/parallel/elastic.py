@@ -1,0 +1,148 @@
+"""Gradients whose sum does not depend on the number of processes (``training.elastic_exact``).
+
+A data-parallel step sums one gradient per micro-batch. Floating-point addition is not associative, so
+the sum's last bits depend on the order of the additions, and the usual order depends on the number of
+processes: each rank accumulates its own micro-batches one after another, then the all-reduce adds the
+ranks' partial sums in whatever order its algorithm (ring, tree, the backend's) chooses. A run stopped
+at 4 processes and resumed at 2 therefore drifts from the run that kept 4, by a few ulps at first.
+
+Here the order is fixed by the global batch instead. The ``L = global_batch / micro_batch`` micro-batches
+of a step are the leaves of one canonical binary tree: node ``(lo, size)`` (``size`` a power of two,
+``lo`` a multiple of it) covers leaves ``[lo, lo + size)``, and its value is the sum of its two halves,
+left + right, or the left half alone when the right one starts at or past ``L``. Data-parallel rank
+``r`` of ``W`` holds the contiguous leaves ``[r L / W, (r + 1) L / W)`` (the data loader already gives
+every rank its contiguous slots of the global batch); it cuts them into maximal aligned blocks, sums
+each block with the same recursion as the micro-batches arrive (keeping at most one partial sum per
+tree level), and the ranks exchange their blocks (one all-gather) and finish the tree on every rank.
+Every addition is therefore the same whichever ranks hold the leaves: 1, 2, 4 processes (any ``W``
+that divides ``L``) give the same bits. The loss of each micro-batch rides along as one more element,
+so the reported loss is world-size independent too.
+
+What it costs: one flat copy of the gradients per micro-batch (plus one per tree level held), an
+all-gather of ``W x`` the gradient size in place of an all-reduce, and no overlap of communication
+with backward (DDP's bucketed all-reduce is not used). ``stalwart bench throughput --elastic-exact``
+measures it against the default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stalwart.errors import UserError
+
+
+def blocks(lo: int, hi: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into maximal aligned power-of-two blocks, as ``(start, size)``, in order."""
+    out = []
+    while lo < hi:
+        size = lo & -lo if lo else 1 << (hi - 1).bit_length()
+        while lo + size > hi:
+            size //= 2
+        out.append((lo, size))
+        lo += size
+    return out
+
+
+def tree_sum(leaves: int, nodes: dict[tuple[int, int], torch.Tensor], lo: int = 0,
+             size: int | None = None) -> torch.Tensor | None:
+    """The canonical tree's value at ``(lo, size)`` (the root by default) from the known ``nodes``."""
+    if size is None:
+        size = 1 << max(0, (leaves - 1).bit_length())
+    if lo >= leaves:
+        return None
+    if (lo, size) in nodes:
+        return nodes[(lo, size)]
+    if size == 1:
+        raise KeyError(f"leaf {lo} of the gradient tree is missing")
+    half = size // 2
+    left = tree_sum(leaves, nodes, lo, half)
+    right = tree_sum(leaves, nodes, lo + half, half)
+    return left if right is None else left + right
+
+
+class TreeAccumulator:
+    """This rank's micro-batch values summed into its blocks of the canonical tree, streaming."""
+
+    def __init__(self, leaves: int, rank: int, world: int) -> None:
+        if leaves % world:
+            raise UserError(f"training.elastic_exact needs the {leaves} micro-batches of a step "
+                            f"(training.global_batch / training.micro_batch) to divide evenly over the "
+                            f"{world} data-parallel ranks")
+        self.leaves, self.rank, self.world = leaves, rank, world
+        per = leaves // world
+        self.lo, self.hi = rank * per, (rank + 1) * per
+        self.mine = blocks(self.lo, self.hi)
+        self._stack: list[tuple[int, int, torch.Tensor]] = []
+        self._next = self.lo
+
+    def _merges(self, lo: int, size: int) -> bool:
+        """Whether the aligned block (lo, 2 * size) lies inside one of this rank's blocks."""
+        if lo % (2 * size):
+            return False
+        return any(b_lo <= lo and lo + 2 * size <= b_lo + b_size for b_lo, b_size in self.mine)
+
+    def push(self, value: torch.Tensor) -> None:
+        """Add the next micro-batch's value (leaves arrive in order)."""
+        self._stack.append((self._next, 1, value))
+        self._next += 1
+        while len(self._stack) >= 2:
+            (lo1, s1, a), (lo2, s2, b) = self._stack[-2], self._stack[-1]
+            if s1 != s2 or lo2 != lo1 + s1 or not self._merges(lo1, s1):
+                break
+            self._stack[-2:] = [(lo1, 2 * s1, a + b)]
+
+    def total(self, group=None) -> torch.Tensor:
+        """The root of the tree on every rank: this rank's blocks exchanged with the others' (``group``:
+        the data-parallel group; None on one process)."""
+        if self._next != self.hi:
+            raise RuntimeError(f"rank {self.rank} summed {self._next - self.lo} of its {self.hi - self.lo} "
+                               "micro-batches")
+        nodes = {(lo, size): v for lo, size, v in self._stack}
+        if self.world > 1:
+            import torch.distributed as dist
+
+            per = self.leaves // self.world
+            layout = [blocks(r * per, (r + 1) * per) for r in range(self.world)]
+            width = max(len(b) for b in layout)
+            first = self._stack[0][2]
+            mine = torch.zeros(width, first.numel(), dtype=first.dtype, device=first.device)
+            for i, (_, _, v) in enumerate(self._stack):
+                mine[i] = v
+            gathered = torch.empty(self.world * width, first.numel(), dtype=first.dtype, device=first.device)
+            dist.all_gather_single(gathered, mine, group=group)
+            nodes = {blk: gathered[r * width + i] for r, rank_blocks in enumerate(layout)
+                     for i, blk in enumerate(rank_blocks)}
+        self._stack, self._next = [], self.lo
+        return tree_sum(self.leaves, nodes)
+
+
+def flat_grads(params: list[torch.nn.Parameter], extra: torch.Tensor) -> torch.Tensor:
+    """Every parameter's gradient (zeros for one that got none) and ``extra`` in one fp32 vector; the
+    gradients are released."""
+    parts = []
+    for p in params:
+        parts.append(p.grad.reshape(-1).float() if p.grad is not None
+                     else torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+        p.grad = None
+    parts.append(extra.reshape(-1).float())
+    return torch.cat(parts)
+
+
+def assign_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
+    """The gradients become views of ``flat`` (no copy; ``flat`` must be the caller's own); returns what
+    follows them (the extra values)."""
+    off = 0
+    for p in params:
+        p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype)
+        off += p.numel()
+    return flat[off:]
+
+
+def check_elastic_layout(dims) -> None:
+    """``training.elastic_exact`` sums whole gradients: every data-parallel rank must hold the whole model."""
+    split = {k: getattr(dims, k) for k in ("dp_shard", "tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
+    if split:
+        what = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise UserError(f"training.elastic_exact needs every data-parallel rank to hold the whole model "
+                        f"(replicated data parallel); this layout splits it ({what}): set "
+                        "--parallelism.data_parallel replicate and no tp/pp/cp/ep, or turn elastic_exact off")
