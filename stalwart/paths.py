@@ -197,6 +197,14 @@ class RunPaths:
         return self.heartbeat_dir / f"rank-{rank}.json"
 
     @property
+    def startup_dir(self) -> Path:
+        return self.ft_dir / "startup"
+
+    def startup(self, rank: int) -> Path:
+        """Rank ``rank``'s start-up phases (``stalwart.ft.records.mark_startup``)."""
+        return self.startup_dir / f"rank-{rank}.json"
+
+    @property
     def exit_dir(self) -> Path:
         return self.ft_dir / "exit"
 

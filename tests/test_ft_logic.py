@@ -276,3 +276,62 @@ def test_threads_follow_omp_num_threads(monkeypatch):
     assert LaunchConfig().threads(1) == 1 and LaunchConfig(threads_per_proc=3).threads(1) == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert LaunchConfig().threads(1) >= 1
+
+
+def test_crash_loop_counts_startup_failures_only_when_the_same_phase_fails_the_same_way():
+    from stalwart.ft.detect import FailureSig
+
+    def sig(phase, kind="signal", code=-9, error=None):
+        return FailureSig.of(phase, kind, code, error)
+
+    luck = RestartPolicy(max_restarts=10, crash_loop_restarts=3, initial_progress=5)
+    kills = [sig("imports"), sig("data"), sig("model"), sig("imports"), sig("group"), sig("restore")]
+    assert [luck.on_failure(5, s) for s in kills] == [RESTART] * 6  # kills landing anywhere in start-up
+    assert luck.no_progress == 1
+    same = RestartPolicy(max_restarts=10, crash_loop_restarts=3, initial_progress=5)
+    oom = [sig("model"), sig("model"), sig("model")]  # the same phase killed the same way each time
+    assert [same.on_failure(5, s) for s in oom] == [RESTART, RESTART, CRASH_LOOP]
+    bug = RestartPolicy(max_restarts=10, crash_loop_restarts=2, initial_progress=5)
+    errs = [sig("data", "crash", 1, f"ValueError: bad shard at 0x{7 * i:x} (pid {100 + i})") for i in (1, 2)]
+    assert [bug.on_failure(5, s) for s in errs] == [RESTART, CRASH_LOOP]  # numbers and addresses ignored
+    mixed = RestartPolicy(max_restarts=10, crash_loop_restarts=2, initial_progress=5)
+    assert mixed.on_failure(5, sig("train")) == RESTART
+    assert mixed.on_failure(5, sig("data")) == RESTART      # start-up after training: a new run begins
+    assert mixed.on_failure(5, sig("train", "crash", 1)) == RESTART
+    assert mixed.on_failure(5, sig("train", "crash", 1)) == CRASH_LOOP  # training without progress: counted
+    assert mixed.on_failure(9, sig("train")) == RESTART and mixed.no_progress == 0  # progress resets
+
+
+def test_supervisor_sees_processes_first_hand(tmp_path):
+    """A stopped process is found in any phase (start-up included), the killed rank's fault time is the
+    last tick it was seen running, and each failure says the phase it hit."""
+    from stalwart.ft.records import mark_startup
+
+    events = []
+    sup = Supervisor(Cfg(), tmp_path, None, 3, [0, 1], lambda name, **kw: events.append({"event": name, **kw}))
+    sup.launched(90.0)
+    assert sup.poll(91.0, {0: "running", 1: "running"}) is None  # no heartbeat yet: start-up
+    assert sup.poll(92.0, {0: "running", 1: "stopped"}) is None
+    stall = sup.poll(95.5, {0: "running", 1: "stopped"})  # stopped > heartbeat_timeout_s (3)
+    assert (stall.kind, stall.rank, stall.since) == ("unresponsive", 1, 91.0)
+    sup.on_failure(95.5, stall.kind, stall.rank, None, stall)
+    assert events[-1]["detection_latency_s"] == pytest.approx(4.5) and events[-1]["phase"] == "imports"
+    sup.restarted(100.0, 1.0)
+    paths = RunPaths(tmp_path)
+    mark_startup(paths, "group", rank=1)
+    mark_startup(paths, "data", rank=1)
+    sup.poll(101.0, {0: "running", 1: "running"})
+    sup.poll(101.1, {0: "running"})  # rank 1 has exited (killed): not running any more
+    sup.on_failure(101.2, "signal", 1, -9)
+    fail = events[-1]
+    assert (fail["rank"], fail["phase"], fail["exitcode"]) == (1, "data", -9)
+    assert fail["detection_latency_s"] == pytest.approx(0.2)  # from the last tick it ran, not 0
+
+
+def test_root_cause_prefers_the_rank_that_failed_first():
+    from stalwart.launch.agent import _root_cause
+
+    paths = RunPaths("/nonexistent")
+    assert _root_cause({1: -9}, paths, 0.0, []) == 1  # seen first-hand: only rank 1 had exited
+    assert _root_cause({0: -15, 1: -9}, paths, 0.0, []) == 1  # torch's SIGTERM to the survivor is not a cause
+    assert _root_cause({0: 1, 1: -9}, paths, 0.0, [{"rank": 0, "time": 5.0}]) == 0  # an injected fault wins

@@ -42,6 +42,10 @@ class LaunchConfig:
                                f"{AUTO_RESTARTS} whenever the supervisor runs (several processes, fault injection, "
                                "the multi-node agent); a single process runs in-process, unsupervised, unless "
                                "this is set above 0.", -1, min=-1)
+    fork_workers: bool = option("Start supervised workers by forking the launcher, which imports the trainer "
+                                "once, before the first start: every start and restart skips a fresh "
+                                "interpreter's imports (seconds per worker). false = a new interpreter per "
+                                "worker, as torchrun starts them.", True)
 
     def restarts(self) -> int:
         """The restart budget of a supervised launch (``max_restarts``, ``-1`` resolved)."""

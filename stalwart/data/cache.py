@@ -13,6 +13,12 @@ the lock, then finds the entry ready and reuses it. A half-written entry is neve
 ``<key>`` exists only complete; a killed preparer's ``.partial`` is resumed (finished shards whose
 checksums still match are kept) by the next one.
 
+A tokenizer the run trains on the corpus (``data.tokenizer = 'bpe'`` or 'byte') is kept the same way,
+as ``<cache>/tokenizers/<key>.json``, keyed by the corpus's files, the kind, the vocabulary size and
+the training text's size: a new run of the same corpus reuses it instead of training it again (the
+training is deterministic, so this saves only time). It is written atomically; two runs training it at
+once write the same bytes.
+
 Where: ``data.cache`` if set, else ``$STALWART_CACHE``, else ``$XDG_CACHE_HOME/stalwart``, else
 ``~/.cache/stalwart``; entries are under its ``data/`` folder. Nothing is evicted: delete an entry
 (or the folder) to reclaim the space; a run whose entry is gone prepares it again, bit for bit.
@@ -29,7 +35,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from stalwart.atomic import fsync_dir
+from stalwart.atomic import fsync_dir, write_text_atomic
 from stalwart.data.corpus import Corpus, DataError
 from stalwart.data.prepare import FORMAT, INDEX, Source
 
@@ -120,3 +126,21 @@ def link_run_data(link: Path, entry: Path) -> None:
         tmp.unlink()
     os.symlink(entry, tmp)
     os.replace(tmp, link)
+
+
+def cached_tokenizer(root: Path, corpus: Corpus, kind: str, vocab_size: int, train_mb: float,
+                     train: Callable[[], object]):
+    """The tokenizer ``train()`` gives for this corpus and settings, from ``root/<key>.json`` when a run
+    trained it before (else trained now and kept there)."""
+    from tokenizers import Tokenizer
+
+    spec = {"tokenizer": kind, "vocab_size": vocab_size, "train_mb": train_mb, "files": _fingerprint(corpus)}
+    path = root / f"{hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()}.json"
+    if path.is_file():
+        with contextlib.suppress(Exception):  # unreadable: trained again and rewritten
+            return Tokenizer.from_file(str(path))
+    tok = train()
+    with contextlib.suppress(OSError):  # a cache that cannot be written only costs the time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, tok.to_str(pretty=True), durable=False)
+    return tok

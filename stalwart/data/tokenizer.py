@@ -11,6 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from stalwart.atomic import write_text_atomic
+from stalwart.data.cache import cached_tokenizer
 from stalwart.data.corpus import Corpus, DataError
 from stalwart.data.prepare import TOKENIZER, tokenizer_sha256
 from stalwart.data.prepared import Prepared
@@ -52,7 +53,7 @@ def train_on(corpora: list[Corpus], vocab_size: int, train_mb: float) -> Tokeniz
 
 
 def run_tokenizer(cfg, cache: Path, prepared: Prepared | None, corpus: Corpus | None,
-                  init_from_hf: str = "") -> Tokenizer:
+                  init_from_hf: str = "", trained: Path | None = None) -> Tokenizer:
     """Decide the run's tokenizer, once, on the first rank, and cache it at ``cache`` (``<run>/tokenizer.json``).
 
     ``cfg`` is the ``data`` section; ``prepared`` the dataset ``data.path`` names, or None for text
@@ -71,7 +72,8 @@ def run_tokenizer(cfg, cache: Path, prepared: Prepared | None, corpus: Corpus | 
     the prepared data's index against the tokenizer the run will use. A new run whose weights come
     from a directory without a tokenizer.json must name its tokenizer ('byte' or a path). NOTE: with
     'byte' no tokenizer is compared with ``init_from_hf``'s; the import's vocabulary-size check backs
-    that choice up.
+    that choice up. ``trained``: a folder of tokenizers trained before on the same corpus and settings
+    (``stalwart.data.cache``), used instead of training again.
     """
     cached = load_tokenizer(cache) if cache.is_file() else None
     given = cfg.tokenizer if cfg.tokenizer not in ("bpe", "byte") else ""
@@ -99,7 +101,9 @@ def run_tokenizer(cfg, cache: Path, prepared: Prepared | None, corpus: Corpus | 
         tok = hf if adopt_hf else named
     else:
         vocab = cfg.vocab_size if cfg.tokenizer == "bpe" else 257
-        tok = train_on([corpus], vocab, cfg.tokenizer_train_mb)
+        tok = (cached_tokenizer(trained, corpus, cfg.tokenizer, vocab, cfg.tokenizer_train_mb,
+                                lambda: train_on([corpus], vocab, cfg.tokenizer_train_mb))
+               if trained is not None else train_on([corpus], vocab, cfg.tokenizer_train_mb))
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(cache, tok.to_str(pretty=True))
     return tok

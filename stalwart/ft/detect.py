@@ -151,22 +151,56 @@ RESTART, CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE = "restart", "crash_loop", "budge
 
 
 class RestartPolicy:
-    """After each failure: restart, or stop. Progress = the newest saved state's step advanced."""
+    """After each failure: restart, or stop. Progress = the newest saved state's step advanced.
+
+    A crash loop is ``crash_loop_restarts`` failures in a row, none separated by progress, that fail
+    *the same way*: while training every failure without progress counts (a job that keeps failing
+    before it saves anything is a loop, whatever the cause); a failure during start-up counts only
+    when it is the same as the failure before it, the same start-up phase failing with the same
+    signature (``FailureSig``). A fault that lands by chance in start-up (a kill while the workers
+    import, a node's hiccup while the group forms) resets the count instead of adding to it, so bad
+    luck is restarted and a start-up that fails deterministically is still stopped."""
 
     def __init__(self, max_restarts: int, crash_loop_restarts: int, initial_progress: int) -> None:
         self.max_restarts, self.crash_loop_restarts = max_restarts, crash_loop_restarts
         self.restarts = 0
         self.no_progress = 0
         self.progress = initial_progress
+        self._last: FailureSig | None = None
 
-    def on_failure(self, progress: int) -> str:
+    def on_failure(self, progress: int, sig: "FailureSig | None" = None) -> str:
+        sig = sig or FailureSig("train", "", None, "")
         if progress > self.progress:
             self.progress, self.no_progress = progress, 0
+        elif self.no_progress and (sig.startup or self._last.startup) and sig != self._last:
+            self.no_progress = 1  # not the same failure again: luck, not a loop; a new run begins with it
         else:
             self.no_progress += 1
+        self._last = sig
         if self.crash_loop_restarts and self.no_progress >= self.crash_loop_restarts:
             return CRASH_LOOP
         if self.restarts >= self.max_restarts:
             return BUDGET_EXHAUSTED
         self.restarts += 1
         return RESTART
+
+
+@dataclass(frozen=True)
+class FailureSig:
+    """How a failure looked, to tell the same failure again from a different one: the phase it hit
+    (a start-up phase, or 'train'), its kind, the exit code, and the first line of the rank's own
+    error (numbers and addresses removed, so a pid or a timestamp in it does not make it new)."""
+
+    phase: str
+    kind: str
+    exitcode: int | None
+    error: str
+
+    @property
+    def startup(self) -> bool:
+        return self.phase != "train"
+
+    @classmethod
+    def of(cls, phase: str, kind: str, exitcode: int | None, error: str | None) -> "FailureSig":
+        head = (error or "").strip().splitlines()[0] if (error or "").strip() else ""
+        return cls(phase, kind, exitcode, re.sub(r"0x[0-9a-fA-F]+|\d+", "#", head)[:300])

@@ -1,6 +1,7 @@
 """The files fault tolerance keeps under ``<run>/ft/``, each with one writer format and one reader.
 
 - ``heartbeat/rank-<r>.json``  each rank's liveness and progress (``Heartbeat``, read by the supervisor)
+- ``startup/rank-<r>.json``    the start-up phases a rank has begun, with when (``mark_startup``)
 - ``exit/rank-<r>.json``       when and why a rank is failing (the supervisor names the earliest)
 - ``skip_steps.json``          steps whose update is not applied after a rollback
 - ``excluded.json``            hosts taken out of the job (by the supervisor, or a straggler report)
@@ -33,7 +34,7 @@ class Heartbeat:
     """A daemon thread writing ``heartbeat/rank-<r>.json`` every ``interval`` seconds."""
 
     def __init__(self, paths: RunPaths, rank: int, attempt: int, interval: float) -> None:
-        self.path = paths.heartbeat(rank)
+        self.paths, self.path = paths, paths.heartbeat(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval = interval
         self.state = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "step": 0, "resumed_step": 0,
@@ -42,10 +43,12 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="stalwart-heartbeat", daemon=True)
 
     def start(self) -> None:
+        mark_startup(self.paths, "restore", rank=self.state["rank"])  # the guard starts right before the resume
         self.beat()
         self._thread.start()
 
     def resumed(self, step: int) -> None:
+        mark_startup(self.paths, "first_step", rank=self.state["rank"])
         self.state["resumed_step"] = step
         self.progress(step, phase="init")
 
@@ -77,6 +80,70 @@ def read_heartbeats(paths: RunPaths, ranks: list[int]) -> dict[int, dict]:
         if isinstance(rec, dict):
             out[r] = rec
     return out
+
+
+# ---------------------------------------------------------------------- start-up phases
+# What a worker does before its first step, in order. ``imports`` runs from the process's start to the
+# worker's entry; each later phase begins with its mark; the first completed step (the heartbeat) ends
+# ``first_step``, which holds the evaluation of a fresh start.
+STARTUP_PHASES = ("imports", "group", "data", "model", "restore", "first_step")
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (unix time), from /proc; None where that cannot be read."""
+    try:  # field 22: clock ticks after boot; /proc/uptime: seconds since boot, to 10 ms (btime is whole seconds)
+        with open(f"/proc/{pid}/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def mark_startup(paths: RunPaths, phase: str, rank: int | None = None, **info: Any) -> None:
+    """This worker begins start-up ``phase`` now. The record (one file per rank, rewritten whole) holds
+    this process's phases in order, its start time and ``info`` given with a phase (e.g. the data set-up's
+    cache use); the supervisor reads it to report the phases and to know where a failed rank was."""
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    path = paths.startup(rank)
+    rec = _read_json(path)
+    if not isinstance(rec, dict) or rec.get("pid") != os.getpid():
+        rec = {"rank": rank, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "pid": os.getpid(),
+               "process_start": process_start_time(os.getpid()), "phases": [], "info": {}}
+    if any(name == phase for name, _ in rec["phases"]):
+        return  # once per process: a second trainer in one process (tests, RL) is not a new start-up
+    rec["phases"].append([phase, time.time()])
+    rec["info"].update(info)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, rec, durable=False)
+    except OSError:
+        pass  # start-up records are for reports; a full disk must not stop training
+
+
+def read_startup(paths: RunPaths, ranks: list[int], since: float = 0.0) -> dict[int, dict]:
+    """rank -> its start-up record, for processes started at or after ``since``."""
+    out = {}
+    for r in ranks:
+        rec = _read_json(paths.startup(r))
+        if isinstance(rec, dict) and rec.get("phases") and rec["phases"][0][1] >= since:
+            out[r] = rec
+    return out
+
+
+def startup_phase(rec: dict | None) -> str:
+    """The start-up phase a worker is in (or was in when it failed): its newest mark, else imports."""
+    return rec["phases"][-1][0] if rec and rec.get("phases") else "imports"
+
+
+def startup_seconds(rec: dict, first_step_done: float) -> dict[str, float]:
+    """Seconds in each phase of one worker's start-up, ``first_step`` ending at ``first_step_done``."""
+    marks = list(rec["phases"])
+    if rec.get("process_start"):
+        marks.insert(0, ["imports", rec["process_start"]])
+    ends = [t for _, t in marks[1:]] + [first_step_done]
+    return {f"{name}_s": round(max(0.0, end - t), 3) for (name, t), end in zip(marks, ends)}
 
 
 # ---------------------------------------------------------------------- exits

@@ -3,8 +3,14 @@
 ``Supervisor`` is driven by the elastic agent (``stalwart.ft.agent``) once per monitor tick and on
 each failure/restart. It reads only files (heartbeats, fired-fault markers, checkpoint and snapshot
 directories) and takes the clock as an argument, so its logic is unit-tested without processes.
-Events it writes to ``events.jsonl``: ``launch``, ``failure``, ``restart``, ``recovered``,
-``fault_injected`` (chaos), ``supervisor_exit``.
+Events it writes to ``events.jsonl``: ``launch``, ``startup`` (each attempt's start-up, phase by
+phase and rank by rank), ``failure``, ``restart``, ``recovered``, ``fault_injected`` (chaos),
+``supervisor_exit``.
+
+Where a failure is seen first-hand, by the agent watching its own processes each tick (an exit, a
+stopped process), the failed rank is the one whose process failed and the fault time is the last tick
+it was seen running (or its own exit record's time), so detection latency is measured to within
+``fault.monitor_interval_s``.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from stalwart.ft.detect import (
     BUDGET_EXHAUSTED,
     CRASH_LOOP,
     EXCLUDE,
+    EXIT_RESTART_BUDGET,
     EXIT_ROLLBACK,
     EXIT_USER_ERROR,
     RESTART,
     Beat,
+    FailureSig,
     RestartPolicy,
     Stall,
     check_heartbeat,
@@ -29,7 +37,7 @@ from stalwart.ft.detect import (
 from stalwart.checkpoint.manager import newest_complete_checkpoint
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.ft.plan import ChaosSchedule, read_fired
-from stalwart.ft.records import read_exit_records, read_heartbeats
+from stalwart.ft.records import read_exit_records, read_heartbeats, read_startup, startup_phase, startup_seconds
 from stalwart.paths import RunPaths, checkpoint_step
 
 def newest_state_step(run_dir: Path, snapshot_dir: Path | None) -> int:
@@ -60,6 +68,8 @@ def classify(exitcode: int | None) -> str:
         return "rollback"
     if exitcode == EXIT_USER_ERROR:
         return "user_error"
+    if exitcode == EXIT_RESTART_BUDGET:  # a worker saved its step on SIGTERM (train/preempt.py): requeue
+        return "preempted"
     return "crash"
 
 
@@ -94,6 +104,10 @@ class Supervisor:
     host_size: int = 1                 # ranks per host (exclusion unit)
     host_failures: dict = field(default_factory=dict)
     excluded_host: int | None = None
+    _seen_running: dict = field(default_factory=dict)   # rank -> the last tick its process was seen running
+    _stopped_since: dict = field(default_factory=dict)  # rank -> the first tick its process was seen stopped
+    _begun: float = 0.0                # when this attempt's start began (launch, or the failure's handling)
+    _resume_step: int = 0              # the step this attempt resumes from, as far as the supervisor knows
 
     def __post_init__(self) -> None:
         self.paths = RunPaths(self.run_dir)
@@ -105,37 +119,93 @@ class Supervisor:
 
     # ------------------------------------------------------------------ lifecycle
     def launched(self, now: float, **info) -> None:
-        self._t0 = self.attempt_start = now
+        self._t0 = self.attempt_start = self._begun = now
+        self._resume_step = max(0, self.policy.progress)
+        self._command_start = info.get("command_start")  # the launcher process's start, where known
         self.log_event("launch", time=now, max_restarts=self.max_restarts, ranks=self.ranks,
                        progress_step=self.policy.progress, **info)
 
     def restarted(self, now: float, stop_s: float) -> None:
         self.attempt += 1
         self.attempt_start = now
+        self._begun = now - stop_s
         self._recovered = False
         self._max_step = 0
+        self._seen_running.clear()
+        self._stopped_since.clear()
+        self._resume_step = max(0, newest_state_step(self.run_dir, self.snapshot_dir))
         self.log_event("restart", time=now, attempt=self.attempt, remaining_restarts=self.max_restarts -
                        self.policy.restarts, progress_step=self.policy.progress, restart_s=round(stop_s, 3))
 
     # ------------------------------------------------------------------ monitoring
-    def poll(self, now: float) -> Stall | None:
-        """One monitor tick while the group is healthy: recovery bookkeeping, then the watchdog."""
+    def poll(self, now: float, states: dict[int, str] | None = None) -> Stall | None:
+        """One monitor tick while the group is healthy: recovery bookkeeping, then the watchdog.
+        ``states``: the agent's own view of its workers' processes, rank -> 'running' or 'stopped'."""
         beats = read_beats(self.paths, self.ranks)
         current = {r: b for r, b in beats.items() if b.attempt == self.attempt and b.beat_time >= self.attempt_start}
         if current:
             self._max_step = max([self._max_step] + [b.step for b in current.values()])
-        if not self._recovered and current and all(b.step > b.resumed_step for b in current.values()):
+        if not self._recovered and current and len(current) == len(self.ranks) and all(
+                b.step > b.resumed_step for b in current.values()):
             self._recovered = True
+            self._report_startup(current)
             self._on_recovered(current)
         stalls = [s for r in self.ranks if (s := check_heartbeat(
             beats.get(r), r, now, self.attempt_start, self.attempt, self.cfg.heartbeat_timeout_s,
             self.cfg.progress_timeout_s, self.cfg.init_timeout_s)) is not None]
+        stalls += self._stopped(now, states or {})
         if not stalls:
             return None
         # Peers of a hung rank stop progressing too (they wait in its collective): blame the rank an
         # injected fault hit, else one whose heartbeat stopped (a stopped process), else the oldest stall.
         injected = {f["rank"] for f in self.injected_since(self.attempt_start) if f.get("kind") == "hang"}
         return min(stalls, key=lambda s: (s.rank not in injected, s.kind != "unresponsive", s.since, s.rank))
+
+    def _stopped(self, now: float, states: dict[int, str]) -> list[Stall]:
+        """Ranks whose process has been stopped (SIGSTOP, a debugger) for longer than
+        ``fault.heartbeat_timeout_s``: seen by the agent itself, so in every phase, start-up included."""
+        for r, state in states.items():
+            if state == "running":
+                self._seen_running[r] = now
+                self._stopped_since.pop(r, None)
+            elif state == "stopped":
+                self._stopped_since.setdefault(r, now)
+        limit = self.cfg.heartbeat_timeout_s
+        return [Stall("unresponsive", r, self._step_of(), self._seen_running.get(r, t),
+                      f"its process has been stopped for {now - t:.1f} s (fault.heartbeat_timeout_s = {limit:g})")
+                for r, t in self._stopped_since.items() if now - t > limit]
+
+    def _step_of(self) -> int:
+        """The newest step this attempt completed, else the step it resumes from."""
+        return max(self._max_step, self._resume_step)
+
+    def phase_of(self, rank: int) -> str:
+        """Where ``rank`` was: 'train' once its heartbeat says it trains (or finishes), else its start-up phase."""
+        beat = read_beats(self.paths, [rank]).get(rank)
+        if beat is not None and beat.attempt == self.attempt and beat.beat_time >= self.attempt_start and (
+                beat.phase != "init"):
+            return "train"
+        return startup_phase(read_startup(self.paths, [rank], self._begun).get(rank))
+
+    def _report_startup(self, beats: dict[int, Beat]) -> None:
+        """The ``startup`` event of this attempt: per rank, seconds from the start's beginning to its
+        process (``spawn_s``), then in each phase until its first step completed; the data set-up's parts."""
+        recs = read_startup(self.paths, list(beats), self._begun)
+        if not recs:
+            return
+        ranks = {}
+        for r, rec in sorted(recs.items()):
+            spawn = rec.get("process_start")
+            ranks[str(r)] = {"spawn_s": round(spawn - self._begun, 3) if spawn else None,
+                             **startup_seconds(rec, beats[r].progress_time), "pid": rec.get("pid")}
+        data = next((rec["info"]["data"] for rec in recs.values() if rec.get("info", {}).get("data")), None)
+        done = max(b.progress_time for b in beats.values())
+        command = {}
+        if self.attempt == 0 and getattr(self, "_command_start", None):  # the command's own start-up too
+            command = {"launcher_s": round(self._begun - self._command_start, 3),
+                       "from_command_s": round(done - self._command_start, 3)}
+        self.log_event("startup", attempt=self.attempt, to_first_step_s=round(done - self._begun, 3), **command,
+                       resumed_step=min(b.resumed_step for b in beats.values()), ranks=ranks, data=data)
 
     def _on_recovered(self, beats: dict[int, Beat]) -> None:
         f, self._pending = self._pending, None
@@ -171,28 +241,34 @@ class Supervisor:
     def on_failure(self, now: float, kind: str, rank: int, exitcode: int | None = None,
                    stall: Stall | None = None) -> str:
         """Record a failure and decide: RESTART, EXCLUDE, CRASH_LOOP, BUDGET_EXHAUSTED or user_error."""
-        step = self._max_step
+        step = self._step_of()
         injected = self.injected_since(self.attempt_start)
         fault_time = injected[-1]["time"] if injected else (
             stall.since if stall is not None else self._last_sign_of_life(rank, now))
         if injected:
             step = max(step, int(injected[-1].get("step", step)) - 1)
         progress = newest_state_step(self.run_dir, self.snapshot_dir)
+        phase = self.phase_of(rank)
+        own = read_exit_records(self.paths, self.attempt_start).get(rank)
         host = rank // self.host_size if rank >= 0 else -1
         self.host_failures[host] = self.host_failures.get(host, 0) + (kind != "rollback")
-        if kind == "user_error":
-            decision = "user_error"
+        if kind in ("user_error", "preempted"):  # never restarted: fix the command / requeue the job
+            decision = kind
         elif self.cfg.exclude_after and host >= 0 and self.host_failures[host] >= self.cfg.exclude_after:
             decision = EXCLUDE
             self.excluded_host = host
         else:
-            decision = self.policy.on_failure(progress)
-        rec = {"kind": kind, "rank": rank, "host": host, "step": step, "exitcode": exitcode, "attempt": self.attempt,
-               "fault_time": fault_time, "detect_time": now, "detection_latency_s": round(now - fault_time, 3),
+            decision = self.policy.on_failure(progress, FailureSig.of(phase, kind, exitcode, own and own.get("error")))
+        rec = {"kind": kind, "rank": rank, "host": host, "step": step, "phase": phase, "exitcode": exitcode,
+               "attempt": self.attempt, "fault_time": fault_time, "detect_time": now,
+               "detection_latency_s": round(now - fault_time, 3),
                "injected": injected[-1]["kind"] if injected else None, "progress_step": progress,
-               "decision": decision}
+               "decision": decision, "failures_in_a_row": self.policy.no_progress}
         if stall is not None:
             rec["detail"] = stall.detail
+        stopped = sorted(r for r in self._stopped_since if r != rank)
+        if stopped:  # stopped as well, but not (yet) past the timeout: said, not blamed
+            rec["also_stopped"] = stopped
         self.failures.append(rec)
         self.log_event("failure", time=now, **rec)
         self._pending = _Failure(kind, rank, step, fault_time, now)
@@ -200,15 +276,17 @@ class Supervisor:
         return decision
 
     def _last_sign_of_life(self, rank: int, now: float) -> float:
-        """When a failed rank was last known alive: its exit record (a crash notes the moment), else its
-        newest heartbeat of this attempt (a kill leaves none; at most fault.heartbeat_interval_s early)."""
+        """When a failed rank was last known alive: its exit record (a crash notes the moment), else the
+        later of the last tick the agent saw its process running and its newest heartbeat of this attempt
+        (a kill leaves no record; the tick is at most fault.monitor_interval_s early)."""
         rec = read_exit_records(self.paths, self.attempt_start).get(rank)
         if rec is not None:
             return min(now, rec["time"])
+        seen = [self._seen_running[rank]] if rank in self._seen_running else []
         beat = read_beats(self.paths, [rank]).get(rank)
         if beat is not None and beat.attempt == self.attempt and beat.beat_time >= self.attempt_start:
-            return min(now, beat.beat_time)
-        return now
+            seen.append(beat.beat_time)
+        return min(now, max(seen)) if seen else now
 
     def finished(self, now: float, code: int) -> None:
         self.log_event("supervisor_exit", time=now, code=code, verdict="finished" if code == 0 else self.verdict,

@@ -38,7 +38,7 @@ from stalwart.ft.supervisor import (
     classify,
 )
 from stalwart.atomic import write_text_atomic
-from stalwart.ft.records import read_exit_records, record_exclusion
+from stalwart.ft.records import process_start_time, read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
 from stalwart.runtime.device import LOOPBACK
@@ -50,6 +50,7 @@ class SupervisedAgent(LocalElasticAgent):
     def __init__(self, *args, stalwart_supervisor: Supervisor, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sup = stalwart_supervisor
+        self._first_failed: dict[int, int] = {}  # ranks seen failed before anything else was stopped
 
     # ------------------------------------------------------------------ helpers
     def _pids(self) -> dict[int, int]:
@@ -59,9 +60,21 @@ class SupervisedAgent(LocalElasticAgent):
         pids = self._pcontext.pids()
         return {w.global_rank: pids[w.local_rank] for w in self._worker_group.workers if w.local_rank in pids}
 
+    def _exitcodes(self) -> dict[int, int | None]:
+        """global rank -> its process's exit code, None while it runs (reaps an exited one; torch reads
+        the same code afterwards)."""
+        pc = self._pcontext
+        if pc is None:
+            return {}
+        if hasattr(pc, "subprocess_handlers"):
+            codes = {lr: h.proc.poll() for lr, h in pc.subprocess_handlers.items()}
+        else:  # a multiprocessing context
+            codes = {lr: p.exitcode for lr, p in enumerate(pc._pc.processes)} if getattr(pc, "_pc", None) else {}
+        return {w.global_rank: codes[w.local_rank] for w in self._worker_group.workers if w.local_rank in codes}
+
     def _kill_group(self) -> None:
         """SIGTERM (and SIGCONT for a stopped process), a grace period, then SIGKILL."""
-        pids = list(self._pids().values())
+        pids = [pid for pid in self._pids().values() if _alive(pid)]
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
@@ -74,12 +87,24 @@ class SupervisedAgent(LocalElasticAgent):
                 os.kill(pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ torch agent hooks
+    def _stop_workers(self, worker_group) -> None:
+        self._kill_group()  # bounded by fault.kill_grace_s; torch's own stop waits 30 s for a stopped process
+        super()._stop_workers(worker_group)
+
     def _monitor_workers(self, worker_group) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+        # First-hand, before torch's poll: a worker that exited with a failure is the failed rank (torch
+        # would first stop the others, waiting up to 30 s for a stopped one, and then report them too).
         now = time.time()
+        codes = self._exitcodes()
+        self._first_failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if self._first_failed:
+            self._kill_group()
+        result = super()._monitor_workers(worker_group)
         stall = None
         if result.state == WorkerState.HEALTHY:
-            stall = self.sup.poll(now)
+            states = {r: "stopped" if _stopped(pid) else "running" for r, pid in self._pids().items()
+                      if codes.get(r) is None}
+            stall = self.sup.poll(now, states)
             if stall is None:
                 self._inject_chaos(now)
                 return result
@@ -96,12 +121,13 @@ class SupervisedAgent(LocalElasticAgent):
             if stall is not None:
                 kind, rank, code = stall.kind, stall.rank, None
             else:
-                rank = _root_cause(result.failures, self.sup.paths, self.sup.attempt_start,
+                seen = self._first_failed or {r: f.exitcode for r, f in result.failures.items()}
+                rank = _root_cause(seen, self.sup.paths, self.sup.attempt_start,
                                    self.sup.injected_since(self.sup.attempt_start))
-                code = result.failures[rank].exitcode if rank in result.failures else None
+                code = seen.get(rank)
                 kind = classify(code)
             decision = self.sup.on_failure(now, kind, rank, code, stall)
-            if decision in (CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE, "user_error"):
+            if decision in (CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE, "user_error", "preempted"):
                 self._remaining_restarts = 0  # torch's loop then stops the group and returns the failure
                 if decision == CRASH_LOOP:
                     print(f"stalwart supervisor: crash loop: {self.sup.cfg.crash_loop_restarts} failures in a row "
@@ -112,6 +138,11 @@ class SupervisedAgent(LocalElasticAgent):
     def _initialize_workers(self, worker_group) -> None:
         super()._initialize_workers(worker_group)
         self.sup.ranks = [w.global_rank for w in worker_group.workers]  # known after rendezvous
+
+    def _start_workers(self, worker_group):
+        sys.stdout.flush()  # a forked worker must not write the launcher's buffered output again
+        sys.stderr.flush()
+        return super()._start_workers(worker_group)
 
     def _restart_workers(self, worker_group) -> None:
         t0 = time.time()
@@ -126,6 +157,15 @@ class SupervisedAgent(LocalElasticAgent):
             self.sup.chaos_injected(now, kind, rank, pids[rank])
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pids[rank], sig)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -144,23 +184,25 @@ _STOPPED_BY_US = (-signal.SIGTERM, -signal.SIGKILL)  # how torch (and the watchd
 
 
 def _root_cause(failures: dict, paths: RunPaths, since: float, injected: list[dict]) -> int:
-    """The failed rank that caused the others to fail: an injected fault's rank, else one killed by a
-    signal other than the SIGTERM torch sends the survivors, else the earliest to record its exit
-    (``<run>/ft/exit``: crashes and user errors), else one that exited by itself, else the lowest."""
-    if not failures:
+    """The failed rank that caused the others to fail, from ``failures`` (rank -> exit code, or torch's
+    failure records): an injected fault's rank, else one killed by a signal other than the SIGTERM torch
+    sends the survivors, else the earliest to record its exit (``<run>/ft/exit``: crashes and user
+    errors), else one that exited by itself, else the lowest. Given the ranks the agent saw failed before
+    it stopped any, that is the choice among them only."""
+    codes = {r: getattr(f, "exitcode", f) for r, f in failures.items()}
+    if not codes:
         return -1
-    fired = [f for f in injected if f.get("rank") in failures]
+    fired = [f for f in injected if f.get("rank") in codes]
     if fired:
         return max(fired, key=lambda f: f["time"])["rank"]
-    signalled = [r for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0 and
-                 f.exitcode != -signal.SIGTERM]
+    signalled = [r for r, c in codes.items() if c is not None and c < 0 and c != -signal.SIGTERM]
     if signalled:
         return min(signalled)
-    exits = {r: rec for r, rec in read_exit_records(paths, since).items() if r in failures}
+    exits = {r: rec for r, rec in read_exit_records(paths, since).items() if r in codes}
     if exits:  # a rank that stopped only because a peer failed is never the cause
         return min(exits, key=lambda r: (bool(exits[r].get("peer")), exits[r]["time"]))
-    own = [r for r, f in failures.items() if f.exitcode not in _STOPPED_BY_US]
-    return min(own or failures)
+    own = [r for r, c in codes.items() if c not in _STOPPED_BY_US]
+    return min(own or codes)
 
 
 @contextlib.contextmanager
@@ -198,8 +240,10 @@ def quiet_process_logs():
     import logging
 
     log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    saved = log.level
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # forked workers: "Terminating process ..."
+    saved, spawn_saved = log.level, spawn_log.level
     log.setLevel(logging.CRITICAL)
+    spawn_log.setLevel(logging.ERROR)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     signalled = _DropMessage("death signal")  # a stop by signal is said once, by run_supervised
     agent_log.addFilter(signalled)
@@ -207,12 +251,48 @@ def quiet_process_logs():
         yield
     finally:
         log.setLevel(saved)
+        spawn_log.setLevel(spawn_saved)
         agent_log.removeFilter(signalled)
 
 
+def forked_worker(*argv: str) -> None:
+    """A training worker forked from the launcher (``launch.fork_workers``): the launcher imported the
+    trainer before its first start, so no worker, first or restarted, imports it again. Runs
+    ``stalwart.train`` with ``argv``; a failure leaves with its exit code, success returns to torch's
+    wrapper (which hands the launcher the result)."""
+    for stream in (sys.stdout, sys.stderr):  # as `python -u` runs an exec'd worker
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True, write_through=True)
+    from stalwart.train.__main__ import main
+
+    code = main(list(argv))
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _preload() -> None:
+    """Import, once, what a training worker imports before its first step, so that every worker forked
+    from this process has it: the trainer, and torch's compiler stack, which the first call of
+    ``torch.use_deterministic_algorithms`` imports (1.5 s of CPU per worker otherwise)."""
+    import torch._inductor  # noqa: F401
+
+    import stalwart.train.trainer  # noqa: F401
+
+
+def _forkable(cmd, cmd_args: list[str]) -> list[str] | None:
+    """The ``stalwart.train`` arguments of a worker command line torchrun's parser built, else None."""
+    if cmd != sys.executable or "-m" not in cmd_args:
+        return None
+    i = cmd_args.index("-m")
+    return list(cmd_args[i + 2:]) if cmd_args[i + 1:i + 2] == ["stalwart.train"] else None
+
+
 def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,
-                   max_restarts: int) -> int:
-    """Run torch.distributed.run with our agent; return the documented exit code."""
+                   max_restarts: int, fork_workers: bool = True) -> int:
+    """Run torch.distributed.run with our agent; return the documented exit code. ``fork_workers``:
+    start ``stalwart.train`` workers by forking this process, which imports the trainer once first."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser
@@ -234,6 +314,16 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     config, cmd, cmd_args = config_from_args(args)
     config.monitor_interval = fault_cfg.monitor_interval_s
     config.max_restarts = max_restarts
+    entrypoint, entry_args = cmd, cmd_args
+    train_argv = _forkable(cmd, cmd_args) if fork_workers and sys.platform.startswith("linux") else None
+    launcher = {"command_start": process_start_time(os.getpid()), "fork_workers": train_argv is not None}
+    if train_argv is not None:
+        t0 = time.perf_counter()
+        _preload()
+        launcher["preload_s"] = round(time.perf_counter() - t0, 3)
+
+        config.start_method = "fork"
+        entrypoint, entry_args = forked_worker, train_argv
     paths.root.mkdir(parents=True, exist_ok=True)
     events = EventLog(paths.events, enabled=True)
     holder: dict = {}
@@ -243,7 +333,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         ranks = [node * spec.local_world_size + i for i in range(spec.local_world_size)]
         sup = Supervisor(fault_cfg, paths.root, snapshot_dir, max_restarts, ranks, events,
                          host_size=fault_cfg.host_size or spec.local_world_size)
-        sup.launched(time.time(), nproc_per_node=spec.local_world_size)
+        sup.launched(time.time(), nproc_per_node=spec.local_world_size, **launcher)
         holder["sup"] = sup
         return SupervisedAgent(spec, *a, stalwart_supervisor=sup, **kw)
 
@@ -252,17 +342,24 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     code = EXIT_OK
     try:
         with patched_agent(factory), quiet_process_logs():
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as e:
         sup = holder.get("sup")
         since = sup.attempt_start if sup else 0.0
         rank = _root_cause(e.failures, paths, since, sup.injected_since(since) if sup else [])
-        if sup is not None and sup.failures and sup.failures[-1]["rank"] in e.failures:
-            rank = sup.failures[-1]["rank"]
-        failure = e.failures[rank]
+        exitcode = e.failures[rank].exitcode
+        if sup is not None and sup.failures:  # what the supervisor saw first-hand
+            rank, exitcode = sup.failures[-1]["rank"], sup.failures[-1]["exitcode"]
         verdict = sup.verdict if sup else ""
         user_errors = {r: rec for r, rec in read_exit_records(paths, since).items() if rec.get("user_error")}
-        if verdict == CRASH_LOOP:
+        if verdict == "preempted":  # workers signalled directly saved their step (train/preempt.py)
+            from stalwart.train.preempt import EXIT_REQUEUE, preempted_since
+
+            code = EXIT_REQUEUE
+            saved = preempted_since(paths.events, since) or {}
+            print(f"stalwart train: SIGTERM reached the workers: saved checkpoint {saved.get('checkpoint')} (step "
+                  f"{saved.get('step')}); exit {EXIT_REQUEUE} (requeue)", file=sys.stderr, flush=True)
+        elif verdict == CRASH_LOOP:
             code = EXIT_CRASH_LOOP
         elif verdict == EXCLUDE:
             code = EXIT_EXCLUDE
@@ -280,20 +377,31 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         elif verdict == BUDGET_EXHAUSTED and max_restarts > 0:
             code = EXIT_RESTART_BUDGET
             print(f"stalwart supervisor: restart budget (launch.max_restarts = {max_restarts}) used up; last failure "
-                  f"rank {rank} exit code {failure.exitcode}; exit {EXIT_RESTART_BUDGET} (requeue to continue)",
+                  f"rank {rank} exit code {exitcode}; exit {EXIT_RESTART_BUDGET} (requeue to continue)",
                   file=sys.stderr, flush=True)
         else:
             code = EXIT_FAILED
-            print(f"stalwart train: worker rank {rank} failed with exit code {failure.exitcode} (see its message "
+            print(f"stalwart train: worker rank {rank} failed with exit code {exitcode} (see its message "
                   "above)", file=sys.stderr)
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torch has stopped the workers already
         from stalwart.checkpoint.manager import newest_complete_checkpoint
 
+        from stalwart.train.preempt import EXIT_REQUEUE, preempted_since
+
         code = 128 + int(e.sigval)
         newest = newest_complete_checkpoint(paths.checkpoints)
         then = f"resumes from {newest}" if newest else "starts over (no checkpoint was saved yet)"
-        print(f"stalwart train: stopped by {signal.Signals(e.sigval).name}; the same command {then}",
-              file=sys.stderr, flush=True)
+        saved = (preempted_since(paths.events, holder["sup"].attempt_start if "sup" in holder else 0.0)
+                 if e.sigval == signal.SIGTERM else None)
+        if saved is not None:  # the workers finished their step and saved it (train/preempt.py)
+            code = EXIT_REQUEUE
+            what = (f"saved checkpoint step {saved['step']} {saved['signal_to_durable_s']:.1f} s after the signal"
+                    if saved.get("checkpoint") else f"the save of step {saved['step']} failed ({saved.get('error')})")
+            print(f"stalwart train: SIGTERM: {what}; exit {EXIT_REQUEUE} (requeue: the same command {then})",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"stalwart train: stopped by {signal.Signals(e.sigval).name}; the same command {then}",
+                  file=sys.stderr, flush=True)
     finally:
         if "sup" in holder:
             holder["sup"].finished(time.time(), code)
@@ -333,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         with RunLock(paths) if single else contextlib.nullcontext():
             if single:
                 os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
-            return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.restarts())
+            return run_supervised(argv, cfg.fault, paths, snap, cfg.launch.restarts(), cfg.launch.fork_workers)
     except UserError as e:
         print(f"stalwart train: error: {e}", file=sys.stderr)
         return 2

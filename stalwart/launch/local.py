@@ -69,7 +69,7 @@ def _launch_loop(argv: list[str], nproc: int, cfg: JobConfig, paths: RunPaths, s
     budget, spares = cfg.launch.restarts(), cfg.fault.spare_hosts
     while True:
         code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
-                              cfg.fault, paths, snap, budget)
+                              cfg.fault, paths, snap, budget, cfg.launch.fork_workers)
         if code != EXIT_EXCLUDE:
             return code
         # A host was excluded (fault.exclude_after): continue on the rest, same global batch.

@@ -23,6 +23,7 @@ from stalwart.data.mixture import parse_mix
 from stalwart.data.prepare import Source, parse_inputs, prepare, tokenizer_sha256
 from stalwart.data.prepared import Prepared, is_prepared, open_prepared
 from stalwart.data.tokenizer import eos_id, load_tokenizer, run_tokenizer
+from stalwart.ft.records import mark_startup
 from stalwart.paths import RunPaths
 
 
@@ -70,7 +71,8 @@ def build_run_data(cfg, paths: RunPaths, is_main: bool, init_from_hf: str = "") 
         corpus = None if given else Corpus(cfg.path, cfg.format, cfg.text_field, cfg.val_fraction,
                                            cfg.decode_errors)
         clock = _lap(timing, "scan_s", clock)
-        tok = run_tokenizer(cfg, paths.tokenizer, data, corpus, init_from_hf)
+        tok = run_tokenizer(cfg, paths.tokenizer, data, corpus, init_from_hf,
+                            trained=None if given else cache_root(cfg.cache) / "tokenizers")
         clock = _lap(timing, "tokenizer_s", clock)
         if not given:
             timing["cache"] = _prepare_text(cfg, paths, tok, corpus)
@@ -82,6 +84,7 @@ def build_run_data(cfg, paths: RunPaths, is_main: bool, init_from_hf: str = "") 
     data = data or open_prepared(prepared_path)
     tok = load_tokenizer(paths.tokenizer)  # every rank reads the one file the first rank decided
     _lap(timing, "open_s", clock)
+    mark_startup(paths, "model", data=timing)
     where = cfg.path or "the bundled corpus (Python standard library)"
     words = (f"{where} (prepared: {len(data.names)} source(s))" if given
              else f"{where} (tokenized into {_shown(paths.prepared_data)})")

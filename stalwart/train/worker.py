@@ -17,7 +17,7 @@ from stalwart.config.job import JobConfig
 from stalwart.errors import PeerUserError, UserError
 from stalwart.ft.detect import EXIT_ROLLBACK, EXIT_USER_ERROR, PEER_LOST
 from stalwart.ft.guard import RollbackRequested
-from stalwart.ft.records import record_exit
+from stalwart.ft.records import mark_startup, record_exit
 from stalwart.paths import RunPaths
 from stalwart.ft.runlock import RunLock, held_by_parent, under_stalwart_launcher
 
@@ -83,6 +83,9 @@ def _worker_main(cfg: JobConfig) -> int:
     from stalwart.runtime.group import init_from_env, leave
     from stalwart.train.dist_env import leave_together
 
+    from stalwart.train.trainer import Trainer
+
+    mark_startup(RunPaths.of(cfg.run), "group")  # the imports are done
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.launch.threads(local_world))
     try:
@@ -90,9 +93,8 @@ def _worker_main(cfg: JobConfig) -> int:
     except UserError as e:  # a device this host lacks: every worker says it; the launcher stops the job
         print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    mark_startup(RunPaths.of(cfg.run), "data", rank=env.rank)
     try:
-        from stalwart.train.trainer import Trainer
-
         summary = Trainer(cfg, env).train()
         if env.is_main:
             print(format_summary(summary), flush=True)
