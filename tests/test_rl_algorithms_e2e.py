@@ -2,14 +2,19 @@
 algorithm trains through the same actors and objective as GRPO (whose own runs are in test_rl_e2e.py).
 The first step's samples do not depend on the algorithm (same seeds, same fine-tuned weights), so
 rloo and dr_grpo see the same rewards and differ in their loss; dapo's dynamic sampling trains only
-groups past the planned ones when the planned ones scored alike, each once."""
+groups past the planned ones when the planned ones scored alike, each once. dr_grpo's reward workers
+use a sandbox service (`stalwart rl sandbox --serve`, `--workers.sandbox_urls`)."""
 
 import json
 import math
+import re
 import shutil
+import subprocess
+import sys
 
+import httpx
 import pytest
-from conftest import read_metrics, run_cli
+from conftest import REPO, cli_env, read_metrics, run_cli
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
@@ -22,9 +27,20 @@ QUICK = ["--config", "rl_code", "--rl.mode", "sync", "--rl.steps", "2", "--rl.pr
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One run per algorithm; dr_grpo's reward workers send their programs to a sandbox service (the
+    run's default limits), whose metrics are kept in <root>/service_metrics.txt."""
     root = tmp_path_factory.mktemp("algorithms")
-    for algorithm in ("dapo", "rloo", "dr_grpo"):
-        run_cli("rl", *QUICK, "--rl.algorithm", algorithm, "--run.dir", str(root / algorithm), timeout=400)
+    service = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", "sandbox", "--serve", "--service.port", "0"],
+                               cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = service.stdout.readline().split()[5]
+        for algorithm in ("dapo", "rloo", "dr_grpo"):
+            via = ["--workers.sandbox_urls", url] if algorithm == "dr_grpo" else []
+            run_cli("rl", *QUICK, "--rl.algorithm", algorithm, *via, "--run.dir", str(root / algorithm), timeout=400)
+        (root / "service_metrics.txt").write_text(httpx.get(f"{url}/metrics").text)
+    finally:
+        service.terminate()
+        service.wait(30)
     return root
 
 
@@ -44,9 +60,14 @@ def test_every_algorithm_trains_two_steps(runs, algorithm):
 
 
 def test_rloo_and_dr_grpo_score_the_same_samples_and_differ_in_their_loss(runs):
+    """Also: dr_grpo's programs ran in the sandbox service, rloo's in the reward worker's own
+    sandboxes, and the same samples got the same rewards."""
     rloo, dr = _steps(runs / "rloo")[1], _steps(runs / "dr_grpo")[1]
     assert rloo["reward_mean"] == dr["reward_mean"] and rloo["train_tokens"] == dr["train_tokens"]
     assert rloo["loss"] != dr["loss"]
+    scored = re.findall(r'^stalwart_sandbox_programs_total\{passed="\w+"\} (\S+)$',
+                        (runs / "service_metrics.txt").read_text(), re.M)
+    assert sum(float(x) for x in scored) >= sum(m["programs_run"] for m in _steps(runs / "dr_grpo").values()) > 0
 
 
 def test_dapo_replaces_groups_that_scored_alike(runs):

@@ -1,27 +1,40 @@
 """The reward sandbox, for real: bubblewrap + rlimits. Hostile programs get reward 0 and leave the
 host unharmed; a program cannot change another case's result or forge the runner's report; every
 task family's reference program passes its hidden tests; `stalwart rl sandbox` keeps its
-one-JSON-line contract. The runner-report parser is checked as pure logic."""
+one-JSON-line contract. The runner-report parser is checked as pure logic.
+
+The scoring tests run twice: on a local `Sandbox`, and through `stalwart rl sandbox --serve` (one
+service process for the module, same limits) with the reward workers' `SandboxClient`: the same
+assertions hold both ways. The service's own contract (health, metrics, refusals, back-pressure,
+fail-over between services) is checked on that same process."""
 
 import json
 import os
+import pickle
 import shutil
 import socket
+import subprocess
+import sys
+import threading
 import time
 
+import httpx
 import pytest
-from conftest import run_cli
+from conftest import REPO, cli_env, run_cli
 
 from stalwart.config.rl import SandboxConfig
 from stalwart.rl.sandbox import (
     ENV,
+    NOBODY,
     Case,
     Run,
     Sandbox,
+    SandboxError,
     Verdict,
     _user_processes,
     parse_reports,
 )
+from stalwart.rl.sandbox_client import SandboxClient
 from stalwart.rl.tasks import FAMILIES, Instance
 
 e2e = [pytest.mark.e2e,
@@ -31,6 +44,12 @@ LIMITS = SandboxConfig(wall_seconds=2.0, cpu_seconds=1, memory_mb=128)
 ADD = [Case("1 2\n", "3"), Case("20 22\n", "42")]
 
 
+UID = NOBODY if os.geteuid() == 0 else os.geteuid()  # the sandbox user, local or in the service
+SERVICE = ["--service.port", "0", "--service.concurrency", "2", "--service.queue", "2", "--sandbox.wall_seconds",
+           str(LIMITS.wall_seconds), "--sandbox.cpu_seconds", str(LIMITS.cpu_seconds), "--sandbox.memory_mb",
+           str(LIMITS.memory_mb)]
+
+
 @pytest.fixture(scope="module")
 def sandbox():
     if not shutil.which("bwrap"):
@@ -38,8 +57,33 @@ def sandbox():
     return Sandbox(LIMITS)
 
 
+@pytest.fixture(scope="module")
+def service():
+    """`stalwart rl sandbox --serve` with LIMITS, 2 sandboxes at once and 2 waiting: its address."""
+    if not shutil.which("bwrap"):
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", "sandbox", "--serve", *SERVICE], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("stalwart rl sandbox: serving on http://127.0.0.1:"), line + proc.stdout.read()
+        yield line.split()[5]
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0 and "stopped" in proc.stdout.read()
+
+
+@pytest.fixture(scope="module", params=["local", "service"])
+def scorer(request):
+    """A local sandbox, or the service through the client the reward workers use."""
+    if request.param == "local":
+        return request.getfixturevalue("sandbox")
+    return SandboxClient([request.getfixturevalue("service")], retry_s=60)
+
+
 @pytest.mark.e2e
-def test_every_family_reference_passes_and_a_wrong_program_fails(sandbox):
+def test_every_family_reference_passes_and_a_wrong_program_fails(scorer):
+    sandbox = scorer
     for fam in FAMILIES:
         inst = Instance(fam.name, fam.params[-1])
         verdict = sandbox.score(inst.solution, inst.cases(2, seed=3))
@@ -50,7 +94,8 @@ def test_every_family_reference_passes_and_a_wrong_program_fails(sandbox):
 
 
 @pytest.mark.e2e
-def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, tmp_path):
+def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(scorer, tmp_path):
+    sandbox = scorer
     secret = tmp_path / "run" / "metrics.jsonl"
     secret.parent.mkdir()
     secret.write_text("secret")
@@ -60,7 +105,7 @@ def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, t
         server.listen()
         server.settimeout(0.1)
         port = server.getsockname()[1]
-        before = _user_processes(sandbox.uid)
+        before = _user_processes(UID)
         hostile = {
             "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
             "memory bomb": "x = []\nwhile True:\n    x.append(bytearray(10 ** 7))",
@@ -79,9 +124,9 @@ def test_hostile_programs_get_reward_zero_and_leave_the_host_unharmed(sandbox, t
         assert not outside.exists() and not os.path.exists("/usr/x")
         assert secret.read_text() == "secret"
         deadline = time.monotonic() + 10  # killed sandboxes take a moment to be reaped
-        while _user_processes(sandbox.uid) > before and time.monotonic() < deadline:
+        while _user_processes(UID) > before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _user_processes(sandbox.uid) <= before  # no process of the sandbox user survived
+        assert _user_processes(UID) <= before  # no process of the sandbox user survived
 
 
 @pytest.mark.e2e
@@ -242,7 +287,8 @@ print(a + b if not got else got)
 
 
 @pytest.mark.e2e
-def test_no_program_changes_another_cases_result_or_forges_the_report(sandbox):
+def test_no_program_changes_another_cases_result_or_forges_the_report(scorer):
+    sandbox = scorer
     t0 = time.monotonic()
     assert sandbox.score(BACKGROUND, ADD) == Verdict(0.5, 1, 2, "case 1: wrong answer")
     assert time.monotonic() - t0 < 2.5  # the process left behind was killed, not waited for
@@ -276,3 +322,70 @@ def test_runner_reports_parse_strictly():
                 rec(0) + rec(1) + rec(2)):        # more cases than were sent
         runs, ok = parse_reports(bad, 2, 100)
         assert not ok and len(runs) <= 2 and all(r == Run("3\n", 0, 0.25) for r in runs), bad
+
+
+SLEEPER = "import time\ntime.sleep(1.5)\nprint(1)"
+
+
+@pytest.mark.e2e
+def test_the_service_reports_health_and_metrics_and_refuses_bad_requests_by_name(service):
+    assert httpx.get(f"{service}/health").json() == {"status": "ok", "running": 0, "waiting": 0, "concurrency": 2,
+                                                     "queue": 2}
+    score = f"{service}/v1/score"
+    add = {"program": "print(int(input()) + 1)", "cases": [{"input": "1", "output": "2"}]}
+    assert httpx.post(score, json=add).json() == {"reward": 1.0, "passed": 1, "total": 1, "reason": "passed"}
+    pickled = httpx.post(score, content=pickle.dumps(add), headers={"content-type": "application/octet-stream"})
+    assert pickled.status_code == 400 and "must be JSON" in pickled.json()["error"]  # never unpickled
+    bad = httpx.post(score, json={"program": "print(1)", "cases": [{"input": "1"}]})
+    assert bad.status_code == 400 and bad.json()["error"] == ('cases: case 0 must be an object with string fields '
+                                                             '"input" and "output"')
+    many = httpx.post(score, json={"program": "print(1)", "cases": [{"input": "", "output": "1"}] * 65})
+    assert many.status_code == 413 and "service.max_cases" in many.json()["error"]
+    huge = httpx.post(score, json={"program": "x" * (5 << 20), "cases": add["cases"]})
+    assert huge.status_code == 413 and "service.max_request_mb" in huge.json()["error"]
+    metrics = httpx.get(f"{service}/metrics").text
+    for line in ('stalwart_sandbox_requests_total{outcome="bad_request"} 2.0',
+                 'stalwart_sandbox_requests_total{outcome="too_large"} 2.0', "stalwart_sandbox_running 0.0",
+                 "stalwart_sandbox_concurrency 2.0", "stalwart_sandbox_program_seconds_count"):
+        assert line in metrics, line
+
+
+@pytest.mark.e2e
+def test_a_full_service_answers_429_and_the_client_waits_its_turn(service):
+    """Six programs of 1.5 s at once on 2 sandboxes with 2 places to wait: two are refused at once with
+    Retry-After; through the client every one is scored, the refused ones after waiting."""
+    sleeper = {"program": SLEEPER, "cases": [{"input": "", "output": "1"}]}
+    answers: list = []
+    threads = [threading.Thread(target=lambda: answers.append(httpx.post(f"{service}/v1/score", json=sleeper,
+                                                                         timeout=30))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [200, 200, 200, 200, 429, 429], codes
+    assert all(a.headers["retry-after"] == "1" for a in answers if a.status_code == 429)
+    assert 'stalwart_sandbox_requests_total{outcome="busy"} 2.0' in httpx.get(f"{service}/metrics").text
+    client = SandboxClient([service], retry_s=60)
+    verdicts: list = []
+    threads = [threading.Thread(target=lambda: verdicts.append(client.score(SLEEPER, [Case("", "1")])))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert verdicts == [Verdict(1.0, 1, 1, "passed")] * 6
+
+
+@pytest.mark.e2e
+def test_the_client_skips_an_unreachable_service_and_names_them_all_when_none_answers(service):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = SandboxClient([closed, service], retry_s=30)
+    for _ in range(3):  # whichever service each call starts at
+        assert client.score("print(sum(map(int, input().split())))", ADD) == Verdict(1.0, 2, 2, "passed")
+    t0 = time.monotonic()
+    with pytest.raises(SandboxError, match=rf"no sandbox service scored a program within .*{closed}: ConnectError"):
+        SandboxClient([closed], retry_s=0.5).score("print(3)", ADD)
+    assert time.monotonic() - t0 < 5

@@ -1,7 +1,8 @@
 """`stalwart rl`: reinforcement-learning post-training tools.
 
 `stalwart rl sandbox --program FILE --tests FILE` runs one program against one test file in the
-sandbox the reward workers use and prints one JSON line: reward, passed, total, reason.
+sandbox the reward workers use and prints one JSON line: reward, passed, total, reason;
+`stalwart rl sandbox --serve` runs that sandbox as an HTTP service (``rl/sandbox_service.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from stalwart.config.rl import RLConfig, SandboxOnlyConfig
 
 USAGE = """usage: stalwart rl --config FILE|NAME [--device auto|cpu|cuda] [--section.key VALUE ...]
        stalwart rl sandbox --program FILE --tests FILE [--sandbox.key VALUE ...]
+       stalwart rl sandbox --serve [--service.port N] [--service.key VALUE ...] [--sandbox.key VALUE ...]
 
 `stalwart rl --config rl_code` fine-tunes a small policy on a few examples of a verifiable code task, then
 trains it with GRPO on one controller driving generator, trainer and reward-worker actor meshes; it writes
@@ -27,7 +29,12 @@ Runs a Python program (reads stdin, writes stdout) against a JSON list of {"inpu
 cases in the reward sandbox (bubblewrap: no network, read-only /usr only, private /tmp; rlimits on CPU,
 memory, processes, file size and open files; a wall-clock timeout) and prints one JSON line
 {"reward": passed/total, "passed": n, "total": n, "reason": "..."}. A case passes when the program's
-stdout, stripped, equals its output, stripped."""
+stdout, stripped, equals its output, stripped.
+
+`stalwart rl sandbox --serve` runs the same sandbox as an HTTP service (loopback by default) that reward
+workers on other hosts call (`--workers.sandbox_urls`): POST /v1/score with {"program": str, "cases":
+[...]} answers that JSON verdict; GET /health, GET /metrics (Prometheus). `service.concurrency` programs
+run at once and `service.queue` more wait; past them a request gets 429 with Retry-After."""
 
 
 def _read(flag: str, value: str | bool | None) -> str:
@@ -44,15 +51,23 @@ def _read(flag: str, value: str | bool | None) -> str:
 
 def sandbox_main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE + "\n\nSandbox limits (--sandbox.key VALUE):\n" + help_text(SandboxOnlyConfig))
+        print(USAGE + "\n\nSandbox limits and the service (--sandbox.key / --service.key VALUE):\n"
+              + help_text(SandboxOnlyConfig))
         return 0
     from stalwart.rl.sandbox import Sandbox, parse_cases
 
-    found, overrides = split_args(argv, {"--program": True, "--tests": True})
-    cfg = load(SandboxOnlyConfig, None, overrides).sandbox
+    found, overrides = split_args(argv, {"--program": True, "--tests": True, "--serve": False})
+    cfg = load(SandboxOnlyConfig, None, overrides)
+    if found.get("--serve"):
+        if "--program" in found or "--tests" in found:
+            raise ConfigError("--serve takes programs over HTTP: drop --program and --tests")
+        from stalwart.rl.sandbox_service import serve
+
+        serve(Sandbox(cfg.sandbox), cfg.service)
+        return 0
     program = _read("--program", found.get("--program"))
     cases = parse_cases(_read("--tests", found.get("--tests")), f"--tests {found['--tests']}")
-    print(Sandbox(cfg).score(program, cases).to_json())
+    print(Sandbox(cfg.sandbox).score(program, cases).to_json())
     return 0
 
 

@@ -40,9 +40,25 @@ class SandboxConfig:
 
 
 @dataclass
+class SandboxServiceConfig:
+    host: str = option("Address `stalwart rl sandbox --serve` listens on. Loopback by default: whoever reaches the "
+                       "service can run programs in its sandboxes.", "127.0.0.1")
+    port: int = option("Port of the sandbox service (0 = any free port; the address is printed at start).", 8077,
+                       min=0, max=65535)
+    concurrency: int = option("Sandboxes the service runs at once (0 = one per CPU core).", 0, min=0)
+    queue: int = option("Requests the service holds waiting beyond those running; a request past them is answered "
+                        "429 with Retry-After (back-pressure: the client tries another service or waits).", 64, min=0)
+    retry_after_s: float = option("Retry-After of a 429 (busy) answer, seconds.", 1.0, min=0.0)
+    max_cases: int = option("Test cases one request may carry (a request with more is refused, 413).", 64, min=1)
+    max_request_mb: float = option("Largest request body, MiB (a larger one is refused unread, 413).", 4.0,
+                                   min=0.001)
+
+
+@dataclass
 class SandboxOnlyConfig:
-    """What `stalwart rl sandbox` reads: the sandbox section alone."""
+    """What `stalwart rl sandbox` reads: the sandbox section and, with --serve, the service's."""
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
+    service: SandboxServiceConfig = section(SandboxServiceConfig, "`--serve`: the sandbox as an HTTP service.")
 
 
 @dataclass
@@ -164,7 +180,16 @@ class WorkersConfig:
         "sets it too.", "auto")
     reward_workers: int = option("Reward worker actors; each runs up to reward_threads sandboxes at once.", 1,
                                  min=1)
-    reward_threads: int = option("Sandboxes one reward worker runs at once.", 2, min=1)
+    reward_threads: int = option("Sandboxes one reward worker runs (or asks the sandbox services for) at once.", 2,
+                                 min=1)
+    sandbox_urls: list[str] = option(
+        "Sandbox services (`stalwart rl sandbox --serve`, e.g. http://127.0.0.1:8077) the reward workers send "
+        "programs to, spread across them; a busy or unreachable one is skipped and retried with backoff. Empty "
+        "= every reward worker runs its own sandboxes. The services' [sandbox] limits apply, not this run's.",
+        factory=list)
+    sandbox_retry_s: float = option("How long a reward worker keeps trying the sandbox services (all busy or "
+                                    "unreachable) for one program before the run stops naming them.", 60.0,
+                                    min=0.1)
     reward_timeout_s: float = option("A scoring call still running after this long counts its worker as hung: it "
                                      "is killed and replaced, and its programs are scored again elsewhere.",
                                      120.0, min=1.0)
@@ -201,6 +226,10 @@ class RLConfig:
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
 
     def __post_init__(self) -> None:
+        for url in self.workers.sandbox_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"workers.sandbox_urls: {url!r} is not an http:// or https:// address of a "
+                                  "sandbox service (`stalwart rl sandbox --serve` prints it)")
         n = self.workers.trainers
         if self.rl.prompts_per_step % n:
             raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of workers.trainers "

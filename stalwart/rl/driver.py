@@ -104,7 +104,8 @@ class RLDriver:
                                  self.length, self.pad, w.device))
         rew_pool = Pool(meshes["rewards"], "reward", w.reward_timeout_s, self.events, lambda g: None)
         rewards = Rewards(rew_pool, {i.key: [(c.input, c.output) for c in i.cases(cfg.task.tests, cfg.run.seed)]
-                                     for i in used}, self._program, (cfg.sandbox, w.reward_threads))
+                                     for i in used}, self._program,
+                          (cfg.sandbox, w.reward_threads, w.sandbox_urls, w.sandbox_retry_s))
         rew_pool.restore = lambda rank: rewards.setup([rank])
         weights = WeightSync(trainers, generators, self.events, lambda prefix: abandon(self.store, prefix),
                              str(self.paths.reference))

@@ -1,7 +1,8 @@
 """The reward worker actor: scores generated programs against hidden test cases in the sandbox.
 
 One actor process runs up to ``threads`` sandboxes at once (each sandbox is its own bubblewrap process
-tree, so threads here only wait). A program that hangs, crashes or misbehaves costs its own reward
+tree, so threads here only wait), or, with ``workers.sandbox_urls``, has that many programs at once
+scored by the sandbox services. A program that hangs, crashes or misbehaves costs its own reward
 (0, with the sandbox's reason); the worker itself never runs any of it.
 """
 
@@ -28,10 +29,17 @@ class RewardActor(Actor):
         return os.getpid()
 
     @endpoint
-    def setup(self, sandbox_cfg: Any, threads: int) -> int:
-        from stalwart.rl.sandbox import Sandbox
+    def setup(self, sandbox_cfg: Any, threads: int, urls: list[str] | None = None, retry_s: float = 60.0) -> int:
+        """Run programs in this process's own sandboxes, or send them to the sandbox services ``urls``
+        (``sandbox_client.SandboxClient``: the same verdicts, the services' limits)."""
+        if urls:
+            from stalwart.rl.sandbox_client import SandboxClient
 
-        self.sandbox = Sandbox(sandbox_cfg)
+            self.sandbox = SandboxClient(urls, retry_s)
+        else:
+            from stalwart.rl.sandbox import Sandbox
+
+            self.sandbox = Sandbox(sandbox_cfg)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sandbox")
         return os.getpid()
 

@@ -106,9 +106,21 @@ class Verdict:
     total: int
     reason: str
 
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {"reward": self.reward, "passed": self.passed, "total": self.total, "reason": self.reason}
+
     def to_json(self) -> str:
-        return json.dumps({"reward": self.reward, "passed": self.passed, "total": self.total,
-                           "reason": self.reason})
+        return json.dumps(self.as_dict())
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> Verdict:
+        """A verdict as `as_dict` wrote it, checked field by field (it came over the network)."""
+        if not (isinstance(data, dict) and set(data) == {"reward", "passed", "total", "reason"}
+                and isinstance(data["reward"], (int, float)) and not isinstance(data["reward"], bool)
+                and all(type(data[k]) is int for k in ("passed", "total")) and isinstance(data["reason"], str)
+                and 0 <= data["passed"] <= data["total"]):
+            raise SandboxError(f"{where}: not a verdict ({str(data)[:200]})")
+        return cls(float(data["reward"]), data["passed"], data["total"], data["reason"])
 
 
 def parse_cases(text: str, where: str) -> list[Case]:
@@ -118,6 +130,11 @@ def parse_cases(text: str, where: str) -> list[Case]:
     except json.JSONDecodeError as e:
         raise SandboxError(f"{where}: not JSON ({e.msg} at line {e.lineno}); expected a list of "
                            '{"input": ..., "output": ...} cases') from None
+    return cases_from(data, where)
+
+
+def cases_from(data: object, where: str) -> list[Case]:
+    """Cases from parsed JSON (a list of {"input": str, "output": str}); anything else is refused by name."""
     if not isinstance(data, list) or not data:
         raise SandboxError(f'{where}: expected a non-empty JSON list of {{"input": ..., "output": ...}} cases')
     cases = []

@@ -1,0 +1,223 @@
+"""The reward sandbox as an HTTP service: `stalwart rl sandbox --serve`.
+
+Reward workers on many hosts send programs to a few sandbox hosts (``workers.sandbox_urls``, through
+``sandbox_client.SandboxClient``) instead of each running bubblewrap itself. The service runs every
+program exactly as ``Sandbox.score`` does locally, under its own ``[sandbox]`` limits, so a program
+gets the same verdict either way.
+
+    POST /v1/score   {"program": str, "cases": [{"input": str, "output": str}, ...]}
+                     -> 200 {"reward": float, "passed": int, "total": int, "reason": str}
+    GET  /health     -> {"status": "ok", "running": n, "waiting": n, "concurrency": n, "queue": n}
+    GET  /metrics    -> Prometheus text
+
+JSON only: a body is parsed by ``json.loads`` and checked field by field, never unpickled. Per request:
+at most ``service.max_request_mb`` of body (a larger one is refused before it is read, 413) and
+``service.max_cases`` cases (413); malformed JSON or fields are a 400 naming what is wrong.
+
+Bounded concurrency with back-pressure: ``service.concurrency`` sandboxes run at once and at most
+``service.queue`` more requests wait; a request beyond them is answered at once with 429 and
+``Retry-After: service.retry_after_s``, so a client tries another service or waits instead of piling
+work onto this one. The service listens on loopback unless ``service.host`` says otherwise: whoever
+reaches it can run programs in its sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from stalwart.config.rl import SandboxServiceConfig
+from stalwart.errors import UserError
+from stalwart.rl.sandbox import Sandbox, SandboxError, cases_from
+
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Admission:
+    """Bounded concurrency and a bounded queue, as counts: ``enter`` admits a request while fewer than
+    ``concurrency + queue`` are in the service; ``start`` / ``leave`` track the running ones."""
+
+    def __init__(self, concurrency: int, queue: int) -> None:
+        self.concurrency, self.queue = concurrency, queue
+        self.admitted = 0
+        self.running = 0
+        self._lock = threading.Lock()
+
+    @property
+    def waiting(self) -> int:
+        return self.admitted - self.running
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.admitted >= self.concurrency + self.queue:
+                return False
+            self.admitted += 1
+            return True
+
+    def start(self) -> None:
+        with self._lock:
+            self.running += 1
+
+    def leave(self, started: bool) -> None:
+        with self._lock:
+            self.admitted -= 1
+            self.running -= started
+
+
+class ServiceMetrics:
+    """The service's Prometheus metrics (one registry per app)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("stalwart_sandbox_requests", "Requests answered, by outcome (ok, busy, "
+                                "bad_request, too_large, error).", ["outcome"], registry=r)
+        self.programs = Counter("stalwart_sandbox_programs", "Programs scored, by whether every case passed.",
+                                ["passed"], registry=r)
+        self.cases = Counter("stalwart_sandbox_cases", "Test cases of the programs scored.", registry=r)
+        self.seconds = Histogram("stalwart_sandbox_program_seconds", "Scoring one program, its sandbox start "
+                                 "included (the wait in the queue not).", buckets=SECONDS_BUCKETS, registry=r)
+        self.wait = Histogram("stalwart_sandbox_queue_seconds", "A request's wait for a free sandbox.",
+                              buckets=SECONDS_BUCKETS, registry=r)
+        Gauge("stalwart_sandbox_running", "Programs running now.", registry=r).set_function(
+            lambda: admission.running)
+        Gauge("stalwart_sandbox_waiting", "Requests waiting for a sandbox.", registry=r).set_function(
+            lambda: admission.waiting)
+        Gauge("stalwart_sandbox_concurrency", "Sandboxes run at once at most.", registry=r).set(admission.concurrency)
+        Gauge("stalwart_sandbox_queue_limit", "Requests held waiting at most.", registry=r).set(admission.queue)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status, headers=headers)
+
+
+def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
+    """The service's app over one ``Sandbox`` (shared by ``concurrency`` threads)."""
+    concurrency = cfg.concurrency or os.cpu_count() or 1
+    admission = Admission(concurrency, cfg.queue)
+    metrics = ServiceMetrics(admission)
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
+    max_bytes = int(cfg.max_request_mb * (1 << 20))
+    app = FastAPI(title="Stalwart sandbox", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.on_shutdown.append(lambda: pool.shutdown(wait=False, cancel_futures=True))
+
+    def refuse(status: int, outcome: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.requests.labels(outcome=outcome).inc()
+        return _error(status, message, headers)
+
+    def run(program: str, cases: list, queued_at: float) -> tuple[object, float]:
+        admission.start()
+        metrics.wait.observe(time.monotonic() - queued_at)
+        t0 = time.monotonic()
+        try:
+            return sandbox.score(program, cases), time.monotonic() - t0
+        finally:
+            admission.leave(started=True)
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            return refuse(413, "too_large", f"the request body ({declared} bytes) is larger than "
+                                            f"service.max_request_mb ({cfg.max_request_mb} MiB)")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                return refuse(413, "too_large", f"the request body is larger than service.max_request_mb "
+                                                f"({cfg.max_request_mb} MiB)")
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return refuse(400, "bad_request", 'the body must be JSON: {"program": str, "cases": [{"input": str, '
+                                              '"output": str}, ...]}')
+        if not (isinstance(data, dict) and set(data) == {"program", "cases"} and isinstance(data["program"], str)):
+            return refuse(400, "bad_request", 'the body must be an object with exactly "program" (a string) and '
+                                              '"cases"')
+        try:
+            cases = cases_from(data["cases"], "cases")
+        except SandboxError as e:
+            return refuse(400, "bad_request", str(e))
+        if len(cases) > cfg.max_cases:
+            return refuse(413, "too_large", f"{len(cases)} cases; this service takes at most {cfg.max_cases} per "
+                                            "request (service.max_cases)")
+        if not admission.enter():
+            retry = max(1, math.ceil(cfg.retry_after_s))
+            return refuse(429, "busy", f"all {concurrency} sandboxes are busy and {cfg.queue} requests wait; "
+                                       "retry later or elsewhere", {"Retry-After": str(retry)})
+        future = None
+        try:
+            future = pool.submit(run, data["program"], cases, time.monotonic())
+            verdict, seconds = await asyncio.wrap_future(future)
+        except Exception as e:  # noqa: BLE001 - the sandbox could not run (not the program: that is a verdict)
+            return refuse(500, "error", f"the sandbox failed: {type(e).__name__}: {e}")
+        finally:
+            if future is None:
+                admission.leave(started=False)
+        metrics.requests.labels(outcome="ok").inc()
+        metrics.programs.labels(passed=str(verdict.passed == verdict.total).lower()).inc()
+        metrics.cases.inc(verdict.total)
+        metrics.seconds.observe(seconds)
+        return verdict.as_dict()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": admission.running, "waiting": admission.waiting,
+                "concurrency": concurrency, "queue": cfg.queue}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free one); a UserError naming service.host or
+    service.port says which is wrong."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        setting = "service.host" if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL else "service.port"
+        raise UserError(f"{setting}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.listen(1024)
+    return sock
+
+
+def serve(sandbox: Sandbox, cfg: SandboxServiceConfig) -> None:
+    """Serve until SIGINT or SIGTERM (a graceful stop: requests running finish, exit status 0)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:  # every stop asked for is the graceful one
+            self.should_exit = True
+
+    sock = listen(cfg.host, cfg.port)
+    shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    concurrency = cfg.concurrency or os.cpu_count() or 1
+    print(f"stalwart rl sandbox: serving on http://{shown}:{sock.getsockname()[1]} ({concurrency} sandboxes at "
+          f"once, {cfg.queue} waiting at most)", flush=True)
+    server = Server(uvicorn.Config(create_app(sandbox, cfg), log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=10))
+    # Also before uvicorn installs its own handlers (a stop during start-up) and after (during shutdown).
+    previous = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("stalwart rl sandbox: stopped", flush=True)

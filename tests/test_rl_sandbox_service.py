@@ -1,0 +1,102 @@
+"""The sandbox service's client and admission as pure logic (no sandbox, no sockets): the client
+spreads programs over the services, skips busy and unreachable ones, honours Retry-After, never
+retries a refusal that would repeat, and checks every verdict it is given; admission holds at most
+concurrency + queue requests. The service itself, for real, is in test_rl_sandbox_e2e.py."""
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from stalwart.rl import sandbox_client
+from stalwart.rl.sandbox import Case, SandboxError, Verdict
+from stalwart.rl.sandbox_client import SandboxClient
+from stalwart.rl.sandbox_service import Admission
+
+pytestmark = pytest.mark.unit
+
+PASSED = {"reward": 1.0, "passed": 1, "total": 1, "reason": "passed"}
+CASES = [Case("1", "2")]
+
+
+def _client(answers: dict[str, list], retry_s: float = 5.0) -> tuple[SandboxClient, list[str]]:
+    """A client over services a..z whose answers come from ``answers[host]`` in turn (an exception is
+    raised as the transport's); the hosts asked, in order."""
+    asked: list[str] = []
+    lock = threading.Lock()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        with lock:
+            asked.append(request.url.host)
+            answer = answers[request.url.host].pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        assert json.loads(request.content) == {"program": "print(2)", "cases": [{"input": "1", "output": "2"}]}
+        status, body, headers = answer
+        return httpx.Response(status, json=body, headers=headers)
+
+    urls = [f"http://{h}:8077/" for h in answers]
+    return SandboxClient(urls, retry_s, http=httpx.Client(transport=httpx.MockTransport(handle))), asked
+
+
+def test_programs_go_to_the_services_in_turn(monkeypatch):
+    client, asked = _client({"a": [(200, PASSED, {})] * 2, "b": [(200, PASSED, {})] * 2})
+    assert [client.score("print(2)", CASES) for _ in range(4)] == [Verdict(1.0, 1, 1, "passed")] * 4
+    assert asked == ["a", "b", "a", "b"]
+
+
+def test_busy_and_unreachable_services_are_skipped_then_retried_after_the_wait_they_asked_for(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(sandbox_client.time, "sleep", slept.append)
+    refused = httpx.ConnectError("connection refused")
+    client, asked = _client({"a": [(429, {"error": "busy"}, {"Retry-After": "2"}), (200, PASSED, {})],
+                             "b": [refused, refused]})
+    assert client.score("print(2)", CASES) == Verdict(1.0, 1, 1, "passed")
+    assert asked == ["a", "b", "a"]
+    assert len(slept) == 1 and 2.0 <= slept[0] <= 3.0  # a's Retry-After, with jitter above it
+    # nobody asked for a wait: the backoff doubles from 0.1 s (jitter below it)
+    slept.clear()
+    client, asked = _client({"c": [refused, (503, {"error": "stopping"}, {}), refused, (200, PASSED, {})]})
+    assert client.score("print(2)", CASES) == Verdict(1.0, 1, 1, "passed")
+    assert [round(x / b, 1) >= 0.5 and x <= b for x, b in zip(slept, (0.1, 0.2, 0.4))] == [True] * 3
+
+
+def test_no_answer_within_the_budget_names_every_service(monkeypatch):
+    clock = iter(range(1000))
+    monkeypatch.setattr(sandbox_client.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(sandbox_client.time, "sleep", lambda s: None)
+    refused = httpx.ConnectError("connection refused")
+    client, _ = _client({"a": [refused] * 10, "b": [(429, {"error": "all 2 sandboxes are busy"}, {})] * 10},
+                        retry_s=3)
+    with pytest.raises(SandboxError, match=r"within workers.sandbox_retry_s \(3 s\) \(http://a:8077: ConnectError: "
+                                           r"connection refused; http://b:8077: 429 all 2 sandboxes are busy\)"):
+        client.score("print(2)", CASES)
+
+
+def test_refusals_that_would_repeat_and_bad_verdicts_stop_at_once():
+    client, asked = _client({"a": [(413, {"error": "70 cases; this service takes at most 64"}, {})]})
+    with pytest.raises(SandboxError, match=r"http://a:8077 refused the program \(413: 70 cases"):
+        client.score("print(2)", CASES)
+    assert asked == ["a"]
+    for bad in ({"reward": 1.0, "passed": 2, "total": 1, "reason": "passed"},  # more passed than run
+                {"reward": "1", "passed": 1, "total": 1, "reason": "passed"},
+                {**PASSED, "extra": 1}, [1, 1, 1, "passed"]):
+        client, _ = _client({"a": [(200, bad, {})]})
+        with pytest.raises(SandboxError, match="not a verdict"):
+            client.score("print(2)", CASES)
+    client, _ = _client({"a": [(200, {**PASSED, "total": 3, "passed": 3}, {})]})
+    with pytest.raises(SandboxError, match="a verdict on 3 cases for 1 sent"):
+        client.score("print(2)", CASES)
+
+
+def test_admission_holds_concurrency_plus_queue_requests():
+    a = Admission(concurrency=2, queue=1)
+    assert [a.enter() for _ in range(4)] == [True, True, True, False]
+    a.start()
+    a.start()
+    assert (a.running, a.waiting) == (2, 1)
+    a.leave(started=True)
+    assert a.enter() and not a.enter()
+    a.leave(started=False)  # a request that never ran (the service stopping)
+    assert (a.admitted, a.running, a.waiting) == (2, 1, 1)
