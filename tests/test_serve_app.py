@@ -44,16 +44,16 @@ def tokenizer():
 
 
 class InProcessServer:
-    def __init__(self, tokenizer, cfg: EngineConfig) -> None:
+    def __init__(self, tokenizer, cfg: EngineConfig, chat=None, args: TransformerArgs = ARGS) -> None:
         with torch.device("meta"):
-            model = Transformer(ARGS)
+            model = Transformer(args)
         materialize_and_init(model, torch.device("cpu"), 0)
         self.engine = Engine(model.eval(), tokenizer, eos_id(tokenizer), cfg)
         self.loop = EngineLoop(self.engine).start()
         sock = bind("127.0.0.1", 0)
         sock.listen()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.loop, "tiny"), log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.loop, "tiny", chat=chat), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -100,7 +100,7 @@ BAD_FIELDS = [  # (path, body, the param the error names, part of its message)
     ("/v1/completions", {"prompt": "def ", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
     ("/v1/completions", {"prompt": "def ", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
     ("/v1/completions", {"prompt": "def ", "stop": 5}, "stop", "stop must be a string or a list of strings"),
-    ("/v1/completions", {"prompt": "def ", "n": 2}, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": "def ", "n": 17}, "n", "n must be in [1, 16]"),
     ("/v1/completions", {"prompt": 5}, "prompt", "prompt must be a string, a list of strings"),
     ("/v1/completions", {"prompt": [400]}, "prompt", "token ids must be in [0, 384)"),
     # Strict types: nothing is coerced.

@@ -10,7 +10,7 @@ and sends each step's batch to the other ranks (``infer/group.py``), which run t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -21,7 +21,7 @@ from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
 from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, decode_group, install_paged_attention
 from stalwart.infer.blocks import BlockPool
-from stalwart.infer.sampling import Choice, SamplingParams, sample_row
+from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
 from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
@@ -47,6 +47,7 @@ class Output:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     weight_version: int = 0
+    prompt: list[Choice] | None = None  # the prompt's log-probabilities (asked for), with the first output
 
 
 @dataclass
@@ -56,6 +57,7 @@ class RequestState:
     gen: torch.Generator
     tail: TextTail
     grammar: GrammarState | None = None  # a structured output's position in its constraint
+    prompt_choices: list[Choice] = field(default_factory=list)  # prompt tokens 1.. scored so far
 
     @property
     def generated(self) -> list[int]:
@@ -134,6 +136,7 @@ class Engine:
         """Raise RequestError or SamplingError if the engine cannot take this request (reads nothing
         that changes)."""
         params.validate()
+        params.check_tokens(self.args.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)
         if not prompt:
@@ -141,7 +144,7 @@ class Engine:
         if any(t < 0 or t >= self.args.vocab_size for t in prompt):
             raise RequestError(f"prompt token ids must be in [0, {self.args.vocab_size})", "prompt")
         limit, n = self.args.max_seq_len, len(prompt)
-        if n >= limit:
+        if n >= limit and params.max_tokens:
             raise RequestError(f"the prompt ({n} tokens) leaves no room for output in the model's context of "
                                f"{limit} tokens", "prompt")
         if n + params.max_tokens > limit:
@@ -152,13 +155,17 @@ class Engine:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; the whole cache "
                                f"holds {capacity} (lower max_tokens, or raise engine.kv_cache_mb)", "max_tokens")
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request; all or nothing: on any error the engine is as it was."""
+    def add(self, rid: str, prompt: list[int], params: SamplingParams, follows: str | None = None) -> None:
+        """Queue a request; all or nothing: on any error the engine is as it was. ``follows``: a request
+        in flight with the same prompt (another choice of one HTTP request), whose cached prompt this one
+        maps once it is computed."""
         self.check(prompt, params)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight")
-        state = RequestState(Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens), params,
-                             params.generator(), TextTail(self.tokenizer, params.stop),
+        lead = self.requests.get(follows) if follows is not None else None
+        seq = Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens,
+                       reuse_prefix=params.prompt_logprobs is None, follows=lead.seq if lead else None)
+        state = RequestState(seq, params, params.generator(), TextTail(self.tokenizer, params.stop, params.min_tokens),
                              self.grammars.start(params.structured) if params.structured is not None else None)
         self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
         self.requests[rid] = state
@@ -180,14 +187,19 @@ class Engine:
         pieces = self.scheduler.schedule()
         if not pieces:
             return []
-        batch, sampled = self._batch(pieces)
+        batch, sampled, scored = self._batch(pieces)
         if self.link is not None:
             self.link.send_step(batch)
         logits = self.forward(batch)
         for piece in pieces:
             self.scheduler.commit(piece)
+        logits = logits.float().to(HOST)
+        at = len(sampled)
+        for state, n in scored:  # prompt rows, after the sampled ones: scored before the first sample
+            self._score(state, logits[at:at + n])
+            at += n
         outputs = []
-        for piece, row in zip(sampled, logits.float().to(HOST)):
+        for piece, row in zip(sampled, logits):
             outputs.append(self._advance(self.requests[piece.seq.rid], row))
         return outputs
 
@@ -216,19 +228,35 @@ class Engine:
             logits = self.pipe.exchange_logits(logits, len(batch.rows), self.args.vocab_size, self.dtype)
         return logits
 
-    def _batch(self, pieces: list[Piece]) -> tuple[Batch, list[Piece]]:
+    def _batch(self, pieces: list[Piece]) -> tuple[Batch, list[Piece], list[tuple[RequestState, int]]]:
         batch = Batch([], [], [], [])
-        sampled = []
+        sampled, scored, starts = [], [], []
         for p in pieces:
             q_start = len(batch.tokens)
+            starts.append(q_start)
             batch.tokens += p.seq.tokens[p.start:p.start + p.n]
             batch.positions += range(p.start, p.start + p.n)
             batch.spans.append((q_start, p.n, p.start + p.n, list(p.seq.blocks)))
             if p.sample:
                 batch.rows.append(q_start + p.n - 1)
                 sampled.append(p)
+        for p, q_start in zip(pieces, starts):
+            state = self.requests[p.seq.rid]
+            if state.params.prompt_logprobs is not None:
+                # Rows of positions whose next token is a prompt token, not yet scored (a preempted
+                # sequence recomputes its prompt; its scores stay).
+                first, end = max(p.start, len(state.prompt_choices)), min(p.start + p.n, p.seq.prompt_len - 1)
+                if end > first:
+                    batch.rows += range(q_start + first - p.start, q_start + end - p.start)
+                    scored.append((state, end - first))
         self._pad(batch)
-        return batch, sampled
+        return batch, sampled, scored
+
+    def _score(self, state: RequestState, logits: torch.Tensor) -> None:
+        """Log-probabilities of the next prompt tokens from their preceding rows' ``logits``."""
+        done = len(state.prompt_choices)
+        targets = state.seq.tokens[done + 1:done + 1 + len(logits)]
+        state.prompt_choices += score_rows(logits, targets, state.params.prompt_logprobs)
 
     def _pad(self, batch: Batch) -> None:
         """Round the token count and the sampled rows up to a multiple of ``pad_rows``.
@@ -247,25 +275,34 @@ class Engine:
         batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
 
     def _advance(self, state: RequestState, logits: torch.Tensor) -> Output:
-        grammar = state.grammar
-        choice = sample_row(logits, state.params, state.gen, allowed=grammar.allowed() if grammar else None)
         seq = state.seq
+        prompt = state.prompt_choices if state.params.prompt_logprobs is not None and seq.prompt_len == len(
+            seq.tokens) else None  # the first output carries the prompt's scores
+        if state.params.max_tokens == 0:  # the prompt scored, nothing to generate
+            self.scheduler.finish(seq)
+            del self.requests[seq.rid]
+            return Output(seq.rid, [], "", True, "length", self.weight_version, prompt)
+        grammar = state.grammar
+        choice = sample_row(logits, state.params, state.gen, state.generated, self.eos_id,
+                            allowed=grammar.allowed() if grammar else None)
         seq.tokens.append(choice.token)
         self.tokens_generated += 1
         if grammar is not None:
             grammar.advance(choice.token)
-        if choice.token == self.eos_id and not state.params.ignore_eos:
+        shown = state.generated
+        if stops_on(choice.token, state.params, self.eos_id):
             reason = "stop"
+            shown = shown if choice.token == self.eos_id else shown[:-1]  # a stop token's text is not shown
         elif grammar is not None and grammar.done:  # the structured output is complete
             reason = "stop"
         elif len(state.generated) >= state.params.max_tokens or len(seq.tokens) >= self.args.max_seq_len:
             reason = "length"
         else:
             reason = None
-        text, hit = state.tail.push(state.generated, final=reason is not None)
+        text, hit = state.tail.push(shown, final=reason is not None)
         if hit:
             reason = "stop"
-        out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version)
+        out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version, prompt)
         if reason is not None:
             self.scheduler.finish(seq)
             del self.requests[seq.rid]

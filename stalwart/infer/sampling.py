@@ -1,15 +1,22 @@
-"""A request's sampling: its parameters, its generator, log-probabilities on request. The token itself
-is drawn by the one sampler, ``stalwart.generate.next_token``.
+"""A request's sampling: its parameters, its generator, the logit adjustments it asks for, and
+log-probabilities on request. The token itself is drawn by the one sampler, ``stalwart.generate.next_token``.
 
 Each request has its own random generator (seeded from its ``seed``, or from a fresh random seed), and
 each row is sampled on its own, so a request samples the same tokens whether it shares the batch with
 31 others or runs alone. Log-probabilities are those of the model's distribution (the raw logits),
-not of the temperature-scaled one, as OpenAI's API reports them.
+not of the temperature-scaled, biased or penalized one, as OpenAI's API reports them.
+
+Adjustments (``adjust_logits``: ``logit_bias``, presence and frequency penalties, ``min_tokens``) change
+the logits before ``next_token`` sees them; a request that sets none of them goes straight to
+``next_token`` with the model's logits, so it draws exactly what ``stalwart generate`` draws for the
+same seed. Other constraints (a token mask, say) compose by adjusting the same logits first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +24,10 @@ import torch
 from stalwart.generate import next_token
 from stalwart.runtime.device import host_generator
 
-
 # The seeds torch's generator takes: any 64-bit integer, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_STOP = 4  # stop strings, as OpenAI allows; stop token ids are not limited
+MAX_LOGPROBS = 20
 
 
 class SamplingError(ValueError):
@@ -32,36 +40,119 @@ class SamplingError(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: nothing generated (the prompt scored, with prompt_logprobs)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end the output like the end-of-text token
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # no end-of-text or stop token (nor stop string) before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per time a token was already generated
     # infer.structured.Constraint: the output must match it (a JSON schema, regex, grammar); None: free
     structured: object | None = None
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be >= 1 (got {self.max_tokens})", "max_tokens")
+        if self.max_tokens < 0:
+            raise SamplingError(f"max_tokens must be >= 0 (got {self.max_tokens})", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingError(f"temperature must be in [0, 2] (got {self.temperature})", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p})", "top_p")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (got {self.top_k})", "top_k")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingError(f"logprobs must be in [0, 20] (got {self.logprobs})", "logprobs")
-        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise SamplingError("stop must be up to 4 non-empty strings", "stop")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {k})", "logprobs")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError(f"stop must be up to {MAX_STOP} non-empty strings", "stop")
         if self.seed is not None and not (type(self.seed) is int and SEED_MIN <= self.seed <= SEED_MAX):
             raise SamplingError(f"seed must be an integer in [-2**63, 2**64 - 1] (got {self.seed})", "seed")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}] (got {self.min_tokens})",
+                                "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
+        for token, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError(f"logit_bias values must be in [-100, 100] (got {bias} for token {token})",
+                                    "logit_bias")
+
+    def check_tokens(self, vocab_size: int) -> None:
+        """The token ids the request names exist in a vocabulary of ``vocab_size``."""
+        for name in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingError(f"{name}: token id {bad[0]} is not in [0, {vocab_size})", name)
 
     def generator(self) -> torch.Generator:
         seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
         return host_generator(seed)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether ``adjust_logits`` changes anything for this request."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request asking for several (``n``, ``best_of``): choice 0 uses
+    the request's seed itself (so ``n = 1`` draws what ``stalwart generate --seed`` draws); choice i > 0
+    uses the first 8 bytes (little endian, unsigned) of BLAKE2b-64 of ``"<seed>:<i>"``. No seed: none."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def stops_on(token: int, params: SamplingParams, eos_id: int | None) -> bool:
+    """Whether ``token`` ends the output: the end-of-text token (unless ``ignore_eos``) or a stop token."""
+    return (token == eos_id and not params.ignore_eos) or token in params.stop_token_ids
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[int],
+                  eos_id: int | None) -> torch.Tensor:
+    """The logits a request samples from, given the tokens it ``generated`` so far (vocab,), fp32.
+
+    In order: ``logit_bias`` added; OpenAI's penalties, ``logit[t] -= frequency_penalty * count(t) +
+    presence_penalty * (count(t) > 0)`` over the generated tokens; before ``min_tokens`` tokens, the
+    end-of-text token and the stop tokens set to -inf. Returns ``logits`` itself when nothing applies.
+    """
+    if not params.adjusts:
+        return logits
+    logits = logits.clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        counts = Counter(generated)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        n = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        logits[ids] -= params.frequency_penalty * n + params.presence_penalty
+    if len(generated) < params.min_tokens:
+        banned = [t for t in (*params.stop_token_ids, eos_id) if t is not None]
+        if banned:
+            logits[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    return logits
+
+
+def skip_draws(gen: torch.Generator, params: SamplingParams, tokens: int, vocab_size: int) -> torch.Generator:
+    """``gen`` advanced past the draws of ``tokens`` tokens sampled with ``params`` (a request resumed on
+    another replica goes on drawing what it would have drawn). ``next_token`` draws once per token above
+    temperature 0 and never at 0, and one draw uses the generator by the vocabulary's size alone (not by
+    the logits, their adjustments or a mask), so a draw over uniform logits advances it identically."""
+    if params.temperature > 0.0:
+        flat = torch.zeros(vocab_size)
+        for _ in range(tokens):
+            next_token(flat, params.temperature, 0, 1.0, gen)
+    return gen
 
 
 @dataclass
@@ -71,12 +162,14 @@ class Choice:
     top: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
-               allowed: torch.Tensor | None = None) -> Choice:
+def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, generated: list[int] = (),
+               eos_id: int | None = None, allowed: torch.Tensor | None = None) -> Choice:
     """One token from one row of logits (vocab,), fp32 on the host, drawn by the one sampler
-    (``generate.next_token``), for a structured output only among the ``allowed`` tokens (its grammar's
-    mask); with its log-probabilities when the request asks for them."""
-    token = next_token(logits, params.temperature, params.top_k, params.top_p, gen, allowed)
+    (``generate.next_token``) after the request's adjustments and, for a structured output, only among
+    the ``allowed`` tokens (its grammar's mask); with the model's log-probabilities when the request
+    asks for them."""
+    token = next_token(adjust_logits(logits, params, list(generated), eos_id), params.temperature, params.top_k,
+                       params.top_p, gen, allowed)
     if params.logprobs is None:
         return Choice(token)
     logp = torch.log_softmax(logits, dim=-1)
@@ -85,3 +178,14 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
         values, ids = torch.topk(logp, params.logprobs)
         top = [(int(i), float(v)) for i, v in zip(ids, values)]
     return Choice(token, float(logp[token]), top)
+
+
+def score_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[Choice]:
+    """The log-probability of each of ``targets`` under its row of ``logits`` (rows, vocab), fp32 on the
+    host, with the ``k`` most likely tokens of each row: the prompt's log-probabilities (echo)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [Choice(t, lp) for t, lp in zip(targets, chosen)]
+    values, ids = torch.topk(logp, k, dim=-1)
+    return [Choice(t, lp, list(zip(i, v))) for t, lp, i, v in zip(targets, chosen, ids.tolist(), values.tolist())]

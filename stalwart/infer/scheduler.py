@@ -33,6 +33,10 @@ class Sequence:
     digest: bytes = b""  # digest of the registered blocks
     cached_prompt: int = 0  # prompt tokens served from the prefix cache at the last admission
     preemptions: int = 0
+    reuse_prefix: bool = True  # False: compute every prompt token (their logits are wanted)
+    # Another sequence with the same prompt (one of a request's several choices): admitted only once
+    # that one's prompt is computed, so its cached blocks are mapped instead of computed again.
+    follows: Sequence | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,10 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.prefix_caching and not seq.blocks:
+            lead = seq.follows
+            if self.prefix_caching and lead is not None and lead.blocks and lead.computed < lead.prompt_len:
+                break  # its twin is computing the shared prompt: map it next step
+            if self.prefix_caching and not seq.blocks and seq.reuse_prefix:
                 self._map_prefix(seq)
             n = self._chunk(seq)
             if n > budget or not self._reserve(seq, seq.computed + n):

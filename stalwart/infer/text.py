@@ -2,16 +2,18 @@
 
 Token ids become text only once they decode to complete characters (a byte-level BPE token may end
 inside a UTF-8 sequence), and text that could be the start of a stop string is held back until it
-cannot be, so a streaming client never sees part of a stop string.
+cannot be, so a streaming client never sees part of a stop string. Before ``min_tokens`` tokens no stop
+string ends the output (text shown meanwhile stays shown).
 """
 
 from __future__ import annotations
 
 
 class TextTail:
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.min_tokens = min_tokens
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.sent = 0  # characters already handed out
 
@@ -20,7 +22,7 @@ class TextTail:
         if self.tokenizer is None:
             return "", False
         text = self.tokenizer.decode(generated)
-        if self.stop:
+        if self.stop and len(generated) >= self.min_tokens:
             hits = [i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stop) if i >= 0]
             if hits:
                 end = min(hits)

@@ -24,19 +24,21 @@ from stalwart.comm.weight_sync import WeightSyncError
 from stalwart.errors import UserError
 from stalwart.infer.engine import Output, RequestError
 from stalwart.infer.sampling import SamplingError, SamplingParams
+from stalwart.serve.chat import ChatFormat
 from stalwart.serve.errors import ApiError, error_body, install_error_handlers
 from stalwart.serve.loop import EngineLoop, EngineUnavailable, Failure, Submission, Timing, WeightVersionError
 from stalwart.serve.metrics import ServeMetrics
 from stalwart.serve.protocol import (
     ChatRequest,
     CompletionRequest,
+    CompletionStream,
     SamplingRequest,
     WeightsRequest,
     chat_chunk,
     chat_prompt,
     chat_response,
-    completion_chunk,
     completion_response,
+    plan_draws,
     usage_chunk,
 )
 
@@ -75,8 +77,12 @@ def _error_event(f: Failure) -> str:
     return f"data: {json.dumps({'error': {'message': f.message, 'type': f.kind, 'param': f.param, 'code': None}})}\n\n"
 
 
-def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None = None) -> FastAPI:
+def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None = None,
+               chat: ChatFormat | None = None) -> FastAPI:
+    """The API over ``loop``; ``chat`` renders conversations (the model's template; default: plain
+    ``role: content`` lines)."""
     engine = loop.engine
+    chat_format = chat or ChatFormat()
     tokenizer = engine.tokenizer
     metrics = metrics or ServeMetrics(model_name)
     loop.on_step = lambda outs, s: metrics.step(sum(len(o.choices) for o in outs), s, engine.stats())
@@ -110,8 +116,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
             raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            "not_found_error")
 
-    def start(req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams]) -> list[Job]:
-        """Check every prompt, then queue them together: a request runs whole or not at all."""
+    def start(req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
+              leads: list[int | None] | None = None) -> list[Job]:
+        """Check every prompt, then queue them together: a request runs whole or not at all. ``leads[k]``:
+        the earlier submission whose prompt submission k shares (several choices of one prompt)."""
         limit = engine.cfg.max_queue
         if len(prompts) > limit:
             raise ApiError(400, f"the request has {len(prompts)} prompts; this server queues at most {limit} "
@@ -125,7 +133,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
             raise ApiError(503, "the server is at capacity; retry later", None, "server_error")
         jobs = [Job(asyncio.get_running_loop(), metrics) for _ in prompts]
         try:
-            loop.submit([Submission(j.rid, prompt, p, j.sink) for j, prompt, p in zip(jobs, prompts, params)])
+            leads = leads or [None] * len(jobs)
+            loop.submit([Submission(j.rid, prompt, p, j.sink, jobs[lead].rid if lead is not None else None)
+                         for j, prompt, p, lead in zip(jobs, prompts, params, leads)])
         except EngineUnavailable as e:
             raise ApiError(e.status, str(e), None, "server_error") from None
         metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
@@ -184,28 +194,32 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
     async def completions(req: CompletionRequest):
         check_model(req.model)
         prompts = req.token_prompts(tokenizer)
-        jobs = start(req, prompts, [req.sampling() for _ in prompts])
+        draws, params = plan_draws(req, len(prompts), req.sampling())
+        jobs = start(req, [prompts[d.prompt] for d in draws], params, [d.lead for d in draws])
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        texts = req.prompt_texts(prompts, tokenizer) if req.echo else []
         if req.stream:
             usage = usage_of(rid, "text_completion", created, jobs, prompts) if req.include_usage else None
-            return stream(jobs, lambda i, out: completion_chunk(rid, created, model_name, i, out, tokenizer), usage)
+            chunks = CompletionStream(rid, created, model_name, tokenizer, req, draws, prompts, texts)
+            return stream(jobs, chunks.chunk, usage)
         results = [await collect(j) for j in jobs]
         metrics.outcome("ok")
-        return completion_response(rid, jobs, results, prompts, created, model_name, tokenizer, req.logprobs)
+        return completion_response(rid, req, draws, jobs, results, prompts, texts, created, model_name, tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         check_model(req.model)
-        prompt = tokenizer.encode(chat_prompt(req.messages), add_special_tokens=False).ids
-        jobs = start(req, [prompt], [req.sampling(room=engine.room(len(prompt)))])
+        prompt = tokenizer.encode(chat_prompt(req.messages, chat_format), add_special_tokens=False).ids
+        draws, params = plan_draws(req, 1, req.sampling(room=engine.room(len(prompt))))
+        jobs = start(req, [prompt] * len(draws), params, [d.lead for d in draws])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             usage = usage_of(rid, "chat.completion.chunk", created, jobs, [prompt]) if req.include_usage else None
-            return stream(jobs, lambda i, out: chat_chunk(rid, created, model_name, out, tokenizer, req.logprobs),
-                          usage)
-        outs, last = await collect(jobs[0])
+            return stream(jobs, lambda k, out: chat_chunk(rid, created, model_name, draws[k].j, out, tokenizer,
+                                                          req.logprobs), usage)
+        results = [await collect(j) for j in jobs]
         metrics.outcome("ok")
-        return chat_response(rid, jobs[0], outs, last, len(prompt), created, model_name, tokenizer, req.logprobs)
+        return chat_response(rid, req, jobs, results, len(prompt), created, model_name, tokenizer)
 
     async def update_live(req: WeightsRequest):
         """The next weights the training run ``source`` publishes, waited for while the engine serves on."""

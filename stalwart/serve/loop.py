@@ -51,6 +51,7 @@ class Submission:
     prompt: list[int]
     params: SamplingParams
     sink: Sink
+    follows: str | None = None  # an earlier submission of the same request with the same prompt (``n``)
 
 
 class EngineUnavailable(RuntimeError):
@@ -236,7 +237,7 @@ class EngineLoop:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.add(r.rid, r.prompt, r.params)
+                self.engine.add(r.rid, r.prompt, r.params, r.follows)
                 added.append(r.rid)
         except Exception as e:  # noqa: BLE001 - the request is refused; the engine is as it was
             for rid in added:

@@ -1,22 +1,28 @@
 """OpenAI's request and response shapes for completions and chat completions (the fields we honour).
 
 Requests are pydantic models (a malformed body is a 400 naming the field); ranges are checked once,
-by ``SamplingParams.validate``. Chat messages are rendered with a plain-text template,
-``"<role>: <content>\\n"`` per message and ``"assistant:"`` last: Stalwart's models are base models with
-no chat template of their own.
+by ``SamplingParams.validate``. Chat messages are rendered by ``serve/chat.py`` (the model's own
+template when its directory ships one). A request asking for several choices (``n``, ``best_of``)
+becomes one engine request per choice ("draw"): choice j of a prompt samples from its own generator,
+seeded with ``sampling.choice_seed(seed, j)``, and the draws after the first wait for the first to
+compute the shared prompt, then map its cached blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stalwart.infer.sampling import SamplingError, SamplingParams
+from stalwart.infer.sampling import Choice, SamplingError, SamplingParams, choice_seed
+from stalwart.serve.chat import ChatFormat, message_text
 from stalwart.serve.formats import ResponseFormat, StructuredOutputs, constraint_of
 
 # Strict: a value of the wrong JSON type is refused, not coerced ("5" is no max_tokens, true no 1).
 STRICT = ConfigDict(extra="ignore", strict=True)
+MAX_CHOICES = 16  # n and best_of at most
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +44,13 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    best_of: int | None = None  # draws per prompt, of which the n with the highest mean log-probability return
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # a structured output (serve/formats.py): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -51,13 +63,47 @@ class SamplingRequest(BaseModel):
         """The request field behind an engine or sampling parameter (they differ in chat)."""
         return engine_name
 
+    @property
+    def draws(self) -> int:
+        """Sequences generated per prompt."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def draw_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """The parameters of each draw of one prompt: its own seed; only the first scores the prompt (the
+        others reuse its scores); with ``best_of > n`` every draw reports its log-probabilities (to rank)."""
+        out = []
+        for j in range(self.draws):
+            p = dataclasses.replace(params, seed=choice_seed(params.seed, j),
+                                    prompt_logprobs=params.prompt_logprobs if j == 0 else None)
+            if self.draws > self.n and p.logprobs is None:
+                p.logprobs = 0
+            out.append(p)
+        return out
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise SamplingError(f"logit_bias keys must be token ids (got {key!r})", "logit_bias") from None
+        return bias
+
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise SamplingError(f"n must be 1 (got {self.n}); send separate requests for several samples", "n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise SamplingError(f"n must be in [1, {MAX_CHOICES}] (got {self.n})", "n")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_CHOICES:
+                raise SamplingError(f"best_of must be in [n = {self.n}, {MAX_CHOICES}] (got {self.best_of})",
+                                    "best_of")
+            if self.stream and self.best_of > self.n:
+                raise SamplingError("best_of greater than n cannot be streamed", "best_of")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, stop=stop, logprobs=logprobs, seed=self.seed,
-                              ignore_eos=self.ignore_eos,
+                              ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or []),
+                              min_tokens=self.min_tokens, logit_bias=self._logit_bias(),
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               structured=constraint_of(self.response_format, self.structured_outputs))
 
 
@@ -67,10 +113,15 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
 
     def sampling(self) -> SamplingParams:
-        """The sampling parameters; max_tokens defaults to 16, as in OpenAI's completions API."""
-        if self.echo:
-            raise SamplingError("echo is not supported", "echo")
-        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        """The sampling parameters; max_tokens defaults to 16, as in OpenAI's completions API, and may be
+        0 with ``echo`` (the prompt back, scored when ``logprobs`` is set: nothing generated)."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if max_tokens < 1 and not (self.echo and max_tokens == 0):
+            raise SamplingError(f"max_tokens must be >= 1 (got {max_tokens}; 0 only with echo)", "max_tokens")
+        params = self._params(max_tokens, self.logprobs)
+        if self.echo and (self.logprobs is not None or max_tokens == 0):
+            params.prompt_logprobs = self.logprobs or 0
+        return params
 
     def token_prompts(self, tokenizer) -> list[list[int]]:
         p = self.prompt
@@ -82,12 +133,29 @@ class CompletionRequest(SamplingRequest):
             return [[]]
         return [tokenizer.encode(x, add_special_tokens=False).ids if isinstance(x, str) else list(x) for x in p]
 
+    def prompt_texts(self, prompts: list[list[int]], tokenizer) -> list[str]:
+        """Each prompt as text, for ``echo``: as sent when it was a string, else its tokens decoded."""
+        p = self.prompt
+        sent = [p] if isinstance(p, str) else [x if isinstance(x, str) else None for x in p] if p and not isinstance(
+            p[0], int) else [None]
+        return [t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
+                for t, ids in zip(sent, prompts)]
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content in OpenAI's list form; only text parts are taken."""
+
+    model_config = STRICT
+
+    type: str
+    text: str | None = None
+
 
 class Message(BaseModel):
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None  # a string, text parts, or none (an assistant's tool call)
 
 
 class ChatRequest(SamplingRequest):
@@ -126,10 +194,9 @@ class WeightsRequest(BaseModel):
     timeout: float | None = Field(None, gt=0, le=86400)  # live only: seconds to wait for that publish
 
 
-def chat_prompt(messages: list[Message]) -> str:
-    if not messages:
-        raise SamplingError("messages must not be empty", "messages")
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+def chat_prompt(messages: list[Message], chat: ChatFormat) -> str:
+    """The prompt text of a conversation, rendered by the served model's chat format."""
+    return chat.render([{"role": m.role, "content": message_text(m.content, i)} for i, m in enumerate(messages)])
 
 
 def _fingerprint(versions: list[int]) -> dict:
@@ -148,8 +215,17 @@ def _legacy_logprobs(choices, tokenizer) -> dict:
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [c.logprob for c in choices],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in c.top} if c.top else None for c in choices],
+            "top_logprobs": [_top_by_text(c.top, tokenizer) if c.top else None for c in choices],
             "text_offset": offsets}
+
+
+def _top_by_text(top: list[tuple[int, float]], tokenizer) -> dict[str, float]:
+    """The legacy format's top tokens, keyed by text: of tokens that decode alike (parts of one
+    character), the most likely one's log-probability."""
+    out: dict[str, float] = {}
+    for t, lp in top:
+        out.setdefault(_token_text(tokenizer, t), lp)
+    return out
 
 
 def _chat_logprobs(choices, tokenizer) -> dict:
@@ -161,15 +237,61 @@ def _chat_logprobs(choices, tokenizer) -> dict:
                         for c in choices]}
 
 
-def completion_response(rid: str, jobs, results, prompts, created: int, model: str, tokenizer,
-                        logprobs: int | None) -> dict:
-    choices, completion_tokens, versions = [], 0, set()
-    for i, (job, (outs, last)) in enumerate(zip(jobs, results)):
-        picked = [c for o in outs for c in o.choices]
-        completion_tokens += len(picked)
-        versions.update(job.versions)
-        choices.append({"index": i, "text": "".join(o.text for o in outs), "finish_reason": last.finish_reason,
-                        "logprobs": _legacy_logprobs(picked, tokenizer) if logprobs is not None else None})
+@dataclass(frozen=True)
+class Draw:
+    """One sequence generated for a request: draw ``j`` of prompt ``prompt``; ``lead`` is the position (in
+    the request's list of draws) of the draw that computes and scores the shared prompt (None: itself)."""
+
+    prompt: int
+    j: int
+    lead: int | None
+
+
+def plan_draws(req: SamplingRequest, n_prompts: int, params: SamplingParams) -> tuple[list[Draw], list[SamplingParams]]:
+    """Every draw of a request, prompt by prompt, with its sampling parameters."""
+    draws, per_draw = [], []
+    for i in range(n_prompts):
+        first = len(draws)
+        for j, p in enumerate(req.draw_params(params)):
+            draws.append(Draw(i, j, first if j else None))
+            per_draw.append(p)
+    return draws, per_draw
+
+
+def _prompt_entries(prompt: list[int], scores) -> list[Choice]:
+    """The prompt's tokens as log-probability entries: the first has none (nothing precedes it)."""
+    return [Choice(prompt[0])] + list(scores or [])
+
+
+def _ranked(draws: list[int], results, n: int, best_of: int) -> list[int]:
+    """The ``n`` draws to return: all of them, or with ``best_of > n`` those of highest mean log-probability."""
+    if best_of <= n:
+        return draws
+
+    def mean_logprob(k: int) -> float:
+        picked = [c.logprob for o in results[k][0] for c in o.choices]
+        return sum(picked) / len(picked) if picked else 0.0
+
+    return sorted(draws, key=mean_logprob, reverse=True)[:n]
+
+
+def completion_response(rid: str, req, draws: list[Draw], jobs, results, prompts: list[list[int]],
+                        texts: list[str], created: int, model: str, tokenizer) -> dict:
+    """The completion of every prompt's returned draws; choice ``index`` = prompt * n + rank."""
+    choices, versions = [], set()
+    completion_tokens = sum(len(o.choices) for outs, _ in results for o in outs)
+    for i, prompt in enumerate(prompts):
+        mine = [k for k, d in enumerate(draws) if d.prompt == i]
+        scores = next((o.prompt for o in results[mine[0]][0] if o.prompt is not None), None)
+        for rank, k in enumerate(_ranked(mine, results, req.n, req.draws)):
+            outs, last = results[k]
+            versions.update(jobs[k].versions)
+            picked = [c for o in outs for c in o.choices]
+            text = "".join(o.text for o in outs)
+            if req.echo:
+                text, picked = texts[i] + text, _prompt_entries(prompt, scores) + picked
+            choices.append({"index": i * req.n + rank, "text": text, "finish_reason": last.finish_reason,
+                            "logprobs": _legacy_logprobs(picked, tokenizer) if req.logprobs is not None else None})
     prompt_tokens = sum(len(p) for p in prompts)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, **_fingerprint(sorted(versions)),
@@ -177,29 +299,53 @@ def completion_response(rid: str, jobs, results, prompts, created: int, model: s
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-def completion_chunk(rid: str, created: int, model: str, index: int, out, tokenizer) -> dict:
-    lp = _legacy_logprobs(out.choices, tokenizer) if out.choices and out.choices[0].logprob is not None else None
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            **_fingerprint([out.weight_version]),
-            "choices": [{"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}]}
+class CompletionStream:
+    """The chunks of a streamed completion (``best_of`` is ``n`` here): a draw's first chunk starts with
+    its prompt when ``echo`` asks (scored as the prompt's first draw scored it)."""
+
+    def __init__(self, rid: str, created: int, model: str, tokenizer, req, draws: list[Draw],
+                 prompts: list[list[int]], texts: list[str]) -> None:
+        self.rid, self.created, self.model, self.tokenizer = rid, created, model, tokenizer
+        self.req, self.draws, self.prompts, self.texts = req, draws, prompts, texts
+        self.started: set[int] = set()
+        self.scores: dict[int, list] = {}  # prompt -> its scores, from its first draw's first output
+
+    def chunk(self, k: int, out) -> dict:
+        d = self.draws[k]
+        if out.prompt is not None:
+            self.scores[d.prompt] = out.prompt
+        text, picked = out.text, list(out.choices)
+        if self.req.echo and k not in self.started:
+            prompt = self.prompts[d.prompt]
+            text, picked = self.texts[d.prompt] + text, _prompt_entries(prompt, self.scores.get(d.prompt)) + picked
+        self.started.add(k)
+        lp = _legacy_logprobs(picked, self.tokenizer) if self.req.logprobs is not None and picked else None
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                **_fingerprint([out.weight_version]),
+                "choices": [{"index": d.prompt * self.req.n + d.j, "text": text, "logprobs": lp,
+                             "finish_reason": out.finish_reason}]}
 
 
-def chat_response(rid: str, job, outs, last, prompt_tokens: int, created: int, model: str, tokenizer,
-                  logprobs: bool) -> dict:
-    picked = [c for o in outs for c in o.choices]
+def chat_response(rid: str, req, jobs, results, prompt_tokens: int, created: int, model: str, tokenizer) -> dict:
+    choices, versions = [], set()
+    for rank, k in enumerate(_ranked(list(range(len(jobs))), results, req.n, req.draws)):
+        outs, last = results[k]
+        versions.update(jobs[k].versions)
+        picked = [c for o in outs for c in o.choices]
+        choices.append({"index": rank, "finish_reason": last.finish_reason,
+                        "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                        "logprobs": _chat_logprobs(picked, tokenizer) if req.logprobs else None})
+    completion_tokens = sum(len(o.choices) for outs, _ in results for o in outs)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            **_fingerprint(job.versions),
-            "choices": [{"index": 0, "finish_reason": last.finish_reason,
-                         "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                         "logprobs": _chat_logprobs(picked, tokenizer) if logprobs else None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(picked),
-                      "total_tokens": prompt_tokens + len(picked)}}
+            **_fingerprint(sorted(versions)), "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
-def chat_chunk(rid: str, created: int, model: str, out, tokenizer, logprobs: bool) -> dict:
+def chat_chunk(rid: str, created: int, model: str, index: int, out, tokenizer, logprobs: bool) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             **_fingerprint([out.weight_version]),
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": out.text},
+            "choices": [{"index": index, "delta": {"role": "assistant", "content": out.text},
                          "logprobs": _chat_logprobs(out.choices, tokenizer) if logprobs and out.choices else None,
                          "finish_reason": out.finish_reason}]}
 

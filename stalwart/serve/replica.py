@@ -28,6 +28,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
     from stalwart.infer.load import build_model, read_source, source_from
     from stalwart.runtime.device import resolve_device
     from stalwart.serve.app import create_app
+    from stalwart.serve.chat import ChatFormat
     from stalwart.serve.http import serve
     from stalwart.serve.loop import EngineLoop
 
@@ -70,7 +71,8 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         try:
             what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
                     f"blocks of {cfg.engine.block_size} tokens)")
-            serve(create_app(loop, name), cfg.server.host, cfg.server.port, what, port_file)
+            app = create_app(loop, name, chat=ChatFormat.of_dir(source.hf))
+            serve(app, cfg.server.host, cfg.server.port, what, port_file)
         finally:
             loop.stop()
         return 0
