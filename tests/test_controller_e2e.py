@@ -2,13 +2,16 @@
 (FSDP over their own gloo group). One uninterrupted SPMD run is the reference; one controller run
 meets an exception, a kill -9 and a hang, each in a different actor and step, and must still end
 bit for bit where the SPMD run ends, without any actor loading a checkpoint from disk. Snapshots are
-kept every 3 steps, so two of the recoveries replay a journaled step and check it bit for bit."""
+kept every 3 steps, so two of the recoveries replay a journaled step and check it bit for bit.
+A second controller run is killed itself (SIGKILL) twice, mid-update and at a snapshot, and the same
+command run again resumes it each time, ending equal to the same reference."""
 
 import json
 
 import pytest
 import torch
 from conftest import TINY_RUN, run_cli, step_losses
+from controller_kill import has, journal, kill_when, start
 
 from stalwart.checkpoint.inspect import digest
 from stalwart.controller.recovery import hang_bound
@@ -27,9 +30,16 @@ def events(run_dir, name=None):
     return [e for e in evs if name is None or e["event"] == name]
 
 
-def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
-    spmd, ctl = tmp_path / "spmd", tmp_path / "controller"
-    run_cli("train", "--run.dir", str(spmd), *TINY_RUN, *COMMON, timeout=400)
+@pytest.fixture(scope="module")
+def spmd(tmp_path_factory):
+    """The uninterrupted SPMD run every controller run must end equal to."""
+    run = tmp_path_factory.mktemp("spmd") / "run"
+    run_cli("train", "--run.dir", str(run), *TINY_RUN, *COMMON, timeout=400)
+    return run
+
+
+def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path, spmd):
+    ctl = tmp_path / "controller"
     proc = run_cli("train", "--controller", "--run.dir", str(ctl), *TINY_RUN, *COMMON,
                    "--controller.step_timeout_s", str(STEP_TIMEOUT_S),
                    "--fault.inject", "exception:rank=0,step=4;kill:rank=1,step=5;hang:rank=1,step=8", timeout=400)
@@ -84,6 +94,38 @@ def test_controller_equals_spmd_and_recovers_from_memory_and_journal(tmp_path):
     assert done["recoveries"] == 3 and done["dispatch_overhead_s"] > 0
     out = run_cli("goodput", str(ctl)).stdout
     assert "(injected kill)" in out and "(injected hang)" in out
+
+
+def test_a_killed_controller_resumes_from_memory_and_checks_the_journal(tmp_path, spmd):
+    """kill -9 of the controller mid-update (step 5 sent), then again at the snapshot of step 6: its
+    actors die with it, and the same command resumes from the newest in-memory snapshot that survived
+    in /dev/shm, computes again the journaled steps after it (each checked against its batch and its
+    lr, loss, grad_norm) and ends bit for bit where the uninterrupted run ends. Steps 4-8 are slowed
+    (a sleep, no change in the numbers) so each kill lands where it is aimed."""
+    ctl = tmp_path / "controller"
+    cmd = ["train", "--controller", "--run.dir", str(ctl), *TINY_RUN, *COMMON,
+           "--fault.inject", "slow:rank=0,factor=15,steps=4-8"]
+    kill_when(start(*cmd), ctl, lambda j: has(j, "step", 5) and not has(j, "applied", 5))
+    kill_when(start(*cmd), ctl, lambda j: has(j, "applied", 6))
+    proc = run_cli(*cmd, timeout=400)
+    assert "0 recoveries" in proc.stdout
+
+    assert step_losses(ctl) == step_losses(spmd)
+    a, b = spmd / "checkpoints" / f"step-{STEPS}", ctl / "checkpoints" / f"step-{STEPS}"
+    assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")
+
+    entries = journal(ctl)
+    sessions = [e for e in entries if e["cmd"] == "session"]
+    assert len(sessions) == 3 and len({e["config"] for e in sessions}) == 1
+    # Session 2 resumed from the snapshot of step 3 and checked step 4; session 3 from the newest
+    # snapshot complete on both actors (step 6, or step 3 if the kill cut the snapshot of step 6 short)
+    # and checked every step up to 6.
+    assert [(s["step"], s["source"], s["checks"]) for s in sessions[:2]] == [(0, "init", 0), (3, "memory", 1)]
+    assert sessions[2]["step"] in (3, 6) and sessions[2]["source"] == "memory"
+    assert sessions[2]["checks"] == 6 - sessions[2]["step"]
+    (done,) = events(ctl, "controller_finished")
+    assert done["resumed_checks"] == sessions[2]["checks"]
+    assert not list(ctl.glob("checkpoints/step-[1-7]"))  # no disk checkpoint before the final one
 
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from stalwart.controller.journal import Journal, applied_records, issued_steps, newest_snapshot
+from stalwart.controller.journal import (Journal, applied_records, config_key, earlier_results, issued_steps,
+                                        newest_snapshot)
 from stalwart.controller.recovery import (Failure, classify, fault_origin, hang_bound, keeps_survivors,
                                           recovery_source, root_causes)
 from stalwart.controller.replay import divergence, replay_steps
@@ -37,6 +38,25 @@ def test_the_journal_gives_each_steps_newest_issue_and_first_result_this_session
     # Only this session: the earlier session's steps come from its checkpoint, not this journal.
     new = entries + [{"seq": 103, "cmd": "session", "step": 5}, _step(104, 6)]
     assert sorted(issued_steps(new)) == [6] and applied_records(new) == {}
+
+
+def test_a_resumed_session_checks_the_steps_earlier_sessions_of_the_same_settings_completed():
+    key, other = config_key({"lr": 1e-3, "seed": 0}), config_key({"lr": 2e-3, "seed": 0})
+    assert key == config_key({"seed": 0, "lr": 1e-3}) and key != other
+    entries = [{"cmd": "session", "step": 0, "config": key}]
+    for n in (1, 2, 3, 4, 5):  # the first controller, killed while step 6 ran
+        entries += [_step(0, n), {"cmd": "applied", "step": n, "loss": float(n)}]
+    entries += [_step(0, 6), {"cmd": "session", "step": 3, "config": key}]  # resumed at 3, killed in step 4
+    entries += [_step(0, 4)]
+    got = earlier_results(entries, 3, key)
+    assert sorted(got) == [4, 5] and got[5]["applied"]["loss"] == 5.0 and got[4]["issued"]["step"] == 4
+    assert earlier_results(entries, 5, key) == {}
+    assert earlier_results(entries, 3, other) == {}  # other settings: their results are no evidence
+    entries += [_step(0, 4), {"cmd": "applied", "step": 4, "loss": 4.0}, {"cmd": "session", "step": 0, "config": other},
+                _step(0, 1), {"cmd": "applied", "step": 1, "loss": 9.0}]
+    assert sorted(earlier_results(entries, 0, key)) == [1, 2, 3, 4, 5]
+    assert earlier_results(entries, 0, key)[1]["applied"]["loss"] == 1.0
+    assert earlier_results(entries, 0, other)[1]["applied"]["loss"] == 9.0
 
 
 def test_replay_takes_each_step_with_a_result_after_the_restore_and_refuses_gaps():

@@ -88,7 +88,10 @@ class TrainerActor(Actor):
         """A session's start, as the SPMD loop begins: resume (the checkpointer chooses), announce."""
         t = self.trainer
         t.begin()
-        return self._reply(step=t.state.step, data=t.loader.state_dict(), end=t.end)
+        ck = t.checkpointer
+        source = ("init" if ck.resumed_from is None else
+                  "memory" if ck.snapshots is not None and ck.resumed_from == ck.snapshots.job_dir else "disk")
+        return self._reply(step=t.state.step, data=t.loader.state_dict(), end=t.end, source=source)
 
     @endpoint
     def restore(self, source: str, session_start: int) -> dict[str, Any]:

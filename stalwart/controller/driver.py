@@ -27,10 +27,11 @@ from typing import Any
 
 from stalwart.config.job import JobConfig
 from stalwart.controller.feed import Feed
-from stalwart.controller.journal import Journal, issued_steps
+from stalwart.controller.journal import Journal, config_key, earlier_results, issued_steps
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
 from stalwart.controller.recovery import hang_bound, keeps_survivors, recovery_source
-from stalwart.controller.replay import RecoveriesExhausted, Recovery, RecoveryRole, Restored
+from stalwart.controller.replay import (RecoveriesExhausted, Recovery, RecoveryRole, ReplayDiverged, Restored,
+                                        divergence)
 from stalwart.ft.plan import read_fired
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import ParallelDims
@@ -39,6 +40,8 @@ from stalwart.runtime.group import controller_store
 
 SETUP_TIMEOUT_S = 600.0  # building the model and resuming: bounded by the actors' own init
 MATCHED = ("lr", "loss", "grad_norm")  # what a replayed step must reproduce bit for bit
+# The sections that define a run's numbers: a session resumed with equal ones checks an earlier one's steps.
+DEFINING = ("run", "model", "data", "optimizer", "scheduler", "training", "parallelism", "comm")
 
 
 def _absolute(cfg: JobConfig) -> JobConfig:
@@ -70,6 +73,10 @@ class Controller:
         self.journal: Journal | None = None
         self.recovery: Recovery | None = None
         self.session_start = 0
+        # Steps an earlier session (one this controller's crash ended) completed after the resumed step:
+        # each is computed again and must reproduce its journaled batch and result (journal.earlier_results).
+        self.checks: dict[int, dict[str, Any]] = {}
+        self.checked = 0
 
     @property
     def recoveries(self) -> int:
@@ -127,7 +134,13 @@ class Controller:
         self.feed = Feed(self.cfg, self.paths, self.dims)
         self.feed.seek(begun[0]["data"])
         self.journal = Journal(self.paths.journal)
-        self.journal.append("session", step=step, actors=self.n, layout=self.dims.describe())
+        key = config_key({**{k: dataclasses.asdict(getattr(self.cfg, k)) for k in DEFINING}, "actors": self.n})
+        self.checks = earlier_results(self.journal.entries, step, key)
+        self.journal.append("session", step=step, actors=self.n, layout=self.dims.describe(), config=key,
+                            source=begun[0]["source"], checks=len(self.checks))
+        if self.checks:
+            self.events("controller_resume", step=step, source=begun[0]["source"], checks=len(self.checks),
+                        check_to=max(self.checks))
         role = RecoveryRole(attempt=lambda: self.attempt, rebuild=self._rebuild, restore=self._restore,
                             replay=self._replay, matched=MATCHED, keeps_survivors=keeps_survivors(self.source))
         self.recovery = Recovery(self.mesh, self.store, self.journal, role, self.events,
@@ -158,6 +171,7 @@ class Controller:
         med = {k: statistics.median(v) if v else None for k, v in self.timing.items()}
         dispatch = med["dispatch_s"]
         return {"step": step, "recoveries": self.recoveries, "journal_seq": self.journal.seq, "actors": self.n,
+                "resumed_checks": self.checked,
                 "dispatch_overhead_s": dispatch,
                 "dispatch_overhead_per_actor_s": dispatch / self.n if dispatch is not None else None,
                 "data_s": med["data_s"], "journal_s": med["journal_s"], "step_wall_s": med["step_wall_s"],
@@ -176,6 +190,7 @@ class Controller:
         replies = self._send(n, micro)
         t3 = time.perf_counter()
         rec = replies[0]
+        self._check_earlier(n, before, rec)
         self.journal.append("applied", sync=False, step=n, **{k: rec[k] for k in MATCHED})
         self._journal_snapshot(n)
         t4 = time.perf_counter()
@@ -184,6 +199,20 @@ class Controller:
             self.timing["data_s"].append(t1 - t0)
             self.timing["journal_s"].append(t2 - t1 + t4 - t3)
             self.timing["dispatch_s"].append(t3 - t2 - max(r["actor_s"] for r in replies.values()))
+
+    def _check_earlier(self, n: int, before: dict, rec: dict[str, Any]) -> None:
+        """Step ``n`` completed before, in a session this controller's crash ended: it must have read the
+        same batch and reproduced the same result, bit for bit (else ``ReplayDiverged``)."""
+        earlier = self.checks.get(n)
+        if earlier is None:
+            return
+        if earlier["issued"]["batch"] != before:
+            raise ReplayDiverged(f"resumed step {n} read the batch at {before}, the journal issued it at "
+                                 f"{earlier['issued']['batch']}")
+        problem = divergence(n, rec, earlier["applied"], MATCHED)
+        if problem is not None:
+            raise ReplayDiverged(problem)
+        self.checked += 1
 
     def _send(self, n: int, micro: list) -> dict[int, Any]:
         """Step ``n`` on every actor (each its share of ``micro``, and the data position after it)."""
@@ -238,6 +267,9 @@ def run_controller(cfg: JobConfig, nproc: int) -> int:
         except RecoveriesExhausted as e:
             print(f"stalwart train: {e}", flush=True)
             return e.exit_code
+        except ReplayDiverged as e:  # determinism broke: the run is not what its journal says it was
+            print(f"stalwart train: {e}", flush=True)
+            return 1
     print(format_summary(summary), flush=True)
     c = summary["controller"]
     if c["dispatch_overhead_s"] is not None:

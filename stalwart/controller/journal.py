@@ -3,7 +3,9 @@
 One JSON object per line in ``<run>/controller/journal.jsonl`` (:attr:`RunPaths.journal`), each with
 a sequence number ``seq`` (continuing across sessions of the run) and ``cmd``:
 
-- ``session``   a controller session starts: ``step`` (where the actors resumed), ``actors``
+- ``session``   a controller session starts: ``step`` (where the actors resumed), ``actors``, ``config``
+                (:func:`config_key` of what defines the run's numbers), ``source`` and ``checks`` (the steps
+                an earlier session completed after ``step``, to be computed again and checked)
 - ``step``      step N is issued: ``step``, ``batch`` (the data loader's position before the step: the
                 batch is rebuilt from it, so the journal never holds token data)
 - ``applied``   step N's optimizer step completed on every actor: ``step``, ``lr``, ``loss``, ``grad_norm``
@@ -15,10 +17,16 @@ command is sent, so after any crash the journal holds every command that reached
 results (``applied``, ``snapshot``) ride on the next step's fsync (a group commit) or the close. Reading skips a torn
 last line (and cuts it off before appending). :func:`issued_steps` and :func:`applied_records` are pure: a
 recovery (``stalwart.controller.replay``) plans its replay from them, tested without processes.
+
+The journal also outlives the controller: a controller killed at any moment is run again with the same
+command, resumes from the newest state that survived (in-memory snapshots, else a checkpoint on disk)
+and computes again the steps an earlier session had completed after it; :func:`earlier_results` names
+them, and each must reproduce its journaled result bit for bit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -105,3 +113,31 @@ def newest_snapshot(entries: list[dict[str, Any]]) -> int | None:
     """The newest step every actor acknowledged a snapshot of, this session."""
     steps = [int(e["step"]) for e in _this_session(entries) if e.get("cmd") == "snapshot"]
     return max(steps, default=None)
+
+
+def config_key(sections: dict[str, Any]) -> str:
+    """A short digest of the settings that define a run's numbers (the caller picks them): two sessions
+    with equal keys must compute every step alike, so one may check the other's results."""
+    text = json.dumps(sections, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def earlier_results(entries: list[dict[str, Any]], after: int, key: str) -> dict[int, dict[str, Any]]:
+    """Step -> ``{"issued": its step command, "applied": its result}`` for every step after ``after`` that a
+    session of the same ``config`` key completed before this session: what a resumed run computes again
+    and must reproduce bit for bit. Sessions of another key (the settings changed) are not evidence; of
+    several results of one step the first counts (they are equal when the run is deterministic)."""
+    out: dict[int, dict[str, Any]] = {}
+    issued: dict[int, dict[str, Any]] = {}
+    same = False
+    for e in entries:
+        cmd = e.get("cmd")
+        if cmd == "session":
+            same, issued = e.get("config") == key, {}
+        elif not same:
+            continue
+        elif cmd == "step":
+            issued[int(e["step"])] = e
+        elif cmd == "applied" and (s := int(e["step"])) > after and s in issued:
+            out.setdefault(s, {"issued": issued[s], "applied": e})
+    return out

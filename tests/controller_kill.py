@@ -1,0 +1,94 @@
+"""Killing a controller from a test: start `stalwart ...` in the background, wait until its journal shows
+a chosen moment, SIGKILL the controller process alone, and check that none of its descendants (the
+actor processes) outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import REPO, cli_env
+
+
+def journal(run_dir: Path) -> list[dict]:
+    """The entries of a run's controller journal (a torn last line skipped)."""
+    path = run_dir / "controller" / "journal.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _state(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of a process, or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (st := _state(int(d))) is not None:
+            parents[int(d)] = st[1]
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier and c not in out}
+        out |= frontier
+    return out
+
+
+def alive(pid: int) -> bool:
+    st = _state(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stalwart", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(), cwd=REPO)
+
+
+def kill_when(proc: subprocess.Popen, run_dir: Path, moment: Callable[[list[dict]], bool],
+              timeout_s: float = 300.0, poll_s: float = 0.02) -> list[dict]:
+    """SIGKILL ``proc`` (the controller alone) once ``moment(journal entries)`` holds; then wait until
+    every process it had started is gone (an orphan fails the test). Returns the journal at the kill."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = journal(run_dir)
+        if moment(entries):
+            break
+        if proc.poll() is not None:
+            raise AssertionError(f"the controller ended (exit {proc.returncode}) before the moment to kill it:\n"
+                                 f"{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the moment to kill the controller did not come in {timeout_s:g} s")
+        time.sleep(poll_s)
+    children = descendants(proc.pid)
+    assert children, "the controller had started no actor process"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    deadline = time.monotonic() + 30
+    while (left := {p for p in children if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"actor processes {sorted(left)} outlived their killed controller"
+    return entries
+
+
+def has(entries: list[dict], cmd: str, step: int) -> bool:
+    """The journal holds ``cmd`` for ``step`` in its newest session."""
+    start = max((i for i, e in enumerate(entries) if e["cmd"] == "session"), default=0)
+    return any(e["cmd"] == cmd and e.get("step") == step for e in entries[start:])
