@@ -55,16 +55,23 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if layout.replicas == 1:
         return _run_until_stopped(replica_command(argv, procs, port_file), env)
-    from stalwart.serve.router import run_router
+    from stalwart.serve.resume import SECRET_ENV, new_secret
+    from stalwart.serve.router import Fleet, run_router
 
     with tempfile.TemporaryDirectory(prefix="stalwart-serve-") as tmp:
         inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
                                 "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
         files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
-        children = [_start(replica_command(inner, procs, f), replica_env(env, kind, i, procs))
-                    for i, f in enumerate(files)]
+        # The replicas take the router's resume extension from the router alone (serve/resume.py).
+        secret = new_secret()
+        routed_env = dict(env, **{SECRET_ENV: secret})
+
+        def start(i: int) -> subprocess.Popen:
+            return _start(replica_command(inner, procs, files[i]), replica_env(routed_env, kind, i, procs))
+
+        children = [start(i) for i in range(layout.replicas)]
         try:
-            return run_router(cfg, source.name, children, files, port_file)
+            return run_router(cfg, source.name, Fleet(children, files, start), port_file, secret)
         finally:
             for p in children:
                 if p.poll() is None:

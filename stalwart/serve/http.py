@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import signal
 import socket
 from pathlib import Path
+from typing import Awaitable, TypeVar
 
 import uvicorn
 
@@ -29,6 +32,36 @@ def bind(host: str, port: int) -> socket.socket:
                             "with --host, e.g. 127.0.0.1 or 0.0.0.0") from None
         raise UserError(f"server.port: cannot listen on {host}:{port} ({why}); choose another --port") from None
     return sock
+
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def unless_client_leaves(request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client of ``request`` (a Starlette request whose body was read)
+    disconnects first: then ``work`` is cancelled and ClientGone raised, so its caller can free what the
+    request holds. A handler that answers at the end (no stream) learns of a departed client only so."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome no longer matters
+        await task
+    raise ClientGone()
 
 
 class _GracefulServer(uvicorn.Server):

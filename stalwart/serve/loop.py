@@ -9,6 +9,9 @@ received on a thread of its own while the engine goes on; only its install is su
 The prompts of one HTTP request are submitted together and start together or not at all. If the
 engine thread ever fails it prints why, every request waiting on it gets a 500, later ones are
 refused, and ``failure`` says why (``/health`` reports it): nothing waits on a thread that is gone.
+A thread that is alive but stuck (a step or a weight load that does not end: a hung collective, a rank
+stopped) is reported by ``problem()`` once it overruns its limit, so ``/health`` turns to 503 and a
+router restarts the replica.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Submission:
     params: SamplingParams
     sink: Sink
     follows: str | None = None  # an earlier submission of the same request with the same prompt (``n``)
+    emitted: list[int] = ()  # tokens a resumed request produced already, on another replica (serve/resume.py)
 
 
 class EngineUnavailable(RuntimeError):
@@ -76,6 +80,13 @@ class Timing:
     tokens: int = 0
 
 
+# How long one step, or one command such as a weight load, may take before the engine counts as stuck.
+# NOTE: generous for a step (a step is bounded by engine.max_batch_tokens; seconds even on 2 CPU cores);
+# a load reads a whole checkpoint.
+STEP_LIMIT_S = 30.0
+LOAD_LIMIT_S = 900.0
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, link=None, load: Callable[[str], dict] | None = None,
                  on_step: Callable[[list[Output], float], None] | None = None) -> None:
@@ -93,6 +104,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._closed: EngineUnavailable | None = None
         self._pending = 0  # requests submitted, not yet in the scheduler
+        self.step_limit_s, self.load_limit_s = STEP_LIMIT_S, LOAD_LIMIT_S
+        self._busy: tuple[str, float, float] | None = None  # (what, since, limit) while a step or command runs
         self.thread = threading.Thread(target=self._run, name="stalwart-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -159,6 +172,27 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - reported to the caller; the served weights stay
             done.set_exception(e)
 
+    def problem(self) -> str | None:
+        """Why this replica cannot serve now (the engine thread failed, or one step or command has run
+        past its limit), or None when it is alive and stepping."""
+        if self.failure is not None:
+            return f"the engine stopped ({self.failure})"
+        if not self.thread.is_alive() and not self.stopped:
+            return "the engine thread is not running"
+        busy = self._busy
+        if busy is not None and time.monotonic() - busy[1] > busy[2]:
+            return (f"the engine is stuck: one {busy[0]} has run for {time.monotonic() - busy[1]:.0f} s (limit "
+                    f"{busy[2]:g} s)")
+        return None
+
+    @contextlib.contextmanager
+    def _running(self, what: str, limit_s: float):
+        self._busy = (what, time.monotonic(), limit_s)
+        try:
+            yield
+        finally:
+            self._busy = None
+
     def queued(self) -> int:
         """Requests waiting: submitted, or in the scheduler's queue."""
         return self._pending + len(self.engine.scheduler.waiting)
@@ -175,7 +209,8 @@ class EngineLoop:
                     self.wake.clear()
                     continue
                 start = time.monotonic()
-                outputs = self.engine.step()
+                with self._running("step", self.step_limit_s):
+                    outputs = self.engine.step()
                 for out in outputs:
                     self._deliver(out)
                 if self.on_step is not None:
@@ -229,15 +264,17 @@ class EngineLoop:
                 if out is not None:
                     self._deliver(out)
             elif cmd[0] == "install":
-                self._install(*cmd[1:])
+                with self._running("weight update", self.load_limit_s):
+                    self._install(*cmd[1:])
             else:
-                self._load(*cmd[1:])
+                with self._running("weight update", self.load_limit_s):
+                    self._load(*cmd[1:])
 
     def _add(self, requests: list[Submission]) -> None:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.add(r.rid, r.prompt, r.params, r.follows)
+                self.engine.add(r.rid, r.prompt, r.params, r.follows, r.emitted)
                 added.append(r.rid)
         except Exception as e:  # noqa: BLE001 - the request is refused; the engine is as it was
             for rid in added:

@@ -31,6 +31,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
     from stalwart.serve.chat import ChatFormat
     from stalwart.serve.http import serve
     from stalwart.serve.loop import EngineLoop
+    from stalwart.serve.resume import replica_secret
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -71,7 +72,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         try:
             what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
                     f"blocks of {cfg.engine.block_size} tokens)")
-            app = create_app(loop, name, chat=ChatFormat.of_dir(source.hf))
+            app = create_app(loop, name, router_secret=replica_secret(), chat=ChatFormat.of_dir(source.hf))
             serve(app, cfg.server.host, cfg.server.port, what, port_file)
         finally:
             loop.stop()

@@ -1,20 +1,32 @@
 """A least-loaded router in front of several replicas (each a full `stalwart serve` on a loopback port).
 
 Each request goes to the replica with the fewest requests in flight through this router (ties go to
-the lowest index), among the replicas known to be up, and streams pass through as they arrive. A
-replica is down from the moment a connection to it fails or its ``/health`` is not ok (probed every
-second), and up again once its ``/health`` is. A request whose replica fails before answering anything
-is tried on the next one, so a replica that dies costs no request that it had not begun to answer.
-A weight update goes to every replica (a 502 names any it could not reach).
+the lowest index), among the replicas known to be up. A replica is down from the moment a connection to
+it fails or its ``/health`` is not ok (probed every second), and up again once its ``/health`` is.
+
+No request is lost with a replica. One that gets no answer (the replica died, its engine failed, or it
+is full) is sent to the next replica. A stream that breaks off, or ends early because its replica
+stopped, is resumed on another replica from where it stood (serve/resume.py): the client's stream goes
+on under the same id with the tokens an undisturbed one would have had; if no replica can take it,
+the stream ends with an error event, never silently. A replica process that exits is started again,
+and one whose ``/health`` stays failed (its engine dead or stuck) for ``RESTART_AFTER_S`` is killed
+and started again; it rejoins once healthy. A weight update goes to every replica (a 502 names any it
+could not reach).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -23,8 +35,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
 from stalwart.serve.errors import error_body, install_error_handlers
+from stalwart.serve.http import ClientGone, unless_client_leaves
+from stalwart.serve.resume import HEADER, RESUME_FIELD, StreamRecord
 
 PROBE_INTERVAL_S = 1.0
+RESTART_AFTER_S = 5.0  # a live replica whose /health fails this long is killed and started again
+UNREACHABLE_AFTER_S = 30.0  # the same for one whose /health does not answer at all
+
+
+@dataclass
+class Fleet:
+    """The replica processes behind the router; ``start(i)`` starts replica ``i`` (again), writing its
+    port to ``files[i]``. ``procs`` is updated in place, so whoever stops them at exit stops the new ones."""
+
+    procs: list[subprocess.Popen]
+    files: list[Path]
+    start: Callable[[int], subprocess.Popen]
 
 
 def pick(in_flight: list[int], up: list[bool] | None = None) -> list[int]:
@@ -33,23 +59,57 @@ def pick(in_flight: list[int], up: list[bool] | None = None) -> list[int]:
     return sorted(range(len(in_flight)), key=lambda i: (not up[i], in_flight[i], i))
 
 
-def create_router(backends: list[str]) -> FastAPI:
+def create_router(backends: list[str], fleet: Fleet | None = None, secret: str | None = None) -> FastAPI:
+    """The router over replicas at ``backends`` (updated in place when one restarts on a new port);
+    ``fleet``: their processes, restarted here; ``secret``: the one they were given (serve/resume.py)."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
-    in_flight = [0] * len(backends)
-    served = [0] * len(backends)
-    up = [True] * len(backends)
+    n = len(backends)
+    in_flight, served, restarts = [0] * n, [0] * n, [0] * n
+    up = [True] * n
+    failing_since: list[float | None] = [None] * n  # when /health last turned from ok
+    starting = [False] * n  # restarted, its port not known yet
+    routed = {"content-type": "application/json", **({HEADER: secret} if secret else {})}
 
     async def check(i: int) -> bool:
+        if starting[i]:
+            return False
         try:
             r = await client.get(backends[i] + "/health", timeout=10.0)
             up[i] = r.status_code == 200
+            reachable = True
         except httpx.HTTPError:
-            up[i] = False
+            up[i], reachable = False, False
+        now = time.monotonic()
+        failing_since[i] = None if up[i] else failing_since[i] or now
+        if (fleet is not None and not up[i] and fleet.procs[i].poll() is None
+                and now - failing_since[i] > (RESTART_AFTER_S if reachable else UNREACHABLE_AFTER_S)):
+            why = r.json().get("error", r.status_code) if reachable else "its /health does not answer"
+            print(f"stalwart serve: replica {i} is not serving ({why}); restarting it", file=sys.stderr, flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(fleet.procs[i].pid, signal.SIGKILL)  # its own process group (cli/serve.py)
         return up[i]
+
+    def supervise(i: int) -> None:
+        """Start replica ``i`` again if its process exited; take its new port once it serves."""
+        if fleet is None:
+            return
+        proc = fleet.procs[i]
+        if not starting[i] and proc.poll() is not None:
+            print(f"stalwart serve: replica {i} exited with code {proc.returncode}; starting it again",
+                  file=sys.stderr, flush=True)
+            up[i], starting[i] = False, True
+            fleet.files[i].unlink(missing_ok=True)
+            fleet.procs[i] = fleet.start(i)
+            restarts[i] += 1
+        elif starting[i] and fleet.files[i].is_file():
+            backends[i] = f"http://127.0.0.1:{int(fleet.files[i].read_text())}"
+            starting[i], failing_since[i] = False, None
 
     async def probe() -> None:
         while True:
-            await asyncio.gather(*(check(i) for i in range(len(backends))))
+            for i in range(n):
+                supervise(i)
+            await asyncio.gather(*(check(i) for i in range(n)))
             await asyncio.sleep(PROBE_INTERVAL_S)
 
     @contextlib.asynccontextmanager
@@ -64,25 +124,93 @@ def create_router(backends: list[str]) -> FastAPI:
     app = FastAPI(title="Stalwart router", docs_url=None, redoc_url=None, lifespan=lifespan)
     install_error_handlers(app)
 
-    async def forward(request: Request, path: str):
-        body = await request.body()
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
-        failures = []
+    async def send(path: str, body: bytes, headers: dict, skip: set[int]) -> tuple[httpx.Response | None, int, str]:
+        """The first replica's answer (headers read) that is not a failure of the replica itself: (the
+        response, the replica, why the others failed). None when no replica answered so."""
+        failures, last, last_i = [], None, -1
         for i in pick(in_flight, up):
+            if i in skip or starting[i]:
+                continue
             in_flight[i] += 1
             try:
-                upstream = await client.send(client.build_request(request.method, backends[i] + path, content=body,
+                upstream = await client.send(client.build_request("POST", backends[i] + path, content=body,
                                                                   headers=headers), stream=True)
             except httpx.HTTPError as e:  # nothing reached the client yet: mark it down, try the next
                 in_flight[i] -= 1
                 up[i] = False
                 failures.append(f"replica {i}: {str(e) or type(e).__name__}")
                 continue
+            if upstream.status_code in (500, 503):  # its engine failed, or it is full: the next may serve
+                await upstream.aread()
+                await upstream.aclose()
+                in_flight[i] -= 1
+                up[i] = up[i] and upstream.status_code == 503
+                failures.append(f"replica {i}: {upstream.status_code}")
+                last, last_i = upstream, i
+                continue
             served[i] += 1
-            return StreamingResponse(_relay(upstream, in_flight, i), status_code=upstream.status_code,
-                                     headers={k: v for k, v in upstream.headers.items()
-                                              if k.lower() in ("content-type", "cache-control")})
-        return error_body(502, f"no replica could take the request ({'; '.join(failures)})", None, "server_error")
+            return upstream, i, "; ".join(failures)
+        if last is not None:  # every replica refused: the last refusal, as it was
+            return last, last_i, "; ".join(failures)
+        return None, -1, "; ".join(failures) or "no replica is up"
+
+    async def forward(request: Request, path: str):
+        body = await request.body()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # a replica answers what is wrong with it
+        if isinstance(parsed, dict) and RESUME_FIELD in parsed:
+            return error_body(400, f"{RESUME_FIELD} is internal to stalwart's router and is not accepted from "
+                                   "clients", RESUME_FIELD)
+        headers = {**routed, "content-type": request.headers.get("content-type", "application/json")}
+        try:
+            upstream, i, why = await unless_client_leaves(request, send(path, body, headers, set()))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the replica saw the connection close
+        if upstream is None:
+            return error_body(502, f"no replica could take the request ({why})", None, "server_error")
+        keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
+        if upstream.is_closed:  # a refusal read in full by send()
+            return Response(upstream.content, upstream.status_code, headers=keep)
+        if upstream.status_code == 200 and isinstance(parsed, dict) and parsed.get("stream") is True:
+            return StreamingResponse(resumable(upstream, i, path, parsed, headers), headers=keep)
+        return StreamingResponse(_relay(upstream, in_flight, i), status_code=upstream.status_code, headers=keep)
+
+    async def resumable(upstream: httpx.Response, i: int, path: str, body: dict, headers: dict):
+        """Relay a stream; when its replica is lost, resume it on another (serve/resume.py)."""
+        record, tried = StreamRecord(), set()
+        while True:
+            try:
+                async for data in _events(upstream):
+                    if data == "[DONE]":
+                        yield b"data: [DONE]\n\n"
+                        return
+                    event = json.loads(data)
+                    error = event.get("error")
+                    if isinstance(error, dict) and error.get("type") == "server_error":
+                        break  # the replica's engine failed
+                    if any(c.get("finish_reason") == "abort" for c in event.get("choices") or []):
+                        break  # the replica is stopping (only it ends a stream with "abort")
+                    yield f"data: {json.dumps(record.take(event))}\n\n".encode()
+            except httpx.HTTPError:
+                pass  # the replica is gone
+            finally:
+                await upstream.aclose()
+                in_flight[i] -= 1
+            up[i] = False
+            tried.add(i)
+            resume = json.dumps({**body, RESUME_FIELD: record.resume().to_json()}).encode()
+            upstream, i, why = await send(path, resume, headers, tried)
+            if upstream is None or upstream.status_code != 200:
+                if upstream is not None:
+                    why = f"replica {i}: {upstream.status_code} {upstream.text[:200]}"
+                message = (f"the replica serving this stream was lost after {sum(map(len, record.tokens.values()))} "
+                           f"tokens and no replica could resume it ({why})")
+                error = {"message": message, "type": "server_error", "param": None, "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                return
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -108,16 +236,16 @@ def create_router(backends: list[str]) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = await asyncio.gather(*(check(i) for i in range(len(backends))))
+        ok = await asyncio.gather(*(check(i) for i in range(n)))
         return JSONResponse({"status": "ok" if all(ok) else "degraded", "replicas": [
-            {"url": b, "ok": k, "in_flight": n, "served": s} for b, k, n, s in zip(backends, ok, in_flight, served)]},
-            200 if any(ok) else 503)
+            {"url": b, "ok": k, "in_flight": f, "served": s, "restarts": r}
+            for b, k, f, s, r in zip(backends, ok, in_flight, served, restarts)]}, 200 if any(ok) else 503)
 
     @app.post("/v1/weights")
     async def weights(request: Request):
         body = await request.body()
-        replies = await asyncio.gather(*(client.post(b + "/v1/weights", content=body,
-                                                     headers={"content-type": "application/json"}) for b in backends),
+        replies = await asyncio.gather(*(client.post(b + "/v1/weights", content=body, headers=routed)
+                                         for b in backends),
                                        return_exceptions=True)
         lost = [i for i, r in enumerate(replies) if isinstance(r, Exception)]
         if lost:
@@ -141,9 +269,23 @@ def create_router(backends: list[str]) -> FastAPI:
         lines += ["# HELP stalwart_router_replica_up Whether the replica is taking requests.",
                   "# TYPE stalwart_router_replica_up gauge"]
         lines += [f'stalwart_router_replica_up{{replica="{i}"}} {int(u)}' for i, u in enumerate(up)]
+        lines += ["# HELP stalwart_router_replica_restarts_total Times the replica was started again.",
+                  "# TYPE stalwart_router_replica_restarts_total counter"]
+        lines += [f'stalwart_router_replica_restarts_total{{replica="{i}"}} {r}' for i, r in enumerate(restarts)]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _events(upstream: httpx.Response):
+    """The data of each server-sent event of ``upstream``."""
+    data: list[str] = []
+    async for line in upstream.aiter_lines():
+        if line.startswith("data: "):
+            data.append(line[6:])
+        elif not line and data:
+            yield "\n".join(data)
+            data = []
 
 
 async def _relay(upstream: httpx.Response, in_flight: list[int], i: int):
@@ -167,12 +309,11 @@ def wait_for_ports(procs: list[subprocess.Popen], files: list[Path], timeout_s: 
     raise UserError(f"replicas did not start within {timeout_s:.0f} s")
 
 
-def run_router(cfg: ServeConfig, name: str, procs: list[subprocess.Popen], files: list[Path],
-               port_file: Path | None) -> int:
+def run_router(cfg: ServeConfig, name: str, fleet: Fleet, port_file: Path | None, secret: str | None) -> int:
     from stalwart.serve.http import serve
 
-    ports = wait_for_ports(procs, files)
+    ports = wait_for_ports(fleet.procs, fleet.files)
     backends = [f"http://127.0.0.1:{p}" for p in ports]
-    serve(create_router(backends), cfg.server.host, cfg.server.port,
+    serve(create_router(backends, fleet, secret), cfg.server.host, cfg.server.port,
           f"{name} router over {len(backends)} replicas (tp={cfg.layout.tp} pp={cfg.layout.pp} each)", port_file)
     return 0
