@@ -25,11 +25,19 @@ from pathlib import Path
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(p) for p in fh.read().split()]
-    except OSError:
-        return []
+    """The live child processes of ``pid`` (the launcher's workers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -65,8 +73,9 @@ def main() -> int:
         deadline = time.time() + rng.uniform(lo, hi)
         while time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        workers = _children(proc.pid)
-        if proc.poll() is not None or not workers:
+        while not (workers := _children(proc.pid)) and proc.poll() is None:  # none yet, or between attempts
+            time.sleep(0.05)
+        if proc.poll() is not None:
             break
         pid, kind = rng.choice(workers), rng.choice(args.kinds.split(","))
         with_signal = signal.SIGKILL if kind == "kill" else signal.SIGSTOP

@@ -199,3 +199,17 @@ def test_a_corpus_hashed_wholly_into_validation_still_trains(tmp_path):
     (tmp_path / name).write_text("hello world\n" * 50)
     corpus = Corpus(str(tmp_path / name))
     assert [d.key for d in corpus.train] == [str(tmp_path / name)] and corpus.val == corpus.train
+
+
+def test_files_no_format_reads_are_left_out_with_a_warning(tmp_path, capsys):
+    from stalwart.data.corpus import Corpus
+
+    (tmp_path / "a.txt").write_text("some text\n" * 10)
+    (tmp_path / "blob.dat").write_bytes(b"\x00\x01binary")
+    (tmp_path / ".hidden").write_text("x")
+    corpus = Corpus(str(tmp_path))
+    assert {d.path for d in corpus.train + corpus.val} == {str(tmp_path / "a.txt")}
+    err = capsys.readouterr().err
+    assert "skipped 1 file(s)" in err and "blob.dat (binary)" in err and ".hidden" not in err
+    Corpus(str(tmp_path))
+    assert "skipped" not in capsys.readouterr().err  # once per directory

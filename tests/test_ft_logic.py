@@ -329,9 +329,9 @@ def test_supervisor_sees_processes_first_hand(tmp_path):
 
 
 def test_root_cause_prefers_the_rank_that_failed_first():
-    from stalwart.launch.agent import _root_cause
+    from stalwart.launch.workers import root_cause
 
     paths = RunPaths("/nonexistent")
-    assert _root_cause({1: -9}, paths, 0.0, []) == 1  # seen first-hand: only rank 1 had exited
-    assert _root_cause({0: -15, 1: -9}, paths, 0.0, []) == 1  # torch's SIGTERM to the survivor is not a cause
-    assert _root_cause({0: 1, 1: -9}, paths, 0.0, [{"rank": 0, "time": 5.0}]) == 0  # an injected fault wins
+    assert root_cause({1: -9}, paths, 0.0, []) == 1  # seen first-hand: only rank 1 had exited
+    assert root_cause({0: -15, 1: -9}, paths, 0.0, []) == 1  # torch's SIGTERM to the survivor is not a cause
+    assert root_cause({0: 1, 1: -9}, paths, 0.0, [{"rank": 0, "time": 5.0}]) == 0  # an injected fault wins

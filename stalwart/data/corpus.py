@@ -89,7 +89,7 @@ def _files_under(root: Path, skip_binary: bool = False) -> list[Path]:
         root = root / "train"
     if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
         return _arrow_files(root)
-    out, binary = [], []
+    out, binary, other = [], [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
@@ -98,9 +98,26 @@ def _files_under(root: Path, skip_binary: bool = False) -> list[Path]:
                 out.append(p)
             elif p.suffix in BINARY_SUFFIXES:
                 binary.append(p)
+            elif not name.startswith("."):
+                other.append(p)
     if not skip_binary:
         _refuse_binary(binary, str(root))
+        _warn_skipped(other, root)
     return out
+
+
+def _warn_skipped(paths: list[Path], root: Path) -> None:
+    """A file in a data directory that no data.format reads is left out, and said so (once per directory)."""
+    if not paths or str(root) in _WARNED:
+        return
+    _WARNED.add(str(root))
+    names = ", ".join(f"{p.relative_to(root)}{' (binary)' if looks_binary(p) else ''}" for p in paths[:3])
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    print(f"warning: data.path: {root}: skipped {len(paths)} file(s) of a type no data.format reads ({names}{more}); "
+          f"read are {', '.join(sorted(TEXT_SUFFIXES | {'.jsonl', '.parquet'}))}", file=sys.stderr, flush=True)
+
+
+_WARNED: set[str] = set()  # directories already warned about in this process (the launcher's check, then rank 0)
 
 
 def looks_binary(path: Path) -> bool:

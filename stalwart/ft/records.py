@@ -55,6 +55,8 @@ class Heartbeat:
     def progress(self, step: int, phase: str = "train") -> None:
         self.state = {**self.state, "step": step, "phase": phase, "progress_time": time.time()}
         self.beat()  # at once: the supervisor times recovery from the step's completion
+        if phase == "train":
+            mark_startup(self.paths, "training", rank=self.state["rank"])  # start-up ends (once per process)
 
     def beat(self) -> None:
         try:  # rewritten twice a second: atomic, but not fsynced
@@ -84,8 +86,8 @@ def read_heartbeats(paths: RunPaths, ranks: list[int]) -> dict[int, dict]:
 
 # ---------------------------------------------------------------------- start-up phases
 # What a worker does before its first step, in order. ``imports`` runs from the process's start to the
-# worker's entry; each later phase begins with its mark; the first completed step (the heartbeat) ends
-# ``first_step``, which holds the evaluation of a fresh start.
+# worker's entry; each later phase begins with its mark; the ``training`` mark (its first completed
+# step) ends ``first_step``, which holds the evaluation of a fresh start.
 STARTUP_PHASES = ("imports", "group", "data", "model", "restore", "first_step")
 
 
@@ -133,17 +135,41 @@ def read_startup(paths: RunPaths, ranks: list[int], since: float = 0.0) -> dict[
 
 
 def startup_phase(rec: dict | None) -> str:
-    """The start-up phase a worker is in (or was in when it failed): its newest mark, else imports."""
-    return rec["phases"][-1][0] if rec and rec.get("phases") else "imports"
+    """The start-up phase a worker is in (or was in when it failed): its newest mark, else imports;
+    'train' once it completed a step."""
+    phase = rec["phases"][-1][0] if rec and rec.get("phases") else "imports"
+    return "train" if phase == "training" else phase
 
 
-def startup_seconds(rec: dict, first_step_done: float) -> dict[str, float]:
-    """Seconds in each phase of one worker's start-up, ``first_step`` ending at ``first_step_done``."""
+def startup_done(rec: dict) -> float | None:
+    """When a worker completed its first step (None before)."""
+    return next((t for name, t in rec.get("phases", []) if name == "training"), None)
+
+
+def startup_seconds(rec: dict) -> dict[str, float]:
+    """Seconds in each phase of one worker's start-up (those it completed)."""
     marks = list(rec["phases"])
     if rec.get("process_start"):
         marks.insert(0, ["imports", rec["process_start"]])
-    ends = [t for _, t in marks[1:]] + [first_step_done]
-    return {f"{name}_s": round(max(0.0, end - t), 3) for (name, t), end in zip(marks, ends)}
+    return {f"{name}_s": round(max(0.0, end - t), 3) for (name, t), (_, end) in zip(marks, marks[1:])}
+
+
+def startup_event(recs: dict[int, dict], begun: float, command_start: float | None = None) -> dict | None:
+    """The fields of a ``startup`` event from the start-up records of every rank of one attempt (None
+    until each has completed a step): ``to_first_step_s`` from ``begun`` (the launch, or the failure's
+    handling), per rank ``spawn_s`` (until its process existed) and its phases' seconds, the data
+    set-up's parts, and with ``command_start`` (the command's process start) ``from_command_s``."""
+    done = [startup_done(rec) for rec in recs.values()]
+    if not recs or None in done:
+        return None
+    ranks = {str(r): {"spawn_s": round(rec["process_start"] - begun, 3) if rec.get("process_start") else None,
+                      **startup_seconds(rec), "pid": rec.get("pid")} for r, rec in sorted(recs.items())}
+    data = next((rec["info"]["data"] for rec in recs.values() if rec.get("info", {}).get("data")), None)
+    out = {"to_first_step_s": round(max(done) - begun, 3), "ranks": ranks, "data": data}
+    if command_start:
+        out["from_command_s"] = round(max(done) - command_start, 3)
+        out["launcher_s"] = round(begun - command_start, 3)
+    return out
 
 
 # ---------------------------------------------------------------------- exits

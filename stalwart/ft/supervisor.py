@@ -37,7 +37,7 @@ from stalwart.ft.detect import (
 from stalwart.checkpoint.manager import newest_complete_checkpoint
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.ft.plan import ChaosSchedule, read_fired
-from stalwart.ft.records import read_exit_records, read_heartbeats, read_startup, startup_phase, startup_seconds
+from stalwart.ft.records import read_exit_records, read_heartbeats, read_startup, startup_event, startup_phase
 from stalwart.paths import RunPaths, checkpoint_step
 
 def newest_state_step(run_dir: Path, snapshot_dir: Path | None) -> int:
@@ -108,6 +108,8 @@ class Supervisor:
     _stopped_since: dict = field(default_factory=dict)  # rank -> the first tick its process was seen stopped
     _begun: float = 0.0                # when this attempt's start began (launch, or the failure's handling)
     _resume_step: int = 0              # the step this attempt resumes from, as far as the supervisor knows
+    _command_start: float | None = None
+    _startup_reported: bool = False
 
     def __post_init__(self) -> None:
         self.paths = RunPaths(self.run_dir)
@@ -129,7 +131,7 @@ class Supervisor:
         self.attempt += 1
         self.attempt_start = now
         self._begun = now - stop_s
-        self._recovered = False
+        self._recovered = self._startup_reported = False
         self._max_step = 0
         self._seen_running.clear()
         self._stopped_since.clear()
@@ -148,8 +150,9 @@ class Supervisor:
         if not self._recovered and current and len(current) == len(self.ranks) and all(
                 b.step > b.resumed_step for b in current.values()):
             self._recovered = True
-            self._report_startup(current)
             self._on_recovered(current)
+        if self._recovered and not self._startup_reported:
+            self._report_startup(current)
         stalls = [s for r in self.ranks if (s := check_heartbeat(
             beats.get(r), r, now, self.attempt_start, self.attempt, self.cfg.heartbeat_timeout_s,
             self.cfg.progress_timeout_s, self.cfg.init_timeout_s)) is not None]
@@ -188,24 +191,13 @@ class Supervisor:
         return startup_phase(read_startup(self.paths, [rank], self._begun).get(rank))
 
     def _report_startup(self, beats: dict[int, Beat]) -> None:
-        """The ``startup`` event of this attempt: per rank, seconds from the start's beginning to its
-        process (``spawn_s``), then in each phase until its first step completed; the data set-up's parts."""
-        recs = read_startup(self.paths, list(beats), self._begun)
-        if not recs:
-            return
-        ranks = {}
-        for r, rec in sorted(recs.items()):
-            spawn = rec.get("process_start")
-            ranks[str(r)] = {"spawn_s": round(spawn - self._begun, 3) if spawn else None,
-                             **startup_seconds(rec, beats[r].progress_time), "pid": rec.get("pid")}
-        data = next((rec["info"]["data"] for rec in recs.values() if rec.get("info", {}).get("data")), None)
-        done = max(b.progress_time for b in beats.values())
-        command = {}
-        if self.attempt == 0 and getattr(self, "_command_start", None):  # the command's own start-up too
-            command = {"launcher_s": round(self._begun - self._command_start, 3),
-                       "from_command_s": round(done - self._command_start, 3)}
-        self.log_event("startup", attempt=self.attempt, to_first_step_s=round(done - self._begun, 3), **command,
-                       resumed_step=min(b.resumed_step for b in beats.values()), ranks=ranks, data=data)
+        """The ``startup`` event of this attempt, from the ranks' start-up records (``startup_event``)."""
+        event = startup_event(read_startup(self.paths, list(beats), self._begun), self._begun,
+                              self._command_start if self.attempt == 0 else None)
+        if event is not None:
+            self._startup_reported = True
+            self.log_event("startup", attempt=self.attempt, resumed_step=min(b.resumed_step for b in beats.values()),
+                           **event)
 
     def _on_recovered(self, beats: dict[int, Beat]) -> None:
         f, self._pending = self._pending, None

@@ -38,6 +38,8 @@ from stalwart.ft.supervisor import (
     classify,
 )
 from stalwart.atomic import write_text_atomic
+from stalwart.launch.fork import forkable, forked_worker, preload
+from stalwart.launch.workers import alive, root_cause, stopped
 from stalwart.ft.records import process_start_time, read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
@@ -74,13 +76,13 @@ class SupervisedAgent(LocalElasticAgent):
 
     def _kill_group(self) -> None:
         """SIGTERM (and SIGCONT for a stopped process), a grace period, then SIGKILL."""
-        pids = [pid for pid in self._pids().values() if _alive(pid)]
+        pids = [pid for pid in self._pids().values() if alive(pid)]
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
         deadline = time.monotonic() + self.sup.cfg.kill_grace_s
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.05)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -102,7 +104,7 @@ class SupervisedAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         stall = None
         if result.state == WorkerState.HEALTHY:
-            states = {r: "stopped" if _stopped(pid) else "running" for r, pid in self._pids().items()
+            states = {r: "stopped" if stopped(pid) else "running" for r, pid in self._pids().items()
                       if codes.get(r) is None}
             stall = self.sup.poll(now, states)
             if stall is None:
@@ -122,7 +124,7 @@ class SupervisedAgent(LocalElasticAgent):
                 kind, rank, code = stall.kind, stall.rank, None
             else:
                 seen = self._first_failed or {r: f.exitcode for r, f in result.failures.items()}
-                rank = _root_cause(seen, self.sup.paths, self.sup.attempt_start,
+                rank = root_cause(seen, self.sup.paths, self.sup.attempt_start,
                                    self.sup.injected_since(self.sup.attempt_start))
                 code = seen.get(rank)
                 kind = classify(code)
@@ -157,52 +159,6 @@ class SupervisedAgent(LocalElasticAgent):
             self.sup.chaos_injected(now, kind, rank, pids[rank])
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pids[rank], sig)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-_STOPPED_BY_US = (-signal.SIGTERM, -signal.SIGKILL)  # how torch (and the watchdog) stop the survivors
-
-
-def _root_cause(failures: dict, paths: RunPaths, since: float, injected: list[dict]) -> int:
-    """The failed rank that caused the others to fail, from ``failures`` (rank -> exit code, or torch's
-    failure records): an injected fault's rank, else one killed by a signal other than the SIGTERM torch
-    sends the survivors, else the earliest to record its exit (``<run>/ft/exit``: crashes and user
-    errors), else one that exited by itself, else the lowest. Given the ranks the agent saw failed before
-    it stopped any, that is the choice among them only."""
-    codes = {r: getattr(f, "exitcode", f) for r, f in failures.items()}
-    if not codes:
-        return -1
-    fired = [f for f in injected if f.get("rank") in codes]
-    if fired:
-        return max(fired, key=lambda f: f["time"])["rank"]
-    signalled = [r for r, c in codes.items() if c is not None and c < 0 and c != -signal.SIGTERM]
-    if signalled:
-        return min(signalled)
-    exits = {r: rec for r, rec in read_exit_records(paths, since).items() if r in codes}
-    if exits:  # a rank that stopped only because a peer failed is never the cause
-        return min(exits, key=lambda r: (bool(exits[r].get("peer")), exits[r]["time"]))
-    own = [r for r, c in codes.items() if c not in _STOPPED_BY_US]
-    return min(own or codes)
 
 
 @contextlib.contextmanager
@@ -255,40 +211,6 @@ def quiet_process_logs():
         agent_log.removeFilter(signalled)
 
 
-def forked_worker(*argv: str) -> None:
-    """A training worker forked from the launcher (``launch.fork_workers``): the launcher imported the
-    trainer before its first start, so no worker, first or restarted, imports it again. Runs
-    ``stalwart.train`` with ``argv``; a failure leaves with its exit code, success returns to torch's
-    wrapper (which hands the launcher the result)."""
-    for stream in (sys.stdout, sys.stderr):  # as `python -u` runs an exec'd worker
-        with contextlib.suppress(AttributeError, ValueError):
-            stream.reconfigure(line_buffering=True, write_through=True)
-    from stalwart.train.__main__ import main
-
-    code = main(list(argv))
-    if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _preload() -> None:
-    """Import, once, what a training worker imports before its first step, so that every worker forked
-    from this process has it: the trainer, and torch's compiler stack, which the first call of
-    ``torch.use_deterministic_algorithms`` imports (1.5 s of CPU per worker otherwise)."""
-    import torch._inductor  # noqa: F401
-
-    import stalwart.train.trainer  # noqa: F401
-
-
-def _forkable(cmd, cmd_args: list[str]) -> list[str] | None:
-    """The ``stalwart.train`` arguments of a worker command line torchrun's parser built, else None."""
-    if cmd != sys.executable or "-m" not in cmd_args:
-        return None
-    i = cmd_args.index("-m")
-    return list(cmd_args[i + 2:]) if cmd_args[i + 1:i + 2] == ["stalwart.train"] else None
-
-
 def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,
                    max_restarts: int, fork_workers: bool = True) -> int:
     """Run torch.distributed.run with our agent; return the documented exit code. ``fork_workers``:
@@ -315,11 +237,11 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     config.monitor_interval = fault_cfg.monitor_interval_s
     config.max_restarts = max_restarts
     entrypoint, entry_args = cmd, cmd_args
-    train_argv = _forkable(cmd, cmd_args) if fork_workers and sys.platform.startswith("linux") else None
+    train_argv = forkable(cmd, cmd_args) if fork_workers and sys.platform.startswith("linux") else None
     launcher = {"command_start": process_start_time(os.getpid()), "fork_workers": train_argv is not None}
     if train_argv is not None:
         t0 = time.perf_counter()
-        _preload()
+        preload()
         launcher["preload_s"] = round(time.perf_counter() - t0, 3)
 
         config.start_method = "fork"
@@ -346,7 +268,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     except ChildFailedError as e:
         sup = holder.get("sup")
         since = sup.attempt_start if sup else 0.0
-        rank = _root_cause(e.failures, paths, since, sup.injected_since(since) if sup else [])
+        rank = root_cause(e.failures, paths, since, sup.injected_since(since) if sup else [])
         exitcode = e.failures[rank].exitcode
         if sup is not None and sup.failures:  # what the supervisor saw first-hand
             rank, exitcode = sup.failures[-1]["rank"], sup.failures[-1]["exitcode"]

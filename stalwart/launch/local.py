@@ -68,7 +68,9 @@ def launch(argv: list[str], nproc: int, cfg: JobConfig) -> int:
 def _launch_loop(argv: list[str], nproc: int, cfg: JobConfig, paths: RunPaths, snap) -> int:
     budget, spares = cfg.launch.restarts(), cfg.fault.spare_hosts
     while True:
-        code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv],
+        # The workers' config records how many processes ran, so <run>/config.toml relaunches the same job.
+        code = run_supervised(["--standalone", f"--nproc-per-node={nproc}", "--module", "stalwart.train", *argv,
+                               "--launch.nproc_per_node", str(nproc)],
                               cfg.fault, paths, snap, budget, cfg.launch.fork_workers)
         if code != EXIT_EXCLUDE:
             return code

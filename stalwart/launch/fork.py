@@ -1,0 +1,48 @@
+"""Workers forked from the launcher (``launch.fork_workers``): the trainer is imported once, here.
+
+torch's agent starts a function entrypoint with ``start_method = fork``: each worker, first or
+restarted, is a copy of the launcher that already holds the trainer's modules, instead of a fresh
+interpreter importing them again (about 3 s of CPU per worker on the development machine). The
+launcher must not have initialised an accelerator or run parallel CPU work before it forks; it
+imports modules only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+
+def forked_worker(*argv: str) -> None:
+    """A training worker forked from the launcher (``launch.fork_workers``): the launcher imported the
+    trainer before its first start, so no worker, first or restarted, imports it again. Runs
+    ``stalwart.train`` with ``argv``; a failure leaves with its exit code, success returns to torch's
+    wrapper (which hands the launcher the result)."""
+    for stream in (sys.stdout, sys.stderr):  # as `python -u` runs an exec'd worker
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True, write_through=True)
+    from stalwart.train.__main__ import main
+
+    code = main(list(argv))
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def preload() -> None:
+    """Import, once, what a training worker imports before its first step, so that every worker forked
+    from this process has it: the trainer, and torch's compiler stack, which the first call of
+    ``torch.use_deterministic_algorithms`` imports (1.5 s of CPU per worker otherwise)."""
+    import torch._inductor  # noqa: F401
+
+    import stalwart.train.trainer  # noqa: F401
+
+
+def forkable(cmd, cmd_args: list[str]) -> list[str] | None:
+    """The ``stalwart.train`` arguments of a worker command line torchrun's parser built, else None."""
+    if cmd != sys.executable or "-m" not in cmd_args:
+        return None
+    i = cmd_args.index("-m")
+    return list(cmd_args[i + 2:]) if cmd_args[i + 1:i + 2] == ["stalwart.train"] else None

@@ -1,0 +1,55 @@
+"""What the launcher sees of its own worker processes, first-hand: alive, stopped, and which failed first."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from stalwart.ft.records import read_exit_records
+from stalwart.paths import RunPaths
+
+
+def stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+_STOPPED_BY_US = (-signal.SIGTERM, -signal.SIGKILL)  # how torch (and the watchdog) stop the survivors
+
+
+def root_cause(failures: dict, paths: RunPaths, since: float, injected: list[dict]) -> int:
+    """The failed rank that caused the others to fail, from ``failures`` (rank -> exit code, or torch's
+    failure records): an injected fault's rank, else one killed by a signal other than the SIGTERM torch
+    sends the survivors, else the earliest to record its exit (``<run>/ft/exit``: crashes and user
+    errors), else one that exited by itself, else the lowest. Given the ranks the agent saw failed before
+    it stopped any, that is the choice among them only."""
+    codes = {r: getattr(f, "exitcode", f) for r, f in failures.items()}
+    if not codes:
+        return -1
+    fired = [f for f in injected if f.get("rank") in codes]
+    if fired:
+        return max(fired, key=lambda f: f["time"])["rank"]
+    signalled = [r for r, c in codes.items() if c is not None and c < 0 and c != -signal.SIGTERM]
+    if signalled:
+        return min(signalled)
+    exits = {r: rec for r, rec in read_exit_records(paths, since).items() if r in codes}
+    if exits:  # a rank that stopped only because a peer failed is never the cause
+        return min(exits, key=lambda r: (bool(exits[r].get("peer")), exits[r]["time"]))
+    own = [r for r, c in codes.items() if c not in _STOPPED_BY_US]
+    return min(own or codes)
