@@ -4,7 +4,9 @@ Each program is a code-task family's reference solution (cycling through every f
 `Sandbox.score` against `--cases` of its hidden test cases under the default sandbox limits, the way
 a reward worker scores a rollout. Each repeat times the same programs serially and then with each
 `--threads` count sharing one `Sandbox`, and prints one JSON line per measurement with the machine's
-load average at the time (the sandbox is CPU-bound: other work on the machine slows it).
+load average at the time (the sandbox is CPU-bound: other work on the machine slows it). With `--url`
+(a running `stalwart rl sandbox --serve`, its own limits), each repeat then times the same programs
+through the service with the reward workers' client (`via`: local or service).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cases", type=int, default=3, help="test cases per program")
     p.add_argument("--threads", default="2", help="comma-separated thread counts timed after the serial run")
     p.add_argument("--repeats", type=int, default=3, help="repeats of the whole measurement")
+    p.add_argument("--url", default="", help="also time a sandbox service (comma-separated addresses: "
+                                             "`stalwart rl sandbox --serve` prints its own)")
     args = p.parse_args(argv)
     try:
         threads = [int(t) for t in args.threads.split(",") if t]
@@ -59,10 +63,17 @@ def main(argv: list[str]) -> int:
         p.error(f"--threads: expected comma-separated integers, got {args.threads!r}")
     if args.programs < 1 or args.cases < 1 or args.repeats < 1 or any(t < 1 for t in threads):
         p.error("--programs, --cases, --repeats and every --threads count must be at least 1")
-    sandbox = Sandbox(SandboxConfig())
+    scorers = {"local": Sandbox(SandboxConfig())}
+    if args.url:
+        from stalwart.rl.sandbox_client import SandboxClient
+
+        scorers["service"] = SandboxClient([u for u in args.url.split(",") if u], retry_s=60.0)
     items = _workload(args.programs, args.cases)
-    sandbox.score(*items[0])  # warm the page cache: the first sandbox start reads the interpreter
+    for scorer in scorers.values():
+        scorer.score(*items[0])  # warm the page cache: the first sandbox start reads the interpreter
     for r in range(args.repeats):
-        for t in [1, *threads]:
-            print(json.dumps({"repeat": r, "cases": args.cases, **measure(sandbox, items, t)}), flush=True)
+        for via, scorer in scorers.items():
+            for t in [1, *threads]:
+                print(json.dumps({"repeat": r, "via": via, "cases": args.cases, **measure(scorer, items, t)}),
+                      flush=True)
     return 0

@@ -45,7 +45,7 @@ class SandboxServiceConfig:
                        "service can run programs in its sandboxes.", "127.0.0.1")
     port: int = option("Port of the sandbox service (0 = any free port; the address is printed at start).", 8077,
                        min=0, max=65535)
-    concurrency: int = option("Sandboxes the service runs at once (0 = one per CPU core).", 0, min=0)
+    concurrency: int = option("Sandboxes the service runs at once (0 = two per CPU core).", 0, min=0)
     queue: int = option("Requests the service holds waiting beyond those running; a request past them is answered "
                         "429 with Retry-After (back-pressure: the client tries another service or waits).", 64, min=0)
     retry_after_s: float = option("Retry-After of a 429 (busy) answer, seconds.", 1.0, min=0.0)
