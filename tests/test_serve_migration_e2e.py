@@ -99,8 +99,32 @@ def routed(tmp_path_factory):
     root = tmp_path_factory.mktemp("migration")
     train(root / "a", 0)
     server = Server(root, "--run", str(root / "a"), "--replicas", "2")
+    server.run = root / "a"
     yield server
     assert server.stop(signal.SIGTERM) == 0, server.output()
+
+
+def versions(server: Server) -> list[int]:
+    """The weight version each replica serves."""
+    return [httpx.get(r["url"] + "/health", timeout=30).json()["weight_version"]
+            for r in httpx.get(server.url + "/health", timeout=30).json()["replicas"]]
+
+
+@pytest.mark.e2e
+def test_a_weight_update_drops_no_request_and_mixes_no_versions(routed):
+    running = streams(routed.url)
+    deadline = time.monotonic() + 60
+    while any(len(s.events) < 2 for s in running):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    r = httpx.post(routed.url + "/v1/weights", json={"source": str(routed.run)}, timeout=300)
+    assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
+    for s in running:  # every stream finished, on the weights it began with
+        text, usage, _ = s.result()
+        assert usage["completion_tokens"] > 0 and {v for e in s.events for v in e["weight_versions"]} == {0}
+    assert versions(routed) == [1, 1]
+    refused = httpx.post(routed.url + "/v1/weights", json={"source": str(routed.run), "version": 1}, timeout=300)
+    assert refused.status_code == 409 and versions(routed) == [1, 1]
 
 
 @pytest.mark.e2e
@@ -113,8 +137,8 @@ def test_streams_survive_a_killed_replica_token_for_token(routed):
     got = [s.result() for s in running]
     for (text, usage, ids), (want, want_usage, _) in zip(got, expected):
         assert (text, usage) == (want, want_usage) and len(ids) == 1
-    health = wait_healthy(routed, restarts=1)  # the dead replica is back
-    assert all(r["ok"] for r in health["replicas"]), health
+    health = wait_healthy(routed, restarts=1)  # the dead replica is back, with the weights the other serves
+    assert all(r["ok"] for r in health["replicas"]) and versions(routed) == [1, 1], health
     assert "replica" in routed.output() and "starting it again" in routed.output()
     assert [s.result()[0] for s in streams(routed.url)] == [text for text, _, _ in expected]
 

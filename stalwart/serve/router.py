@@ -41,6 +41,7 @@ from stalwart.serve.resume import HEADER, RESUME_FIELD, StreamRecord
 PROBE_INTERVAL_S = 1.0
 RESTART_AFTER_S = 5.0  # a live replica whose /health fails this long is killed and started again
 UNREACHABLE_AFTER_S = 30.0  # the same for one whose /health does not answer at all
+DRAIN_TIMEOUT_S = 300.0  # the longest a weight update waits for a replica's requests to finish
 
 
 @dataclass
@@ -67,7 +68,9 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
     in_flight, served, restarts = [0] * n, [0] * n, [0] * n
     up = [True] * n
     failing_since: list[float | None] = [None] * n  # when /health last turned from ok
-    starting = [False] * n  # restarted, its port not known yet
+    starting = [False] * n  # restarted, its port not known yet (or its weights not caught up)
+    draining = [False] * n  # finishing its requests before a weight update: takes no new ones
+    last_update: dict = {}  # the last weight update every replica took, for a replica started again
     routed = {"content-type": "application/json", **({HEADER: secret} if secret else {})}
 
     async def check(i: int) -> bool:
@@ -89,8 +92,9 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
                 os.killpg(fleet.procs[i].pid, signal.SIGKILL)  # its own process group (cli/serve.py)
         return up[i]
 
-    def supervise(i: int) -> None:
-        """Start replica ``i`` again if its process exited; take its new port once it serves."""
+    async def supervise(i: int) -> None:
+        """Start replica ``i`` again if its process exited; take its new port once it serves, after giving
+        it the weights the others serve (the last update), so every replica serves one version."""
         if fleet is None:
             return
         proc = fleet.procs[i]
@@ -102,13 +106,26 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             fleet.procs[i] = fleet.start(i)
             restarts[i] += 1
         elif starting[i] and fleet.files[i].is_file():
-            backends[i] = f"http://127.0.0.1:{int(fleet.files[i].read_text())}"
+            url = f"http://127.0.0.1:{int(fleet.files[i].read_text())}"
+            if last_update:
+                try:
+                    r = await client.post(url + "/v1/weights", json=last_update, headers=routed)
+                except httpx.HTTPError:
+                    return  # not answering yet (or gone again): the next probe sees
+                if r.status_code != 200:
+                    print(f"stalwart serve: replica {i} could not take the weights the others serve "
+                          f"({r.text[:300]}); restarting it", file=sys.stderr, flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(fleet.procs[i].pid, signal.SIGKILL)
+                    starting[i] = False
+                    return
+            backends[i] = url
             starting[i], failing_since[i] = False, None
 
     async def probe() -> None:
         while True:
             for i in range(n):
-                supervise(i)
+                await supervise(i)
             await asyncio.gather(*(check(i) for i in range(n)))
             await asyncio.sleep(PROBE_INTERVAL_S)
 
@@ -128,7 +145,7 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
         """The first replica's answer (headers read) that is not a failure of the replica itself: (the
         response, the replica, why the others failed). None when no replica answered so."""
         failures, last, last_i = [], None, -1
-        for i in pick(in_flight, up):
+        for i in pick(in_flight, [u and not d for u, d in zip(up, draining)]):
             if i in skip or starting[i]:
                 continue
             in_flight[i] += 1
@@ -243,10 +260,24 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
 
     @app.post("/v1/weights")
     async def weights(request: Request):
+        """Every replica takes the update. By default one at a time, each once its requests are done
+        (it takes no new ones meanwhile; the others serve), so no response mixes two versions;
+        ``"drain": false`` updates all at once, requests in flight going on under the new weights."""
         body = await request.body()
-        replies = await asyncio.gather(*(client.post(b + "/v1/weights", content=body, headers=routed)
-                                         for b in backends),
-                                       return_exceptions=True)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or parsed.get("drain", True) is not False or parsed.get("live"):
+            replies = []
+            for i in range(n):
+                replies.append(await drained(i, lambda: client.post(backends[i] + "/v1/weights", content=body,
+                                                                    headers=routed)))
+                if not isinstance(replies[-1], Exception) and replies[-1].status_code != 200:
+                    break  # refused: refused by every replica alike, and none has changed
+        else:
+            replies = await asyncio.gather(*(client.post(b + "/v1/weights", content=body, headers=routed)
+                                             for b in backends), return_exceptions=True)
         lost = [i for i, r in enumerate(replies) if isinstance(r, Exception)]
         if lost:
             for i in lost:
@@ -256,7 +287,24 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
                                    f"answered ({codes or 'none'})", None, "server_error")
         bad = [r for r in replies if r.status_code != 200]
         r = bad[0] if bad else replies[0]
+        if not bad and isinstance(parsed, dict) and not parsed.get("live"):
+            last_update.clear()
+            last_update.update(source=parsed["source"], version=r.json()["weight_version"])
         return Response(r.content, r.status_code, media_type="application/json")
+
+    async def drained(i: int, update):
+        """``update()`` once replica ``i`` has no request in flight (or ``DRAIN_TIMEOUT_S`` passed); it takes
+        no new requests meanwhile. The reply, or the exception that stood for one."""
+        draining[i] = True
+        try:
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while in_flight[i] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return await update()
+        except httpx.HTTPError as e:
+            return e
+        finally:
+            draining[i] = False
 
     @app.get("/metrics")
     async def metrics():
