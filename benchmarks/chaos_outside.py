@@ -111,7 +111,8 @@ def main() -> int:
     a, b = _losses(ref), _losses(run)
     steps = int(_arg(argv, "--training.steps"))
     same_losses = a == b and len(a) == steps
-    same_state = all(digest(ref / "checkpoints" / f"step-{steps}", p) == digest(run / "checkpoints" / f"step-{steps}", p)
+    last = f"step-{steps}"
+    same_state = all(digest(ref / "checkpoints" / last, p) == digest(run / "checkpoints" / last, p)
                      for p in ("model.", "optim."))
     print(f"bit for bit: losses of all {steps} steps {'equal' if same_losses else 'DIFFER'}; final weights and "
           f"optimizer state {'equal' if same_state else 'DIFFER'}")

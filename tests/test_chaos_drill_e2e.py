@@ -1,6 +1,6 @@
-"""A chaos drill from outside: random SIGKILLs and SIGSTOPs of workers, bounded in count and time,
-sent by this test (not Stalwart's injector) to a run under the default supervision. The run ends
-with exit 0 and weights bitwise equal to an uninterrupted run's."""
+"""Chaos from outside: SIGKILLs and SIGSTOPs of workers sent by this test (not Stalwart's injector) to
+runs under the default supervision, in training and in a restart's start-up. Each run ends with exit
+0 and weights bitwise equal to one uninterrupted run's (shared by the tests of this module)."""
 
 import json
 import os
@@ -42,9 +42,22 @@ def _newest_checkpoint(run: Path) -> int:
                or [0])
 
 
-def test_random_kills_and_stops_from_outside_end_bit_identical(tmp_path):
-    clean, chaos = tmp_path / "clean", tmp_path / "chaos"
-    run_cli("train", "--run.dir", str(clean), *COMMON, timeout=400)
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    """The uninterrupted run every drill ends bit-identical to."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    run_cli("train", "--run.dir", str(run), *COMMON, timeout=400)
+    return run
+
+
+def _same_as(clean: Path, run: Path) -> None:
+    assert step_losses(run) == step_losses(clean)  # exact, every step
+    a, b = clean / "checkpoints" / f"step-{STEPS}", run / "checkpoints" / f"step-{STEPS}"
+    assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")
+
+
+def test_random_kills_and_stops_from_outside_end_bit_identical(tmp_path, clean):
+    chaos = tmp_path / "chaos"
     rng = random.Random(12)
     kinds = rng.sample([signal.SIGKILL, signal.SIGSTOP], 2)  # both kinds, in a random order
     slow = ["--fault.inject", "slow:rank=0,factor=4,steps=1-45"]  # stretch the run (sleeps only) so faults land
@@ -80,6 +93,65 @@ def test_random_kills_and_stops_from_outside_end_bit_identical(tmp_path):
     failures = [e for e in events if e["event"] == "failure"]
     assert len(failures) == len(sent) and all(f["decision"] == "restart" for f in failures), (sent, failures)
     assert [f["rank"] for f in failures] == [r for _, r, _ in sent], (sent, failures)  # blamed on the victim
-    assert step_losses(chaos) == step_losses(clean)
-    a, b = clean / "checkpoints" / f"step-{STEPS}", chaos / "checkpoints" / f"step-{STEPS}"
-    assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")
+    _same_as(clean, chaos)
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(what, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for the run")
+
+
+def test_faults_in_training_and_in_start_up_are_blamed_timed_and_not_a_crash_loop(tmp_path, clean):
+    """Rank 0 stopped then rank 1 killed while training; rank 0 killed in the restart's start-up; rank 1
+    stopped in the next start-up (no heartbeat yet). Two start-up failures in a row, no progress between,
+    crash_loop_restarts = 2: they fail different ways, so this is luck, not a loop."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *COMMON,
+                             "--launch.max_restarts", "5", "--fault.crash_loop_restarts", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+    try:
+        ft = run / "ft"
+        beats = _wait(lambda: (got := [_read(ft / "heartbeat" / f"rank-{r}.json") for r in (0, 1)]) and all(
+            b and b["step"] >= 3 for b in got) and got)
+        os.kill(beats[0]["pid"], signal.SIGSTOP)
+        time.sleep(0.3)
+        os.kill(beats[1]["pid"], signal.SIGKILL)
+        rec = _wait(lambda: (r := _read(ft / "startup" / "rank-0.json")) and r["attempt"] == 1 and r)
+        os.kill(rec["pid"], signal.SIGKILL)
+        rec = _wait(lambda: (r := _read(ft / "startup" / "rank-1.json")) and r["attempt"] == 2 and r)
+        os.kill(rec["pid"], signal.SIGSTOP)
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    fails = [e for e in events if e["event"] == "failure"]
+    assert [(f["rank"], f["kind"], f["exitcode"]) for f in fails] == [
+        (1, "signal", -9), (0, "signal", -9), (1, "unresponsive", None)]
+    kill_train, kill_start, stop_start = fails
+    assert kill_train["phase"] == "train" and kill_train["also_stopped"] == [0]
+    assert 0 < kill_train["detection_latency_s"] < 1.5 and 0 < kill_start["detection_latency_s"] < 1.5
+    assert kill_start["phase"] != "train" and stop_start["phase"] != "train"  # both landed in start-up
+    assert 3.0 <= stop_start["detection_latency_s"] < 6.0
+    assert [f["decision"] for f in fails] == ["restart"] * 3
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["time"] - kill_train["detect_time"] < 5.0  # not torch's 30 s wait for the stopped rank
+    startups = [e for e in events if e["event"] == "startup"]
+    assert [s["attempt"] for s in startups] == [0, 3]  # attempts 1 and 2 never reached a step
+    assert {"imports_s", "group_s", "data_s", "model_s", "restore_s", "first_step_s"} <= set(startups[0]["ranks"]["0"])
+    assert "nproc_per_node = 2" in (run / "config.toml").read_text()  # --config <run>/config.toml relaunches 2
+    _same_as(clean, run)
