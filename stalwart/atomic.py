@@ -12,6 +12,8 @@ import contextlib
 import errno
 import json
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -140,3 +142,51 @@ def writing_output(path: Path, flag: str):
         yield
     except OSError as e:
         raise StorageError(f"{flag}: cannot write {path} ({_WORDS.get(e.errno) or e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def staged_output(out: str | Path, flag: str, last: tuple[str, ...] = (), prune=None):
+    """Write a command's output into a temporary directory beside ``out`` (yielded), then move each
+    entry into ``out``, the names in ``last`` last (a reader that opens ``last`` finds the rest in
+    place). ``prune(names)``, if given, runs before ``last`` are moved: it removes what an earlier
+    output left that this one replaces. Any failure while writing leaves ``out`` as it was, with no
+    half-written file: a storage failure (full, quota, read-only) is a StorageError, one line naming
+    ``flag``; anything else is raised as it is."""
+    out = Path(out)
+    existed = out.is_dir()
+    output_dir(out, flag)
+    tmp: Path | None = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        yield tmp
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in [n for n in names if n not in last]:
+            _move_into(tmp / name, out / name)
+        if prune is not None:
+            prune(set(names))
+        for name in [n for n in last if n in names]:
+            _move_into(tmp / name, out / name)
+        fsync_dir(out)
+    except Exception as e:
+        # Probed before the partial output is removed (which frees the space the write lacked).
+        probe = e if isinstance(e, (OSError, RuntimeError)) else RuntimeError(str(e))
+        words = storage_problem(probe, out)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = None
+        if not existed:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if still empty
+        if words is None:
+            raise
+        raise StorageError(f"{flag}: {words}; nothing was written to {out}") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_into(src: Path, dst: Path) -> None:
+    """Rename ``src`` over ``dst`` (a directory there is replaced whole)."""
+    if dst.is_dir() and not dst.is_symlink():
+        shutil.rmtree(dst)
+    os.replace(src, dst)

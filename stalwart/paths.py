@@ -116,6 +116,11 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def fingerprints(self) -> Path:
+        """Per-tensor sums of the state fingerprint (``stalwart.train.fingerprint``), rank 0."""
+        return self.root / "fingerprints.jsonl"
+
+    @property
     def events(self) -> Path:
         return self.root / "events.jsonl"
 
@@ -192,6 +197,16 @@ class RunPaths:
     @property
     def heartbeat_dir(self) -> Path:
         return self.ft_dir / "heartbeat"
+
+    @property
+    def demoted(self) -> Path:
+        """Restore sources whose first steps went non-finite: never restored again (train/checkpointer.py)."""
+        return self.ft_dir / "demoted.json"
+
+    @property
+    def restore_watch(self) -> Path:
+        """The restored source being watched and its non-finite steps so far (train/demotion.py)."""
+        return self.ft_dir / "restore_watch.json"
 
     def heartbeat(self, rank: int) -> Path:
         return self.heartbeat_dir / f"rank-{rank}.json"

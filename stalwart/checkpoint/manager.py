@@ -88,6 +88,7 @@ class CheckpointManager:
         self.last_error: str | None = None  # why the newest failed save failed
         self.last_stall_s = 0.0
         self._verified: VerifiedFiles | None = None  # the last checkpoint verified for loading
+        self.skip_steps: set[int] = set()  # demoted checkpoints: never resumed from (train/demotion.py)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -315,7 +316,7 @@ class CheckpointManager:
             self.verify(path, keep=not full, share=not full)
             return path
         for path in reversed(self.complete_checkpoints()):
-            if before is not None and checkpoint_step(path) >= before:
+            if (before is not None and checkpoint_step(path) >= before) or checkpoint_step(path) in self.skip_steps:
                 continue
             try:
                 self.verify(path, keep=not full, share=not full)

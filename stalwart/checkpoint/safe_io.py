@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,22 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def unpickling_reason(e: BaseException) -> str:
+    """One line from a refused ``torch.load(weights_only=True)``: the object it refused, never torch's
+    advice to turn the safety off."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "global" in line]
+    plain = [line for line in lines if "weights_only" not in line and "Weights only" not in line]
+    return (named or plain or ["a pickled Python object"])[0]
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(f"checkpoint entry '{read_item.dest_index.fqn}' is not plain data: {e}") from None
+            raise UnsafeCheckpointError(f"checkpoint entry '{read_item.dest_index.fqn}' is not plain data: "
+                                        f"{unpickling_reason(e)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -100,9 +111,24 @@ _UNSAFE = re.compile(r"(checkpoint (?:metadata|entry) .*?(?:not allowed|not plai
                      r"(Weights only load failed[^\n]*)")
 
 
+def _wrapped(e: BaseException) -> list[BaseException]:
+    """The per-rank exceptions DCP wrapped into ``e`` (a ``CheckpointException``), else ``[e]``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        return [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()] or [e]
+    return [e]
+
+
 def describe_load_failure(path: Path, e: BaseException) -> str:
-    """One line for a failed DCP load; unsafe content (code on load) is named as refused."""
-    text = str(e)
+    """One line for a failed DCP load; unsafe content (code on load) is named as refused.
+
+    DCP wraps each rank's exception with its traceback, whose source lines may look like the message
+    itself: the wrapped exceptions are read first, the text only for what they do not say."""
+    inner = _wrapped(e)
+    unsafe = next((x for x in inner if isinstance(x, UnsafeCheckpointError)), None)
+    if unsafe is not None:
+        return f"checkpoint {path}: refused: {unsafe}"
+    text = "\n".join("".join(traceback.format_exception_only(type(x), x)) for x in inner)
     m = _UNSAFE.search(text)
     if m and m.group(1):
         return f"checkpoint {path}: refused: {m.group(1).strip()}"

@@ -36,7 +36,8 @@ from torch.futures import Future
 from stalwart.checkpoint.direct_io import ALIGN, HASHES, file_digest
 from stalwart.checkpoint.read_stream import READ_ARENA, ReadArena, StreamingRead, units_for_records, units_from_cuts
 from stalwart.checkpoint.records import RecordError, tensor_from_record
-from stalwart.checkpoint.safe_io import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
+from stalwart.checkpoint.safe_io import (SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata,
+                                         unpickling_reason)
 from stalwart.checkpoint.writer import TRAINER_STATE
 from stalwart.errors import PeerUserError, UserError
 
@@ -274,7 +275,7 @@ class MemoryFileSystemReader(SafeFileSystemReader):
             raise CheckpointError(f"checkpoint {self._files_path}: file {info.relative_path}: entry "
                                   f"'{fqn}' is not a tensor record ({e})") from None
         except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(f"checkpoint entry '{fqn}' is not plain data: {e}") from None
+            raise UnsafeCheckpointError(f"checkpoint entry '{fqn}' is not plain data: {unpickling_reason(e)}") from None
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("stalwart.cli.dashboard", "serve a live web dashboard of a run directory (localhost)"),
     "report": ("stalwart.cli.report", "write a static HTML report, PNG plots and (--trace) a Perfetto trace"),
     "diagnose": ("stalwart.cli.diagnose", "analyse flight-recorder dumps: which rank hung, and where"),
+    "compare": ("stalwart.cli.compare", "the first step (and tensor) where two runs' training states differ"),
     "goodput": ("stalwart.cli.goodput", "split a run's wall time: productive, lost, detection, restart (ETTR)"),
     "doctor": ("stalwart.cli.doctor", "per-rank compute/communication health check; flags outlier ranks"),
 }

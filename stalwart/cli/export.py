@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from stalwart.atomic import staged_output
 from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 from stalwart.paths import RunPaths
@@ -27,7 +28,7 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
     from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
     from stalwart.checkpoint.safe_io import UnsafeCheckpointError, describe_load_failure
     from stalwart.data.tokenizer import EOS
-    from stalwart.export.hf import export_hf, first_shape_mismatch, model_shapes, shape_words
+    from stalwart.export.hf import export_hf, first_shape_mismatch, model_shapes, shape_words, weight_files
 
     run = open_run_checkpoint(run_dir, checkpoint)
     path, args, tokenizer = run.path, run.args, run.tokenizer
@@ -45,7 +46,14 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shar
         raise ExportCliError(f"{flag}: tensor '{name}' has shape {shape_words(have)} in the checkpoint, but the "
                              f"model {run_dir}/config.toml describes has {shape_words(want)}; export it with "
                              "--run set to the run that wrote it")
-    export_hf(state, args, RunPaths(run_dir).tokenizer, EOS, tokenizer.token_to_id(EOS), out, max_shard_bytes)
+    def prune(written: set[str]) -> None:  # an earlier export's weight files this one does not rewrite
+        for stale in weight_files(out):
+            if stale.name not in written:
+                stale.unlink()
+
+    # Written beside --out first and moved in whole, config.json last: a full disk leaves --out as it was.
+    with staged_output(out, "--out", last=("config.json",), prune=prune) as tmp:
+        export_hf(state, args, RunPaths(run_dir).tokenizer, EOS, tokenizer.token_to_id(EOS), tmp, max_shard_bytes)
     return path
 
 

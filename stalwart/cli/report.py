@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stalwart.atomic import output_dir
+from stalwart.atomic import staged_output
 from stalwart.config.arguments import ArgumentParser
 from stalwart.errors import UserError
 
@@ -35,17 +35,18 @@ def main(argv: list[str]) -> int:
     if not Path(args.run_dir).is_dir():
         raise UserError(f"no run directory at {args.run_dir}")
     window = _window(args.trace_steps)
-    if args.out is not None:
-        output_dir(args.out, "--out")
     from stalwart.observe.report import write_report
-
-    res = write_report(args.run_dir, args.out, trace=args.trace, trace_steps=window, plots=not args.no_plots)
-    for f in res["files"]:
-        print(f)
     from stalwart.observe.profiler import list_profiles
     from stalwart.paths import RunPaths
 
     paths = RunPaths(args.run_dir)
+    out = Path(args.out) if args.out is not None else paths.report_dir
+    # Written beside the output directory first and moved in whole, report.html last: a full disk
+    # leaves the directory as it was.
+    with staged_output(out, "--out", last=("report.html",)) as tmp:
+        res = write_report(args.run_dir, tmp, trace=args.trace, trace_steps=window, plots=not args.no_plots)
+    for f in res["files"]:
+        print(out / Path(f).relative_to(tmp))
     for p in list_profiles(paths):
         print(f"profiler {p['kind']} (rank {p['rank']}, linked from the report): {paths.profile_dir / p['name']}")
     st = res["data"]["stragglers"]

@@ -245,6 +245,10 @@ class CheckpointConfig:
                                   "the newest disk checkpoint. Costs 2x the local shard state in host RAM.", 0, min=0)
     memory_dir: str = option("Directory for in-memory snapshots ('' = /dev/shm/stalwart-<hash of run.dir>). Must "
                              "be RAM-backed (tmpfs) and outlive the worker processes.", "")
+    demote_after: int = option("A restore whose first this many steps all go non-finite (loss or gradients) "
+                               "demotes the state it came from (memory snapshot -> newest disk checkpoint -> "
+                               "older ones) and restores from the next; a source is never restored twice "
+                               "(<run>/ft/demoted.json). 0 = off.", 3, min=0)
     init_from_hf: str = option("Initialise the weights from a Hugging Face Llama directory (config.json + "
                                "safetensors) when starting fresh, with its tokenizer.json as the run's tokenizer "
                                "('' = seeded random init).", "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from stalwart.checkpoint.manager import (CheckpointError, CheckpointManager, Pee
 from stalwart.checkpoint.writer import TRAINER_STATE, all_gather_object
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
+from stalwart.train.demotion import RestoreWatch
+from stalwart.train.preempt import Preempted, PreemptionSignal
 
 
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
@@ -47,6 +50,9 @@ class Checkpointer:
         if cfg.memory_interval:
             self.snapshots = SnapshotStore(paths.snapshots(cfg.memory_dir), env.rank, env.world_size,
                                            env.local_world_size, layout=core.dims.describe())
+        self.preemption = PreemptionSignal()  # the loop enters it: SIGTERM -> save this step, exit 75
+        self.watch = RestoreWatch(paths, env.rank == 0, cfg.demote_after, log_event)
+        self.manager.skip_steps = self.watch.steps("disk")
         self.resumed_from: Path | None = None
         self.initialized_from: str | None = None  # a Hugging Face directory the weights came from
         self.disk_loads = 0  # disk checkpoints loaded by this process (a single controller reports it)
@@ -89,13 +95,16 @@ class Checkpointer:
         for name, obj in self.stateful.items():
             obj.load_state_dict(st[name])
 
-    def restore(self) -> None:
-        """Resume from the best state available, or initialise from Hugging Face weights."""
+    def restore(self) -> str | None:
+        """Resume from the best state available (``memory`` or ``disk``, returned), or initialise from
+        Hugging Face weights (None). Demoted sources (``train/demotion.py``) are passed over."""
         model, optimizer = self.core.model, self.core.optimizer
         path = self.manager.resolve_resume()
         disk_step = checkpoint_step(path) if path is not None else -1
         snap = self.snapshots.newest_complete_step() if (
             self.snapshots is not None and self.cfg.resume == "auto") else None
+        if snap is not None and snap in self.watch.steps("memory"):
+            snap = None
         extra: dict[str, Any] = {}
         if snap is not None and snap > disk_step:
             self.manager.drop_verified()
@@ -118,10 +127,12 @@ class Checkpointer:
                 load_hf_into(model, self.core.spec.model_args, self.cfg.init_from_hf)
                 self.initialized_from = self.cfg.init_from_hf
                 self.log_event("initialized", source="hf", path=self.cfg.init_from_hf)
-            return
+            return None
         self._load_trainer_state(step, st)
         self.resumed_from = path
         self.log_event("resumed", step=step, path=str(path), source=source, **extra)
+        self.watch.restored(source, step)
+        return source
 
     def restore_from(self, source: str) -> int | None:
         """Restore the newest state of one kind, ``"memory"`` (a complete in-memory snapshot) or
@@ -150,17 +161,66 @@ class Checkpointer:
         return self.manager.save(self.core.state.step, self.core.model, self.core.optimizer,
                                  self.trainer_state(), block=block)
 
-    def maybe_save(self, step: int, end: int) -> None:
-        """After step ``step``: commit a finished async save; snapshot / checkpoint at their intervals
-        (the final step is saved by ``finish``)."""
+    def maybe_save(self, step: int, end: int, record: dict[str, Any] | None = None) -> None:
+        """After step ``step`` (whose ``record`` tells how it went): commit a finished async save; demote a
+        restored state whose steps go non-finite and restore the next; on preemption save this step and
+        stop; snapshot / checkpoint at their intervals (the final step is saved by ``finish``)."""
+        stop = step < end and self.preemption.agreed()  # collective: every rank stops after the same step
         self.manager.poll()  # commits an async save once every rank's write is durable
-        if step == end:
+        if record is not None and self.watch.step_done(record):
+            self._demote_and_restore()
+            return
+        if stop:
+            self._save_and_stop(step)
+        if step == end or self.watch.suspect:  # never save a state that went non-finite since its restore
             return
         if self.snapshots is not None and step % self.cfg.memory_interval == 0:
             self.snapshots.save_async(step, self.core.model, self.core.optimizer, self.trainer_state())
         if self.cfg.interval and step % self.cfg.interval == 0:
             with self._phase("checkpoint"):
                 self.save()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Around a step: a non-finite rollback (``fault.nonfinite = rollback``) right after a restore
+        counts against the restored source before the group restarts."""
+        from stalwart.ft.guard import RollbackRequested
+
+        try:
+            yield
+        except RollbackRequested as e:
+            if str(e).startswith("non-finite"):  # a loss spike is not the state's fault
+                self.watch.rolled_back()
+            raise
+
+    def _demote_and_restore(self) -> None:
+        """The restored state went non-finite ``demote_after`` steps in a row: demote its source and restore
+        the next one (collective: every rank decides alike from the agreed loss and gradient norm)."""
+        entry = self.watch.demote()
+        if self.env.rank == 0:
+            print(f"warning: the {entry['bad_steps']} steps after restoring the {entry['source']} state of step "
+                  f"{entry['step']} all went non-finite: that source is demoted; restoring from the next saved "
+                  "state", file=sys.stderr, flush=True)
+        self.manager.wait()
+        self.manager.skip_steps = self.watch.steps("disk")
+        if self.restore() is None:
+            raise CheckpointError(
+                f"the {entry['source']} state of step {entry['step']} went non-finite after it was restored and no "
+                "older saved state is left to restore; fix the cause (learning rate, data), then resume from a "
+                "chosen checkpoint with --checkpoint.resume PATH or start over")
+
+    def _save_and_stop(self, step: int) -> None:
+        """Preempted (SIGTERM): checkpoint this step, blocking, then raise :class:`Preempted` on every rank.
+        A save that fails (under ``on_failure = continue``) still stops: the newest complete checkpoint
+        is what the requeued job resumes from."""
+        with self._phase("checkpoint"):
+            path = self.save(block=True)
+        seconds = self.preemption.seconds_since()
+        error = None if path is not None else self.manager.last_error
+        with contextlib.suppress(OSError):
+            self.log_event("preempted", step=step, checkpoint=str(path) if path else None,
+                           signal_to_durable_s=round(seconds, 3), error=error)
+        raise Preempted(step, str(path) if path else None, seconds, error)
 
     def finish(self, trained: bool, stopped_early: bool) -> Path | None:
         """End of a session: the final save (when anything was trained), then every save committed.

@@ -35,6 +35,7 @@ from stalwart.train.data_setup import build_run_data
 from stalwart.runtime.env import DistEnv
 from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.evaluator import Evaluator
+from stalwart.train.fingerprint import Fingerprinter
 from stalwart.train.observer import Observer, TimedLoader
 from stalwart.train.publisher import WeightPublisher
 
@@ -98,6 +99,9 @@ class Trainer:
                     "config_sha256": hashlib.sha256(to_toml(cfg).encode()).hexdigest()}
         self.checkpointer = Checkpointer(cfg.checkpoint, self.paths, env, self.core, {"data": data},
                                          self.observer.events, describe, phase=self.observer.phase)
+        self.fingerprinter = Fingerprinter(self.core.model, self.core.optimizer, data.state_dict,
+                                           cfg.metrics.log_interval, cfg.training.stop_at_step or cfg.training.steps,
+                                           self.paths.fingerprints, env.is_main)
         self.publisher = WeightPublisher(cfg.publish, self.paths, env, self.core.model, self.observer.events,
                                          self.observer.say, self.observer.phase)
         self.state = self.core.state
@@ -115,7 +119,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        with self.observer, self.guard, self.injector or contextlib.nullcontext(), self.data_loader, self.publisher:
+        # The SIGTERM handler goes in first: the flight recorder's (installed by the observer) dumps, then calls it.
+        with self.checkpointer.preemption, self.observer, self.guard, self.injector or contextlib.nullcontext(), \
+                self.data_loader, self.publisher:
             self.begin()
             while self.state.step < self.end:
                 self.step()
@@ -130,13 +136,14 @@ class Trainer:
         ``batches`` and ``data_after``, the data position after them, which the loader takes before the
         checkpointer acts, so that a checkpoint of this step resumes at the right batch."""
         n = self.state.step + 1
-        with self.observer.step(n), self.guard.step(n):
+        with self.observer.step(n), self.guard.step(n), self.checkpointer.watching():
             record = self.core.train_step(self.loader.next() if batches is None else batches)
         if data_after is not None:
             self.loader.load_state_dict(data_after)
+        self.fingerprinter.maybe_stamp(n, record)
         self.observer.log(record)
         self.evaluator.maybe_run(n, self.end)
-        self.checkpointer.maybe_save(n, self.end)
+        self.checkpointer.maybe_save(n, self.end, record)
         self.publisher.maybe_publish(n)
         return record
 

@@ -19,6 +19,7 @@ from stalwart.ft.detect import EXIT_ROLLBACK, EXIT_USER_ERROR, PEER_LOST
 from stalwart.ft.guard import RollbackRequested
 from stalwart.ft.records import mark_startup, record_exit
 from stalwart.paths import RunPaths
+from stalwart.train.preempt import EXIT_REQUEUE, Preempted
 from stalwart.ft.runlock import RunLock, held_by_parent, under_stalwart_launcher
 
 
@@ -118,6 +119,12 @@ def _worker_main(cfg: JobConfig) -> int:
         if not env.is_distributed:
             raise  # one process: `stalwart train` says it was interrupted
         _leave(128 + signal.SIGINT)  # Ctrl-C reached every worker; the launcher says so once
+    except Preempted as e:  # SIGTERM: every rank saved this step together; the scheduler requeues
+        if env.is_main and not (env.is_distributed and under_stalwart_launcher()):  # else the launcher says it
+            print(f"stalwart train: {e}", file=sys.stderr, flush=True)
+        if not env.is_distributed:
+            return EXIT_REQUEUE
+        _leave(EXIT_REQUEUE)
     except RollbackRequested as e:
         if env.is_main:
             print(f"stalwart train: rolling back to the last good state: {e}", file=sys.stderr, flush=True)

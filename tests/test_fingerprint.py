@@ -1,0 +1,91 @@
+"""The state fingerprint: every changed bit changes it, shards add up to the whole tensor whatever the
+layout, replicas count once; `stalwart compare` names the first differing step and tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.cli import compare
+from stalwart.errors import UserError
+from stalwart.train.fingerprint import MASK, combine, int_sum, read_tensor_sums, whole
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_every_single_bit_flip_changes_the_sum(dtype):
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(257, generator=g) * 100).to(dtype)
+    base = int(int_sum(t))
+    raw = t.clone().view(torch.uint8)
+    for byte in (0, 1, raw.numel() // 2, raw.numel() - 1):
+        for bit in range(8):
+            flipped = raw.clone()
+            flipped[byte] ^= 1 << bit
+            assert int(int_sum(flipped.view(dtype))) != base, (dtype, byte, bit)
+
+
+def test_negative_zero_and_nan_payloads_are_told_apart():
+    assert int(int_sum(torch.tensor([0.0]))) != int(int_sum(torch.tensor([-0.0])))
+    a = torch.tensor([float("nan")])
+    b = a.view(torch.int32).add(1).view(torch.float32)  # another NaN payload: equal for every float test
+    assert int(int_sum(a)) != int(int_sum(b))
+
+
+def _pieces(name: str, t: torch.Tensor, parts: int) -> list[list]:
+    """``parts`` ranks' dim-0 shards of ``t`` as (name, offset, sum): what FSDP ranks contribute."""
+    out, start = [], 0
+    for chunk in torch.tensor_split(t, parts):
+        offset = ",".join(map(str, [start] + [0] * (t.dim() - 1)))
+        out.append([(name, offset, int(int_sum(chunk)))])
+        start += chunk.shape[0]
+    return out
+
+
+def test_sharded_replicated_and_single_layouts_give_one_value():
+    w = torch.randn(10, 3)
+    single = combine([{"pieces": [("params/w", "0,0", int(int_sum(w)))], "rng": "r", "data": "d"}])
+    shards = combine([{"pieces": p, "rng": "r", "data": "d"} for p in _pieces("params/w", w, 3)])
+    replicas = combine([{"pieces": [("params/w", "0,0", int(int_sum(w)))], "rng": "r", "data": "d"}] * 4)
+    assert single[0] == shards[0] == replicas[0] == {"params/w": int(int_sum(w)) & MASK}
+    assert single[1]["params"] == shards[1]["params"] == replicas[1]["params"]
+    assert single[1]["rng"] == replicas[1]["rng"]  # identical RNG states on every replica count once
+
+
+def test_each_component_moves_the_whole():
+    base = {"pieces": [("params/w", "0", 5), ("optim/w/exp_avg", "0", 7)], "rng": "r", "data": "d"}
+    ref = whole(combine([base])[1])
+    for change in ({"pieces": [("params/w", "0", 6), ("optim/w/exp_avg", "0", 7)]},
+                   {"pieces": [("params/w", "0", 5), ("optim/w/exp_avg", "0", 8)]}, {"rng": "s"}, {"data": "e"}):
+        assert whole(combine([{**base, **change}])[1]) != ref, change
+
+
+def _run(tmp: Path, name: str, fps: dict[int, tuple[str, dict, dict[str, int]]]) -> Path:
+    run = tmp / name
+    run.mkdir()
+    lines, sums = [], [json.dumps({"names": sorted(next(iter(fps.values()))[2])})]
+    for step, (fp, parts, tensors) in fps.items():
+        lines.append(json.dumps({"step": step, "loss": 1.0, "fingerprint": fp, "fingerprint_parts": parts}))
+        sums.append(json.dumps({"step": step, "sums": [f"{v:08x}" for _, v in sorted(tensors.items())]}))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "fingerprints.jsonl").write_text("\n".join(sums) + "\n")
+    return run
+
+
+def test_compare_names_the_first_step_and_tensor(tmp_path, capsys):
+    same = {"params/a": 1, "params/b": 2}
+    a = _run(tmp_path, "a", {1: ("x1", {"params": "p1"}, same), 2: ("x2", {"params": "p2"}, same),
+                             3: ("x3", {"params": "p3"}, same)})
+    b = _run(tmp_path, "b", {1: ("x1", {"params": "p1"}, same), 2: ("y2", {"params": "q2"}, {**same, "params/b": 3}),
+                             3: ("y3", {"params": "q3"}, same)})
+    assert compare.main([str(a), str(a)]) == 0
+    assert compare.main([str(a), str(b), "--tensors"]) == 1
+    out = capsys.readouterr().out
+    assert "first at step 2 (params;" in out and "first tensor: params/b" in out, out
+    assert read_tensor_sums(b / "fingerprints.jsonl")[2]["params/b"] == 3
+    with pytest.raises(UserError, match="no run directory"):
+        compare.main([str(a), str(tmp_path / "missing")])
