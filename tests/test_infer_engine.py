@@ -282,3 +282,37 @@ def test_a_sparse_model_serves_with_the_same_greedy_tokens():
     args = dataclasses.replace(FLAVORS["debug-moe"], vocab_size=96, max_seq_len=128, init_std=0.4)
     reference = [sample(build(args=args), p, GREEDY.max_tokens, 128, temperature=0) for p in prompts(8)]
     assert run(Engine(build(args=args), ByteTokenizer(), None, EngineConfig()), prompts(8), GREEDY) == reference
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("lengths", ["equal", "unequal"])
+def test_a_batch_admitted_together_decodes_from_one_view_of_the_cache(lengths, monkeypatch):
+    """Sequences admitted together are placed at evenly spaced blocks, so their decodes read the cache in
+    place, in one strided call (lengths that differ are masked); the tokens are generate's."""
+    import stalwart.infer.attention as attention
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [20] * 8 if lengths == "equal" else [17, 20, 23, 26, 19, 22, 25, 18]
+    batch = [torch.randint(0, ARGS.vocab_size, (n,), generator=g).tolist() for n in sizes]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)  # 2 blocks of 16 each
+    reference = [sample(build(), p, 6, ARGS.max_seq_len, temperature=0) for p in batch]
+    seen: list[attention.StepLayout] = []
+    real = attention.build_layout
+    monkeypatch.setattr(attention, "build_layout", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr("stalwart.infer.engine.build_layout", attention.build_layout)
+    engine = Engine(build(), ByteTokenizer(), None, EngineConfig())
+    assert run(engine, batch, params) == reference
+    decodes = [d for layout in seen for d in layout.decodes]
+    assert decodes and all(d.count == 8 and d.stride == 32 for d in decodes)
+    assert all((d.lengths is None) == (lengths == "equal") for d in decodes)
+
+
+@pytest.mark.unit
+def test_the_pool_places_a_sequence_where_it_can_grow_in_place():
+    pool = BlockPool(num_blocks=16, block_size=4)
+    a = pool.allocate(2, room=5)  # a new sequence: two blocks now, room for five
+    b = pool.allocate(1, room=3)
+    assert a == [0, 1] and b == [5]
+    assert pool.allocate(2, after=a[-1]) == [2, 3]  # grows in place
+    pool.allocate(1, after=3)  # block 4, the last of a's room
+    assert pool.allocate(1, after=4) == [8]  # 5 is b's: the next free run past everyone's room

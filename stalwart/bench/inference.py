@@ -1,18 +1,24 @@
-"""`stalwart bench inference`: the engine against Hugging Face `transformers` generate, side by side.
+"""`stalwart bench inference`: the engine against Hugging Face `transformers`, side by side.
 
-Both run the same weights (the engine on Stalwart's model, transformers on the exported Llama) on the
-same request sets, interleaved repeat by repeat, in this process:
+All systems run the same weights (the engine on Stalwart's model, transformers on the exported Llama)
+on the same request sets, interleaved repeat by repeat, in this process:
 - batch 1: one request;
 - batch 32: 32 equal requests at once;
 - mixed: 32 requests with prompt and output lengths drawn from a seeded range, all arriving at t=0.
-  transformers runs them as static batches in arrival order (each batch runs to its longest output);
-  the engine batches continuously.
-Reported per run: output tokens/s, time to first token and time per output token (p50, p99).
+The peers: `transformers` is `generate` on static batches in arrival order (on the mixed trace each batch
+runs to its longest output); `transformers-cb` is transformers' own continuous batching
+(`init_continuous_batching`, the engine behind `generate_batch`), where the installed version has it.
+Each system is warmed up once per model before anything is timed (the warm-up's seconds are printed).
+The engine's KV cache is sized to hold the whole workload, as transformers' caches are.
+Reported per run: output tokens/s, time to first token and time per output token (p50, p99), the load
+average when it ran; then each repeat's throughput ratio over every peer.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -53,24 +59,36 @@ def workloads(vocab: int, seed: int = 0) -> dict[str, list[Req]]:
             "mixed": [Req(prompt(rng.randint(8, 384)), rng.randint(8, 128)) for _ in range(32)]}
 
 
+def engine_config(model: Transformer, reqs: list[Req], base: EngineConfig) -> EngineConfig:
+    """``base`` with a KV cache that holds every request of ``reqs`` at once, as transformers' caches do
+    (the default 256 MiB would preempt the 125M model's batch of 32)."""
+    a = model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * next(model.parameters()).element_size()
+    blocks = sum(-(-(len(r.prompt) + r.out) // base.block_size) for r in reqs) + 2
+    return dataclasses.replace(base, kv_cache_mb=blocks * base.block_size * per_token / 2**20)
+
+
+def timings(start: float, stamps: dict[str, list[float]], seconds: float) -> Result:
+    """A run's figures from each request's token times (seconds after ``start``)."""
+    ttft = [t[0] - start for t in stamps.values() if t]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in stamps.values() if len(t) > 1]
+    return Result(seconds, sum(len(t) for t in stamps.values()), ttft, tpot)
+
+
 def run_engine(model: Transformer, reqs: list[Req], cfg: EngineConfig) -> Result:
     engine = Engine(model, None, None, cfg)
+    device = engine.device
     start = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add(str(i), r.prompt, SamplingParams(max_tokens=r.out, temperature=0.0, ignore_eos=True))
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    count: dict[str, int] = {}
+    stamps: dict[str, list[float]] = {str(i): [] for i in range(len(reqs))}
     while engine.has_work():
         outs = engine.step()
-        now = time.perf_counter() - start
+        synchronize(device)
+        now = time.perf_counter()
         for o in outs:
-            first.setdefault(o.rid, now)
-            last[o.rid] = now
-            count[o.rid] = count.get(o.rid, 0) + len(o.choices)
-    seconds = time.perf_counter() - start
-    tpot = [(last[k] - first[k]) / (count[k] - 1) for k in first if count[k] > 1]
-    return Result(seconds, sum(count.values()), list(first.values()), tpot)
+            stamps[o.rid] += [now] * len(o.choices)
+    return timings(start, stamps, time.perf_counter() - start)
 
 
 class _Clock:
@@ -92,7 +110,7 @@ def run_hf(hf, reqs: list[Req], batch: int) -> Result:
 
     device = hf.device
     start = time.perf_counter()
-    ttft, tpot, tokens = [], [], 0
+    stamps: dict[str, list[float]] = {}
     for b in range(0, len(reqs), batch):
         group = reqs[b:b + batch]
         width = max(len(r.prompt) for r in group)
@@ -106,13 +124,41 @@ def run_hf(hf, reqs: list[Req], batch: int) -> Result:
         hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
                     min_new_tokens=steps, do_sample=False, logits_processor=LogitsProcessorList([clock]),
                     pad_token_id=0, eos_token_id=None)
-        t = [x - start for x in clock.times]
-        for r in group:
-            ttft.append(t[0])
-            if r.out > 1:
-                tpot.append((t[r.out - 1] - t[0]) / (r.out - 1))
-            tokens += r.out
-    return Result(time.perf_counter() - start, tokens, ttft, tpot)
+        for i, r in enumerate(group):
+            stamps[str(b + i)] = clock.times[:r.out]
+    return timings(start, stamps, time.perf_counter() - start)
+
+
+def has_continuous_batching(hf) -> bool:
+    return hasattr(hf, "init_continuous_batching")
+
+
+def run_hf_cb(hf, reqs: list[Req]) -> Result:
+    """transformers' continuous batching: every request queued at t=0, its own output length."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen = GenerationConfig(max_new_tokens=max(r.out for r in reqs), do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    hints = WorkloadHints(max(len(r.prompt) for r in reqs), max(r.out for r in reqs), len(reqs))
+    manager = hf.init_continuous_batching(generation_config=gen, workload_hints=hints)
+    start = time.perf_counter()
+    manager.start()
+    try:
+        for i, r in enumerate(reqs):
+            manager.add_request(r.prompt, str(i), max_new_tokens=r.out, record_timestamps=True, eos_token_id=-1)
+        stamps: dict[str, list[float]] = {}
+        while len(stamps) < len(reqs):
+            out = manager.get_result(timeout=1)
+            if out is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before finishing")
+            if out is not None and out.is_finished():
+                stamps[out.request_id] = list(out.timestamps)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
+    return timings(start, stamps, seconds)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -121,8 +167,6 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def build(flavor: str, vocab: int, seed: int = 0):
-    import dataclasses
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
     args = dataclasses.replace(FLAVORS[flavor], vocab_size=vocab, max_seq_len=1024)
@@ -140,36 +184,55 @@ def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench inference", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavors", default="tiny:1024,125M:32768", help="flavor:vocab pairs, comma separated")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workloads", default="batch 1,batch 32,mixed")
+    p.add_argument("--peers", default="transformers,transformers-cb",
+                   help="systems compared with stalwart, comma separated (transformers-cb: transformers' "
+                        "continuous batching, skipped where the installed version lacks it)")
     p.add_argument("--hf-batch", type=int, default=32, help="static batch size of transformers on the mixed trace")
-    p.add_argument("--device", default="auto", choices=DEVICES, help="where both run (auto = cuda if available)")
+    p.add_argument("--max-batch-tokens", type=int, default=EngineConfig().max_batch_tokens,
+                   help="the engine's token budget per forward pass (engine.max_batch_tokens)")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where all run (auto = cuda if available)")
     a = p.parse_args(argv)
     device = resolve_device(a.device)
     torch.set_grad_enabled(False)
+    base = EngineConfig(max_batch_tokens=a.max_batch_tokens)
     where = accelerator_name(device) or f"{device.type}, {torch.get_num_threads()} thread(s)"
-    print(f"# torch {torch.__version__}, {where}; greedy, fp32")
-    print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<13} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'TPOT p99':>9}   (ms)")
+    print(f"# torch {torch.__version__}, {where}; greedy, fp32; engine.max_batch_tokens {base.max_batch_tokens}")
+    print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<15} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9}  {'load':>5}   (times in ms; load: 1-minute load average)")
     for spec in a.flavors.split(","):
         flavor, vocab = spec.split(":")
         model, hf = build(flavor, int(vocab))
         model, hf = model.to(device), hf.to(device)
         loads = workloads(int(vocab))
+        peers = [s for s in a.peers.split(",") if s and (s != "transformers-cb" or has_continuous_batching(hf))]
+        if "transformers-cb" in a.peers.split(",") and "transformers-cb" not in peers:
+            print("# transformers-cb skipped: this transformers has no continuous batching")
+        runners = {"stalwart": lambda reqs, name: run_engine(model, reqs, engine_config(model, reqs, base)),
+                   "transformers": lambda reqs, name: run_hf(hf, reqs, a.hf_batch if name == "mixed" else len(reqs)),
+                   "transformers-cb": lambda reqs, name: run_hf_cb(hf, reqs)}
+        warm = loads["mixed"][:2]
+        for system in ["stalwart", *peers]:
+            t = time.perf_counter()
+            runners[system](warm, "mixed")
+            print(f"# {flavor} {system} warm-up: {time.perf_counter() - t:.1f} s", flush=True)
         for name in a.workloads.split(","):
             reqs = loads[name]
-            ratios = []
+            ratios: dict[str, list[float]] = {peer: [] for peer in peers}
             for rep in range(a.repeats):
                 pair = {}
-                for system in ("stalwart", "transformers"):
-                    r = (run_engine(model, reqs, EngineConfig()) if system == "stalwart"
-                         else run_hf(hf, reqs, a.hf_batch if name == "mixed" else len(reqs)))
-                    pair[system] = r
-                    print(f"{flavor:<8} {name:<9} {rep:>3} {system:<13} {r.tokens / r.seconds:8.1f} "
+                for system in ["stalwart", *peers]:
+                    load = os.getloadavg()[0]
+                    r = pair[system] = runners[system](reqs, name)
+                    print(f"{flavor:<8} {name:<9} {rep:>3} {system:<15} {r.tokens / r.seconds:8.1f} "
                           f"{1e3 * pct(r.ttft, .5):9.1f} {1e3 * pct(r.ttft, .99):9.1f} {1e3 * pct(r.tpot, .5):9.1f} "
-                          f"{1e3 * pct(r.tpot, .99):9.1f}", flush=True)
-                s, h = pair["stalwart"], pair["transformers"]
-                ratios.append((h.seconds / s.seconds) * (s.tokens / h.tokens))
-            print(f"{flavor:<8} {name:<9} throughput ratio stalwart/transformers per repeat: "
-                  + ", ".join(f"{x:.2f}x" for x in ratios), flush=True)
+                          f"{1e3 * pct(r.tpot, .99):9.1f}  {load:5.2f}", flush=True)
+                s = pair["stalwart"]
+                for peer in peers:
+                    h = pair[peer]
+                    ratios[peer].append((h.seconds / s.seconds) * (s.tokens / h.tokens))
+            for peer in peers:
+                print(f"{flavor:<8} {name:<9} throughput ratio stalwart/{peer} per repeat: "
+                      + ", ".join(f"{x:.2f}x" for x in ratios[peer]), flush=True)
     return 0

@@ -6,14 +6,22 @@ tokens (every sequence's new tokens side by side, batch 1) and replaces each lay
 ``PagedAttention`` that writes the new keys and values into cache slots and lets each sequence's
 queries attend to that sequence's cached context only.
 
-Each sequence is attended on its own, with exactly the tensor shapes it would have if it ran alone,
-so a request's attention does not depend on what else is in the batch.
+The cache is read in place, never copied into a padded batch, whenever a sequence's blocks are
+consecutive (the block pool places a sequence so they usually are): its keys are then a view of the
+cache. Sequences decoding one token whose contexts start at evenly spaced slots (a batch admitted
+together) are attended in one call over a strided view of the cache; a prompt with nothing cached
+attends to its own new keys, and prompts of equal length side by side in the stream share one call.
+Only a sequence whose blocks are scattered (a reused prefix, or a cache full enough that no
+consecutive block was free) has its context gathered, alone.
+
+With ``group`` off (the engine's bitwise mode), each sequence is attended on its own, with exactly
+the tensor shapes it would have if it ran alone, so its attention does not depend on the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,37 +32,134 @@ from stalwart.models.llama import sliding_window_mask
 
 @dataclass
 class Span:
-    """One sequence's share of a forward pass."""
+    """One sequence's new tokens, attended on their own."""
 
     q_start: int  # offset of its new tokens in the flat stream
     q_len: int  # new tokens (1 when decoding)
-    context: torch.Tensor  # (ctx_len,) cache slots of tokens 0..ctx_len-1, new ones included
-    positions: torch.Tensor  # (q_len,) absolute positions of the new tokens
+    ctx: int  # context length, new tokens included
+    start: int = -1  # first cache slot of its context when its blocks are consecutive, else -1
+    context: torch.Tensor | None = None  # (ctx,) cache slots of a scattered context
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing cached before these tokens: they attend to their own new keys and values."""
+        return self.q_len == self.ctx
 
 
 @dataclass
-class DecodeGroup:
-    """Sequences decoding one token each, attended in one padded call (the fast path)."""
+class Prefills:
+    """``count`` prompts of ``q_len`` tokens each with nothing cached, back to back in the stream from
+    ``q_start``: one causal call over a (count, heads, q_len, head_dim) view of the stream."""
 
-    rows: torch.Tensor  # (batch,) their tokens' offsets in the flat stream
-    context: torch.Tensor  # (batch, max_ctx) cache slots, padded with slot 0
-    lengths: torch.Tensor  # (batch,) context lengths
+    q_start: int
+    q_len: int
+    count: int
+
+
+@dataclass
+class Decodes:
+    """Sequences decoding one token each whose contexts start at evenly spaced cache slots ``start``,
+    ``start + stride``, ...: one call over a (count, kv_heads, ctx, head_dim) strided view of the cache.
+    Lengths that differ are masked; a shorter context's view runs on into the next one's slots."""
+
+    rows: torch.Tensor | slice  # their tokens' offsets in the stream, in cache order
+    start: int
+    stride: int
+    count: int
+    ctx: int  # the longest context
+    lengths: torch.Tensor | None  # (count,) context lengths when they differ
 
 
 @dataclass
 class StepLayout:
     slots: torch.Tensor  # (tokens,) cache slot of each new token
-    spans: list[Span]  # attended one by one, with the shapes each would have alone
-    decode: DecodeGroup | None = None
+    spans: list[Span] = field(default_factory=list)
+    prefills: list[Prefills] = field(default_factory=list)
+    decodes: list[Decodes] = field(default_factory=list)
 
 
-def decode_group(spans: list[Span], device: torch.device) -> DecodeGroup:
-    longest = max(s.context.numel() for s in spans)
-    context = torch.zeros(len(spans), longest, dtype=torch.long, device=device)
-    for i, s in enumerate(spans):
-        context[i, :s.context.numel()] = s.context
-    return DecodeGroup(torch.tensor([s.q_start for s in spans], device=device), context,
-                       torch.tensor([s.context.numel() for s in spans], device=device))
+def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, num_slots: int, group: bool,
+                 device: torch.device) -> StepLayout:
+    """The attention layout of a step from its spans (q_start, q_len, ctx_len, block table) over a
+    cache of ``num_slots`` slots.
+
+    Host work only (plain lists) until the few index tensors are made at the end.
+    """
+    bs = block_size
+    slots: list[int] = []
+    singles: list[Span] = []
+    decodes: list[tuple[int, int, int]] = []  # (start slot, stream row, ctx)
+    for q_start, q_len, ctx, blocks in spans:
+        nb = -(-ctx // bs)
+        b0 = blocks[0]
+        first = ctx - q_len
+        if blocks[:nb] == list(range(b0, b0 + nb)):
+            start = b0 * bs
+            slots.extend(range(start + first, start + ctx))
+            if group and q_len == 1:
+                decodes.append((start, q_start, ctx))
+            else:
+                singles.append(Span(q_start, q_len, ctx, start))
+        else:
+            table = torch.tensor(blocks[:nb], dtype=torch.long)
+            context = (table[:, None] * bs + torch.arange(bs)).flatten()[:ctx]
+            slots.extend(context[first:].tolist())
+            singles.append(Span(q_start, q_len, ctx, context=context.to(device)))
+    layout = StepLayout(torch.tensor(slots, dtype=torch.long, device=device))
+    _group_decodes(layout, decodes, num_slots, device)
+    if group:
+        _group_prefills(layout, singles)
+    else:
+        layout.spans = singles
+    return layout
+
+
+def _group_decodes(layout: StepLayout, decodes: list[tuple[int, int, int]], num_slots: int,
+                   device: torch.device) -> None:
+    """Cut the decodes, in cache order, into runs of evenly spaced starts; a run of one is a Span."""
+    decodes.sort()
+    i = 0
+    while i < len(decodes):
+        j = i + 1
+        if j < len(decodes):
+            stride = decodes[j][0] - decodes[i][0]
+            while j + 1 < len(decodes) and decodes[j + 1][0] - decodes[j][0] == stride:
+                j += 1
+            j += 1
+        run = decodes[i:j]
+        while len(run) > 1 and run[-1][0] + max(c for _, _, c in run) > num_slots:
+            j -= 1  # the strided view would run past the cache's end: the last one goes alone
+            run.pop()
+        i = j
+        if len(run) == 1:
+            start, row, ctx = run[0]
+            layout.spans.append(Span(row, 1, ctx, start))
+            continue
+        rows = [r for _, r, _ in run]
+        lengths = [c for _, _, c in run]
+        longest = max(lengths)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        layout.decodes.append(Decodes(
+            slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, device=device),
+            run[0][0], run[1][0] - run[0][0], len(run), longest,
+            None if min(lengths) == longest else torch.tensor(lengths, device=device)))
+
+
+def _group_prefills(layout: StepLayout, singles: list[Span]) -> None:
+    """Fresh prompts of equal length next to each other in the stream share one call."""
+    i = 0
+    while i < len(singles):
+        s = singles[i]
+        j = i + 1
+        if s.fresh:
+            while (j < len(singles) and singles[j].fresh and singles[j].q_len == s.q_len
+                   and singles[j].q_start == s.q_start + (j - i) * s.q_len):
+                j += 1
+        if j - i > 1:
+            layout.prefills.append(Prefills(s.q_start, s.q_len, j - i))
+        else:
+            layout.spans.append(s)
+        i = j
 
 
 class StepContext:
@@ -76,13 +181,25 @@ class KVCache:
     """One layer's keys and values: (slots, kv_heads, head_dim) each, slots = blocks x block_size."""
 
     def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        # Zeroed: padded decode attention reads (and masks) slot 0, which must hold finite values.
+        # Zeroed: a strided decode view reads (and masks) slots past a shorter context, which must hold
+        # finite values.
         self.k = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def run(self, start: int, stride: int, count: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``count`` contexts of ``ctx`` slots from ``start``, ``stride`` apart, as
+        (count, kv_heads, ctx, head_dim) views of the cache (no copy)."""
+        if start + (count - 1) * stride + ctx > self.k.shape[0]:
+            raise IndexError("a cache view past the end of the cache")
+        row = self.k.stride(0)
+        size, strides = (count, ctx, *self.k.shape[1:]), (stride * row, row, *self.k.stride()[1:])
+        kk = self.k.as_strided(size, strides, self.k.storage_offset() + start * row)
+        vv = self.v.as_strided(size, strides, self.v.storage_offset() + start * row)
+        return kk.transpose(1, 2), vv.transpose(1, 2)
 
 
 class PagedAttention(nn.Module):
@@ -101,38 +218,64 @@ class PagedAttention(nn.Module):
         vc.index_copy_(0, layout.slots, v[0].transpose(0, 1).to(vc.dtype))
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
-        if layout.decode is not None:
-            self._decode(q, out, layout.decode, gqa)
+        for group in layout.decodes:
+            self._decodes(q, out, group, gqa)
+        for group in layout.prefills:
+            self._prefills(q, k, v, out, group, gqa)
         for span in layout.spans:
-            qq = q[:, :, span.q_start:span.q_start + span.q_len]
-            ctx = span.context.numel()
-            # index_select: several times faster than advanced indexing for row gathers on CPU.
-            kk = kc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
-            vv = vc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)
-            window = 0 < self.sliding_window < ctx
-            if span.q_len == 1 and not window:
-                o = F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=gqa)
-            elif span.q_len == ctx and not window:
-                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
-            else:
-                k_pos = torch.arange(ctx, device=q.device)
-                mask = sliding_window_mask(span.positions, k_pos, self.sliding_window)
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
-            out[:, :, span.q_start:span.q_start + span.q_len] = o
+            self._span(q, k, v, out, span, gqa)
         return out
 
+    def _span(self, q, k, v, out, span: Span, gqa: bool) -> None:
+        a, b = span.q_start, span.q_start + span.q_len
+        qq = q[:, :, a:b]
+        ctx = span.ctx
+        if span.fresh:  # nothing cached before: its own new keys, as the stream holds them
+            kk, vv = k[:, :, a:b].to(self.cache.k.dtype), v[:, :, a:b].to(self.cache.v.dtype)
+        elif span.context is None:  # consecutive blocks: a view of the cache
+            kk, vv = self.cache.run(span.start, 0, 1, ctx)
+        else:  # scattered blocks: gathered (index_select is several times faster than indexing on CPU)
+            kc, vc = self.cache.k, self.cache.v
+            kk = kc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
+            vv = vc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)
+        window = 0 < self.sliding_window < ctx
+        if span.q_len == 1 and not window:
+            o = F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=gqa)
+        elif span.fresh and not window:
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+        else:
+            k_pos = torch.arange(ctx, device=q.device)
+            mask = sliding_window_mask(k_pos[ctx - span.q_len:], k_pos, self.sliding_window)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
+        out[:, :, a:b] = o
 
-    def _decode(self, q: torch.Tensor, out: torch.Tensor, group: DecodeGroup, gqa: bool) -> None:
-        kc, vc = self.cache.k, self.cache.v
-        qq = q[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (batch, heads, 1, head_dim)
-        shape = (*group.context.shape, *kc.shape[1:])  # (batch, max_ctx, kv_heads, head_dim)
-        kk = kc.index_select(0, group.context.flatten()).view(shape).transpose(1, 2)
-        vv = vc.index_select(0, group.context.flatten()).view(shape).transpose(1, 2)
-        k_pos = torch.arange(group.context.shape[1], device=kc.device)
-        allowed = k_pos[None, :] < group.lengths[:, None]  # (batch, max_ctx)
-        if self.sliding_window > 0:
-            allowed &= k_pos[None, :] >= group.lengths[:, None] - self.sliding_window
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed[:, None, None, :], enable_gqa=gqa)
+    def _prefills(self, q, k, v, out, group: Prefills, gqa: bool) -> None:
+        a, n, L = group.q_start, group.count, group.q_len
+
+        def batched(t: torch.Tensor) -> torch.Tensor:  # (1, h, n*L, d) -> (n, h, L, d), a view
+            return t[0, :, a:a + n * L].unflatten(1, (n, L)).transpose(0, 1)
+
+        qq, kk, vv = batched(q), batched(k).to(self.cache.k.dtype), batched(v).to(self.cache.v.dtype)
+        if 0 < self.sliding_window < L:
+            pos = torch.arange(L, device=q.device)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=sliding_window_mask(pos, pos, self.sliding_window),
+                                               enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+        out[0, :, a:a + n * L] = o.transpose(0, 1).flatten(1, 2)
+
+    def _decodes(self, q, out, group: Decodes, gqa: bool) -> None:
+        qq = q[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (count, heads, 1, head_dim)
+        kk, vv = self.cache.run(group.start, group.stride, group.count, group.ctx)
+        mask = None
+        if group.lengths is not None or 0 < self.sliding_window < group.ctx:
+            k_pos = torch.arange(group.ctx, device=q.device)
+            lengths = group.lengths if group.lengths is not None else torch.full((1,), group.ctx, device=q.device)
+            allowed = k_pos[None, :] < lengths[:, None]  # (count or 1, ctx)
+            if self.sliding_window > 0:
+                allowed &= k_pos[None, :] >= lengths[:, None] - self.sliding_window
+            mask = allowed[:, None, None, :]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
         out[0, :, group.rows] = o.squeeze(2).transpose(0, 1)
 
 

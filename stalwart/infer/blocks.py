@@ -9,7 +9,16 @@ Prefix reuse: once a block is full, it is registered under a digest of *every* t
 (a hash chain), so a later request whose prompt starts with the same tokens maps those blocks into its
 own table instead of recomputing them. A block is shared by reference count; when no sequence uses it,
 it goes to the back of the free list but keeps its content and digest, so it can still be reused until
-it is actually handed out again (least recently freed first). Pure logic: no tensors, no clocks.
+it is actually handed out again (least recently freed first).
+
+Placement: attention reads a sequence's context in place when its blocks are consecutive, so a new
+sequence is placed (next fit, from a cursor) where a run of free blocks can hold all it may grow to, and
+each later block is the one right after its last when that one is free; sequences admitted together
+thus sit at evenly spaced offsets, the layout a batched decode reads as one strided view. Only when no
+such run or neighbour is free are blocks taken least recently freed first (a sequence's blocks are then
+scattered, and gathered when attended). NOTE: a placement may hand out a freed block that still holds a
+cached prefix before an older one; prefix reuse then misses a little earlier than strict LRU would.
+Pure logic: no tensors, no clocks.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ class BlockPool:
         self.digest_of: dict[int, bytes] = {}
         self.by_digest: dict[bytes, int] = {}
         self.reserved = 0  # blocks taken for good (never given to a sequence)
+        self.cursor = 0  # where the next placement's search starts
 
     @property
     def used(self) -> int:
@@ -44,19 +54,49 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return len(self.free) >= n
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks (the least recently freed first); the caller checks ``can_allocate``."""
+    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
+        """``n`` fresh blocks; the caller checks ``can_allocate``.
+
+        ``after``: the sequence's last block, whose successors are taken if free; for a new sequence the
+        first ``n`` of a free run of ``room`` blocks, all it may grow to. Else a free run of ``n`` past the
+        cursor, else the least recently freed blocks.
+        """
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} KV blocks with {len(self.free)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self.free.popitem(last=False)
+        start = after + 1 if after is not None and self._is_free_run(after + 1, n) else None
+        if start is None and after is None and room > n:
+            start = self._find_run(room)
+        if start is None:
+            start = self._find_run(n)
+        if start is not None:
+            blocks = list(range(start, start + n))
+            for block in blocks:
+                del self.free[block]
+        else:
+            blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
+        for block in blocks:
             old = self.digest_of.pop(block, None)
             if old is not None and self.by_digest.get(old) == block:
                 del self.by_digest[old]
             self.refs[block] = 1
-            out.append(block)
-        return out
+        return blocks
+
+    def _is_free_run(self, start: int, n: int) -> bool:
+        return start + n <= self.num_blocks and all(b in self.free for b in range(start, start + n))
+
+    def _find_run(self, n: int) -> int | None:
+        """The first block of a run of ``n`` free blocks, searching from the cursor (wrapping once), and
+        move the cursor past the run; None if there is none."""
+        if n > len(self.free):
+            return None
+        for lo, hi in ((self.cursor, self.num_blocks), (0, min(self.num_blocks, self.cursor + n - 1))):
+            run = 0
+            for b in range(lo, hi):
+                run = run + 1 if b in self.free else 0
+                if run == n:
+                    self.cursor = (b + 1) % self.num_blocks
+                    return b + 1 - n
+        return None
 
     def reserve(self) -> int:
         """A block taken out of circulation for good (scratch space)."""

@@ -19,12 +19,13 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
-from stalwart.infer.attention import KVCache, Span, StepContext, StepLayout, decode_group, install_paged_attention
+from stalwart.infer.attention import KVCache, StepContext, StepLayout, build_layout, install_paged_attention
 from stalwart.infer.blocks import BlockPool
-from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, stops_on
+from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, skip_draws, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
 from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
+from stalwart.models.llama import pack_fused_weights
 from stalwart.runtime.device import HOST
 
 
@@ -64,12 +65,6 @@ class RequestState:
         return self.seq.tokens[self.seq.prompt_len:]
 
 
-def context_slots(blocks: list[int], block_size: int, length: int) -> torch.Tensor:
-    """Cache slots of tokens 0..length-1 of a sequence with block table ``blocks``."""
-    table = torch.tensor(blocks, dtype=torch.long)
-    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
-
-
 @dataclass
 class Batch:
     """One forward pass, as plain lists (what rank 0 sends to the other tensor-parallel ranks)."""
@@ -79,24 +74,17 @@ class Batch:
     spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
     rows: list[int]  # stream offsets whose logits are needed
 
-    def layout(self, block_size: int, group_decodes: bool, device: torch.device) -> StepLayout:
-        """The attention layout, its index tensors on ``device`` (the cache's); with ``group_decodes``,
-        sequences decoding one token share one call."""
-        spans, slots = [], []
-        for q_start, q_len, ctx, blocks in self.spans:
-            context = context_slots(blocks, block_size, ctx).to(device)
-            slots.append(context[ctx - q_len:])
-            spans.append(Span(q_start, q_len, context, torch.arange(ctx - q_len, ctx, device=device)))
-        decodes = [s for s in spans if s.q_len == 1] if group_decodes else []
-        if len(decodes) < 2:
-            return StepLayout(torch.cat(slots), spans)
-        return StepLayout(torch.cat(slots), [s for s in spans if s.q_len != 1], decode_group(decodes, device))
+    def layout(self, block_size: int, num_slots: int, group: bool, device: torch.device) -> StepLayout:
+        """The attention layout over a cache of ``num_slots`` slots, its index tensors on ``device`` (the
+        cache's); with ``group``, sequences share attention calls where their shapes allow."""
+        return build_layout(self.spans, block_size, num_slots, group, device)
 
 
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, eos_id: int | None, cfg: EngineConfig, tp_size: int = 1,
                  link=None, pipe=None, weight_version: int = 0) -> None:
         self.model = model.eval()
+        pack_fused_weights(model)  # the fused projections then read their weights in place
         self.args = model.args
         self.tokenizer = tokenizer
         self.eos_id = eos_id
@@ -155,18 +143,29 @@ class Engine:
             raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; the whole cache "
                                f"holds {capacity} (lower max_tokens, or raise engine.kv_cache_mb)", "max_tokens")
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams, follows: str | None = None) -> None:
+    def add(self, rid: str, prompt: list[int], params: SamplingParams, follows: str | None = None,
+            emitted: list[int] = ()) -> None:
         """Queue a request; all or nothing: on any error the engine is as it was. ``follows``: a request
         in flight with the same prompt (another choice of one HTTP request), whose cached prompt this one
-        maps once it is computed."""
+        maps once it is computed. ``emitted``: tokens the request already produced on another replica
+        (one resumed by the router): they are computed with the prompt, and the generator, the text shown
+        and a structured output's state are advanced past them, so it goes on as it would have there."""
         self.check(prompt, params)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight")
+        emitted = list(emitted)
+        if (emitted and len(emitted) >= params.max_tokens) or any(t < 0 or t >= self.args.vocab_size for t in emitted):
+            raise RequestError(f"a resumed request has {len(emitted)} tokens already (max_tokens "
+                               f"{params.max_tokens}), each in [0, {self.args.vocab_size})", "resume")
         lead = self.requests.get(follows) if follows is not None else None
-        seq = Sequence(rid, list(prompt), len(prompt), len(prompt) + params.max_tokens,
+        seq = Sequence(rid, list(prompt) + emitted, len(prompt), len(prompt) + params.max_tokens,
                        reuse_prefix=params.prompt_logprobs is None, follows=lead.seq if lead else None)
-        state = RequestState(seq, params, params.generator(), TextTail(self.tokenizer, params.stop, params.min_tokens),
-                             self.grammars.start(params.structured) if params.structured is not None else None)
+        tail = TextTail(self.tokenizer, params.stop, params.min_tokens)
+        if emitted:
+            tail.push(emitted)  # the text shown so far, as it was shown
+        state = RequestState(seq, params, skip_draws(params.generator(), params, len(emitted), self.args.vocab_size),
+                             tail, self.grammars.start(params.structured, emitted) if params.structured is not None
+                             else None)
         self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
         self.requests[rid] = state
 
@@ -211,8 +210,9 @@ class Engine:
             x = torch.tensor([batch.tokens], dtype=torch.long, device=self.device)  # (1, tokens)
         else:  # a later pipeline stage: the previous stage's activations (1, tokens, dim)
             x = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
-        # Grouping decodes is faster but gives attention batch-dependent shapes: off in bitwise mode.
-        layout = batch.layout(self.cfg.block_size, self.cfg.pad_rows == 1, self.device)
+        # Grouping sequences is faster but gives attention batch-dependent shapes: off in bitwise mode.
+        layout = batch.layout(self.cfg.block_size, self.pool.num_blocks * self.cfg.block_size, self.cfg.pad_rows == 1,
+                              self.device)
         with self.step_ctx.use(layout):
             h = m.hidden(x, positions)  # the model's own layers; attention reads and writes the paged cache
         logits = None

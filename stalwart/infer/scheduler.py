@@ -160,7 +160,10 @@ class Scheduler:
             return True
         if not self.pool.can_allocate(need):
             return False
-        seq.blocks += self.pool.allocate(need)
+        # Placed so its blocks stay consecutive (attention then reads them in place): after its last
+        # block, or for a new sequence where there is room for all it may grow to.
+        bs = self.pool.block_size
+        seq.blocks += self.pool.allocate(need, seq.blocks[-1] if seq.blocks else None, -(-seq.max_total // bs))
         return True
 
     def _map_prefix(self, seq: Sequence) -> None:

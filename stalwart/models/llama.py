@@ -61,11 +61,43 @@ def _plain(*weights: torch.Tensor) -> bool:
 
 def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
     """``tuple(lin(x) for lin in linears)`` as one matmul over the concatenated weights when they are
-    plain tensors: the input is read once and one larger GEMM runs faster than several small ones."""
+    plain tensors: the input is read once and one larger GEMM runs faster than several small ones.
+    Without gradients, weights that ``pack_fused_weights`` laid back to back are used as they lie (the
+    same values as their concatenation, without copying them every call)."""
     weights = [lin.weight for lin in linears]
     if not _plain(*weights):
         return tuple(lin(x) for lin in linears)
-    return F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+    packed = None if torch.is_grad_enabled() else _back_to_back(weights)
+    return F.linear(x, torch.cat(weights) if packed is None else packed).split([w.shape[0] for w in weights], dim=-1)
+
+
+def _back_to_back(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The weights' concatenation along rows as a view, when they lie back to back in one storage."""
+    first = weights[0]
+    offset = first.storage_offset()
+    for w in weights:
+        if (not w.is_contiguous() or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or w.storage_offset() != offset):
+            return None
+        offset += w.numel()
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
+
+
+@torch.no_grad()
+def pack_fused_weights(model: nn.Module) -> None:
+    """Lay each attention's q/k/v weights, and each feed-forward's gate and up weights, back to back
+    in one tensor (the parameters stay the same objects, their data views of it), so inference's
+    ``fused_linear`` reads them in place. Values, and so outputs, are unchanged."""
+    for module in model.modules():
+        groups = ((module.wq, module.wk, module.wv) if isinstance(module, Attention)
+                  else (module.w1, module.w3) if isinstance(module, FeedForward) else ())
+        weights = [lin.weight for lin in groups]
+        if not weights or not _plain(*weights) or _back_to_back(weights) is not None:
+            continue
+        packed = torch.cat([w.detach() for w in weights])
+        for w, part in zip(weights, packed.split([w.shape[0] for w in weights])):
+            w.data = part
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
