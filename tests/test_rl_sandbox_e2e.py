@@ -324,7 +324,7 @@ def test_runner_reports_parse_strictly():
         assert not ok and len(runs) <= 2 and all(r == Run("3\n", 0, 0.25) for r in runs), bad
 
 
-SLEEPER = "import time\ntime.sleep(1.5)\nprint(1)"
+SLEEPER = "import time\ntime.sleep(1.0)\nprint(1)"
 
 
 @pytest.mark.e2e
@@ -352,7 +352,7 @@ def test_the_service_reports_health_and_metrics_and_refuses_bad_requests_by_name
 
 @pytest.mark.e2e
 def test_a_full_service_answers_429_and_the_client_waits_its_turn(service):
-    """Six programs of 1.5 s at once on 2 sandboxes with 2 places to wait: two are refused at once with
+    """Six programs of 1 s at once on 2 sandboxes with 2 places to wait: two are refused at once with
     Retry-After; through the client every one is scored, the refused ones after waiting."""
     sleeper = {"program": SLEEPER, "cases": [{"input": "", "output": "1"}]}
     answers: list = []
