@@ -217,8 +217,9 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
                 in_flight[i] -= 1
             up[i] = False
             tried.add(i)
-            resume = json.dumps({**body, RESUME_FIELD: record.resume().to_json()}).encode()
-            upstream, i, why = await send(path, resume, headers, tried)
+            # Nothing relayed yet: the request as it came; else from where the stream stood.
+            resume = json.dumps(body if record.id is None else {**body, RESUME_FIELD: record.resume().to_json()})
+            upstream, i, why = await send(path, resume.encode(), headers, tried)
             if upstream is None or upstream.status_code != 200:
                 if upstream is not None:
                     why = f"replica {i}: {upstream.status_code} {upstream.text[:200]}"
