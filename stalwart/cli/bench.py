@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
     "collectives": ("stalwart.bench.collectives", "collective algorithms: bus bandwidth per size, cost-model fit"),
     "inference": ("stalwart.bench.inference", "inference engine vs transformers generate: tokens/s, TTFT, TPOT"),
+    "speculative": ("stalwart.bench.speculative", "prompt-lookup speculative decoding on code: acceptance, speed-up"),
     "layouts": ("stalwart.bench.layouts", "parallel layouts: tokens/s vs one process, per-rank state bytes"),
     "checkpoint": ("stalwart.bench.checkpoint", "checkpoint save/restore vs raw disk bandwidth, async/snapshot stall"),
     "moe": ("stalwart.bench.moe", "mixture of experts: grouped matmul vs expert loop, bias balancing"),

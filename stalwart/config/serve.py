@@ -25,6 +25,15 @@ class EngineConfig:
                            "output is bitwise the same alone or batched (CPU BLAS computes a row differently "
                            "when a matrix has 1-3 rows, or an odd number under 10 on two threads). 1 = off: "
                            "faster at small batches, equal tokens but not equal bits. 8 = bitwise.", 1, min=1)
+    speculative: Literal["off", "ngram"] = option(
+        "Speculative decoding (infer/speculative.py): 'ngram' proposes, for each decoding sequence, the tokens "
+        "that followed the latest earlier occurrence of its last n-gram in its prompt and output (prompt "
+        "lookup), and the model verifies them in the step's one forward pass. Greedy output is unchanged; "
+        "sampled output keeps its distribution (not its exact tokens for a seed).", "off")
+    speculative_tokens: int = option("Tokens proposed per sequence and step when speculative decoding is on.", 4,
+                                     min=1, max=32)
+    speculative_ngram: int = option("Longest n-gram looked up (shorter ones are tried next, down to 1).", 3,
+                                    min=1, max=16)
     dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where the weights, the KV cache and the forward pass live ('auto' = cuda if available; a device this "

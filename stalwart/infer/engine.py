@@ -23,6 +23,7 @@ from stalwart.infer.attention import KVCache, StepContext, StepLayout, build_lay
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, skip_draws, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
+from stalwart.infer.speculative import Speculator
 from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
 from stalwart.models.llama import pack_fused_weights
@@ -113,6 +114,8 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.tokens_generated = 0
         self.grammars = Grammars(tokenizer, eos_id, self.args.vocab_size)  # structured outputs' compiler
+        self.speculator = (Speculator(self.scheduler, cfg.speculative_tokens, cfg.speculative_ngram,
+                                      self.args.max_seq_len) if cfg.speculative == "ngram" else None)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -186,20 +189,29 @@ class Engine:
         pieces = self.scheduler.schedule()
         if not pieces:
             return []
-        batch, sampled, scored = self._batch(pieces)
+        drafts: dict[str, list[int]] = {}
+        if self.speculator is not None:  # decoding pieces widened by their drafts, for this step only
+            pieces, drafts = self.speculator.draft(pieces, self.requests)
+        batch, sampled, scored = self._batch(pieces, drafts)
         if self.link is not None:
             self.link.send_step(batch)
         logits = self.forward(batch)
-        for piece in pieces:
-            self.scheduler.commit(piece)
+        for piece in pieces:  # a drafted piece commits its real token; verification decides the drafts
+            self.scheduler.commit(Piece(piece.seq, piece.start, 1) if piece.seq.rid in drafts else piece)
         logits = logits.float().to(HOST)
-        at = len(sampled)
+        at = len(sampled) + sum(len(d) for d in drafts.values())
         for state, n in scored:  # prompt rows, after the sampled ones: scored before the first sample
             self._score(state, logits[at:at + n])
             at += n
-        outputs = []
-        for piece, row in zip(sampled, logits):
-            outputs.append(self._advance(self.requests[piece.seq.rid], row))
+        outputs, at = [], 0
+        for piece in sampled:
+            state, k = self.requests[piece.seq.rid], len(drafts.get(piece.seq.rid, ()))
+            if k:  # k + 1 rows: verify the drafts, emit what is kept and one more token
+                outputs.append(self.speculator.advance(state, logits[at:at + k + 1], drafts[piece.seq.rid],
+                                                       lambda c, s=state: self._advance(s, None, c)))
+            else:
+                outputs.append(self._advance(state, logits[at]))
+            at += k + 1
         return outputs
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
@@ -228,7 +240,8 @@ class Engine:
             logits = self.pipe.exchange_logits(logits, len(batch.rows), self.args.vocab_size, self.dtype)
         return logits
 
-    def _batch(self, pieces: list[Piece]) -> tuple[Batch, list[Piece], list[tuple[RequestState, int]]]:
+    def _batch(self, pieces: list[Piece], drafts: dict[str, list[int]] | None = None
+               ) -> tuple[Batch, list[Piece], list[tuple[RequestState, int]]]:
         batch = Batch([], [], [], [])
         sampled, scored, starts = [], [], []
         for p in pieces:
@@ -237,8 +250,9 @@ class Engine:
             batch.tokens += p.seq.tokens[p.start:p.start + p.n]
             batch.positions += range(p.start, p.start + p.n)
             batch.spans.append((q_start, p.n, p.start + p.n, list(p.seq.blocks)))
-            if p.sample:
-                batch.rows.append(q_start + p.n - 1)
+            if p.sample:  # the last row; with k drafts, the k + 1 last rows
+                k = len(drafts.get(p.seq.rid, ())) if drafts else 0
+                batch.rows += range(q_start + p.n - 1 - k, q_start + p.n)
                 sampled.append(p)
         for p, q_start in zip(pieces, starts):
             state = self.requests[p.seq.rid]
@@ -274,7 +288,9 @@ class Engine:
             batch.positions += range(extra)
         batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
 
-    def _advance(self, state: RequestState, logits: torch.Tensor) -> Output:
+    def _advance(self, state: RequestState, logits: torch.Tensor | None, choice: Choice | None = None) -> Output:
+        """Sample the request's next token from ``logits`` (or take ``choice``, a token speculative
+        decoding verified), append it, and decide whether the request is finished."""
         seq = state.seq
         prompt = state.prompt_choices if state.params.prompt_logprobs is not None and seq.prompt_len == len(
             seq.tokens) else None  # the first output carries the prompt's scores
@@ -283,8 +299,9 @@ class Engine:
             del self.requests[seq.rid]
             return Output(seq.rid, [], "", True, "length", self.weight_version, prompt)
         grammar = state.grammar
-        choice = sample_row(logits, state.params, state.gen, state.generated, self.eos_id,
-                            allowed=grammar.allowed() if grammar else None)
+        if choice is None:
+            choice = sample_row(logits, state.params, state.gen, state.generated, self.eos_id,
+                                allowed=grammar.allowed() if grammar else None)
         seq.tokens.append(choice.token)
         self.tokens_generated += 1
         if grammar is not None:
@@ -350,4 +367,5 @@ class Engine:
                 "kv_blocks_used": self.pool.used - self.pool.reserved,
                 "kv_blocks_total": self.pool.num_blocks - self.pool.reserved,
                 "preemptions": self.scheduler.preempted_total, "prefix_cached_tokens": self.scheduler.cached_tokens_total,
-                "tokens_generated": self.tokens_generated, "weight_version": self.weight_version}
+                "tokens_generated": self.tokens_generated, "weight_version": self.weight_version,
+                **(self.speculator.stats() if self.speculator is not None else {})}

@@ -152,6 +152,11 @@ class Scheduler:
             self.pool.register(seq.blocks[k], seq.digest)
             seq.registered += 1
 
+    def grow(self, seq: Sequence, upto: int) -> bool:
+        """Cache blocks for the first ``upto`` tokens of a running ``seq`` now, if free blocks allow (never
+        preempting): room for speculative decoding's drafts."""
+        return self._reserve(seq, upto)
+
     # -- internals -------------------------------------------------------------------------------
 
     def _reserve(self, seq: Sequence, upto: int) -> bool:

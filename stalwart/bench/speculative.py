@@ -1,0 +1,124 @@
+"""`stalwart bench speculative`: prompt-lookup speculative decoding against plain decoding, on a code
+workload, with a trained run's weights.
+
+The workload: windows of Python source (``--source``, default the standard library's ``json``,
+``email`` and ``importlib`` packages, text a model trained on code continues by copying names and
+idioms from its context) as prompts, each continued greedily for ``--max-tokens`` tokens. Each
+configuration runs the same requests through the engine, one at a time (batch 1) and all at once,
+interleaved repeat by repeat. Reported: seconds and output tokens/s (medians), engine steps, the
+acceptance rate (drafts kept / drafts proposed), tokens emitted per sequence-step, the speed-up over
+plain decoding, and whether the greedy tokens are identical (they must be).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from stalwart.config.arguments import ArgumentParser
+from stalwart.config.serve import EngineConfig
+from stalwart.infer.engine import Engine
+from stalwart.infer.load import Source, build_model, read_source
+from stalwart.infer.sampling import SamplingParams
+from stalwart.runtime.device import HOST
+
+DEFAULT_SOURCES = ("json", "email", "importlib")
+
+
+def code_prompts(tokenizer, sources: list[Path], n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens: windows from the start of each source file, in name order."""
+    files = sorted(f for s in sources for f in (s.rglob("*.py") if s.is_dir() else [s]))
+    prompts = []
+    for f in files:
+        ids = tokenizer.encode(f.read_text(errors="replace")).ids
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def run_once(engine: Engine, prompts: list[list[int]], max_tokens: int, together: bool):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    steps = 0
+    t0 = time.perf_counter()
+
+    def drain() -> None:
+        nonlocal steps
+        while engine.has_work():
+            steps += 1
+            for o in engine.step():
+                out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+
+    for i, p in enumerate(prompts):
+        engine.add(f"{i}", p, params)
+        if not together:
+            drain()
+    drain()
+    seconds = time.perf_counter() - t0
+    return seconds, [out[f"{i}"] for i in range(len(prompts))], steps
+
+
+def main(argv: list[str]) -> int:
+    ap = ArgumentParser(prog="stalwart bench speculative", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", required=True, help="a training run directory (its newest checkpoint)")
+    ap.add_argument("--source", action="append", default=[],
+                    help="Python files or directories the prompts come from (repeatable; default: stdlib "
+                         f"{', '.join(DEFAULT_SOURCES)})")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=192)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--tokens", type=int, action="append", default=[],
+                    help="speculative_tokens to try (repeatable; default 2, 4, 8)")
+    ap.add_argument("--ngram", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    loaded = read_source(Source(run=Path(args.run)))
+    model = build_model(loaded, torch.float32, HOST)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = [Path(s) for s in args.source] or [stdlib / s for s in DEFAULT_SOURCES]
+    prompts = code_prompts(loaded.tokenizer, sources, args.requests, args.prompt_tokens)
+    room = loaded.args.max_seq_len - args.prompt_tokens
+    max_tokens = min(args.max_tokens, room)
+    print(f"model: {loaded.origin} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
+          f"{loaded.args.vocab_size}); {len(prompts)} code prompts of {args.prompt_tokens} tokens, greedy, "
+          f"{max_tokens} tokens each; {args.threads} thread(s); load average {os.getloadavg()[0]:.1f}")
+    configs = [("off", 0)] + [("ngram", k) for k in (args.tokens or [2, 4, 8])]
+    kv_mb = 64.0
+    for together in (False, True):
+        label = "batch 1" if not together else f"batch {len(prompts)}"
+        seconds: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+        result = {}
+        for _ in range(args.repeats):
+            for mode, k in configs:
+                cfg = EngineConfig(kv_cache_mb=kv_mb, speculative=mode, speculative_tokens=max(k, 1),
+                                   speculative_ngram=args.ngram, prefix_caching=False)
+                engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg)
+                s, tokens, steps = run_once(engine, prompts, max_tokens, together)
+                seconds[(mode, k)].append(s)
+                result[(mode, k)] = (tokens, steps, engine.stats())
+        base = statistics.median(seconds[("off", 0)])
+        plain_tokens = result[("off", 0)][0]
+        total = sum(len(t) for t in plain_tokens)
+        print(f"\n{label}: {total} output tokens per run, medians of {args.repeats}")
+        print(f"  {'mode':<10} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'accept':>7} {'tok/seq-step':>12} "
+              f"{'speed-up':>8}  identical")
+        for mode, k in configs:
+            s = statistics.median(seconds[(mode, k)])
+            tokens, steps, stats = result[(mode, k)]
+            proposed, accepted = stats.get("speculative_proposed", 0), stats.get("speculative_accepted", 0)
+            rate = f"{accepted / proposed:.1%}" if proposed else "-"
+            seq_steps = sum(len(t) for t in tokens) - accepted  # one per forward pass a sequence took part in
+            name = "off" if mode == "off" else f"ngram k={k}"
+            print(f"  {name:<10} {s:8.2f} {total / s:8.1f} {steps:6d} {rate:>7} "
+                  f"{sum(len(t) for t in tokens) / seq_steps:12.2f} {base / s:7.2f}x  {tokens == plain_tokens}")
+    return 0

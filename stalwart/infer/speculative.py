@@ -1,0 +1,134 @@
+"""Speculative decoding by prompt lookup: guess a sequence's next tokens from its own context, let the
+model check the guesses in the step's one forward pass, keep the ones it agrees with.
+
+Each step, for every sequence that is decoding (one token to compute) and may speculate, ``draft``
+looks for the latest earlier occurrence of the context's last n-gram (n = ``speculative_ngram`` down to
+1) in its prompt and output and proposes the up to ``speculative_tokens`` tokens that followed it
+(code, quoted text and edits repeat their input, so these guesses are often right). The drafts join the
+sequence for this step only: its piece grows from 1 token to 1 + k, the forward pass computes their
+keys and values with everything else in the batch, and the head returns the k + 1 rows of logits (the
+row before each draft, and the one after the last).
+
+``verify`` then reads the rows in order. Greedy: a draft is kept while it is the row's most likely
+token, and the first row that disagrees gives its own most likely token; every token is the one
+greedy decoding without speculation picks. Sampling (temperature, top-k, top-p): a draft ``d`` is a
+proposal with all its mass on ``d``, so standard speculative sampling keeps it with probability
+``p(d)`` (one uniform draw from the request's generator) under the request's filtered distribution
+``p``, and a rejection draws from ``p`` with ``d`` removed; after k kept drafts the last row is sampled
+as usual. Each output token is thereby distributed exactly as without speculation (not the same tokens
+for a seed: the draws differ). Kept drafts' keys and values are already in the cache; the rejected
+ones' slots are overwritten later, and they were never published for prefix reuse (the scheduler
+commits only the sequence's real tokens).
+
+Requests whose next token depends on more than the logits row (a structured output's grammar,
+logit_bias, penalties, min_tokens, log-probabilities, prompt scoring) decode one token per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from stalwart.generate import filter_logits, next_token
+from stalwart.infer.sampling import Choice, SamplingParams
+from stalwart.infer.scheduler import Piece, Scheduler
+
+
+def propose_ngram(tokens: list[int], max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens of ``tokens``,
+    for the longest n <= ``max_n`` that occurs earlier; [] when none does."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), 0, -1):
+        pattern, last = tokens[size - n:], tokens[-1]
+        for i in range(size - n - 1, -1, -1):  # occurrences ending before the last token, latest first
+            if tokens[i + n - 1] == last and tokens[i:i + n] == pattern:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def verify(rows: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator) -> list[int]:
+    """The tokens a step emits for one sequence: the drafts kept, then one token drawn by the model.
+
+    ``rows`` (len(drafts) + 1, vocab) fp32 on the host: row i is the model's logits for the token after
+    the context plus ``drafts[:i]``."""
+    out: list[int] = []
+    for row, d in zip(rows, drafts):
+        if params.temperature <= 0.0:
+            token = next_token(row, 0.0, 0, 1.0, gen)
+            out.append(token)
+            if token != d:
+                return out
+            continue
+        probs = torch.softmax(filter_logits(row, params.temperature, params.top_k, params.top_p), dim=-1)
+        if float(torch.rand((), generator=gen)) < float(probs[d]):
+            out.append(d)
+            continue
+        probs[d] = 0.0  # the residual max(0, p - q) for a proposal q with all its mass on d
+        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+        return out
+    out.append(next_token(rows[-1], params.temperature, params.top_k, params.top_p, gen))
+    return out
+
+
+def may_speculate(params: SamplingParams, has_grammar: bool) -> bool:
+    """Whether a request's next token depends on the logits row alone (so drafts can be checked)."""
+    return not (has_grammar or params.adjusts or params.logprobs is not None or params.prompt_logprobs is not None)
+
+
+class Speculator:
+    """Prompt-lookup drafts for one engine, and the counts behind its acceptance rate."""
+
+    def __init__(self, scheduler: Scheduler, tokens: int, ngram: int, max_seq_len: int) -> None:
+        self.scheduler = scheduler
+        self.tokens = tokens
+        self.ngram = ngram
+        self.max_seq_len = max_seq_len
+        self.proposed = 0  # drafts checked by the model
+        self.accepted = 0  # drafts kept
+
+    def draft(self, pieces: list[Piece], requests: dict) -> tuple[list[Piece], dict[str, list[int]]]:
+        """The step's pieces, decoding ones widened by their drafts (appended to their sequences), within
+        the token budget and the cache; and the drafts by request id."""
+        budget = self.scheduler.max_batch_tokens - sum(p.n for p in pieces)
+        out, drafts = [], {}
+        for p in pieces:
+            seq, state = p.seq, requests.get(p.seq.rid)
+            room = min(self.tokens, budget, seq.max_total - len(seq.tokens) - 1,
+                       self.max_seq_len - len(seq.tokens) - 1)
+            if (room <= 0 or p.n != 1 or not p.sample or state is None
+                    or not may_speculate(state.params, state.grammar is not None)):
+                out.append(p)
+                continue
+            proposal = propose_ngram(seq.tokens, self.ngram, room)
+            if not proposal or not self.scheduler.grow(seq, p.start + 1 + len(proposal)):
+                out.append(p)
+                continue
+            seq.tokens += proposal
+            drafts[seq.rid] = proposal
+            out.append(Piece(seq, p.start, 1 + len(proposal)))
+            budget -= len(proposal)
+        return out, drafts
+
+    def advance(self, state, rows: torch.Tensor, drafts: list[int], advance: Callable[[Choice], object]):
+        """Verify one sequence's drafts against its ``rows`` and emit the tokens through ``advance`` (the
+        engine's one-token step: stop strings, end of text, limits), stopping where the request finishes.
+        Returns the step's one Output, holding every token emitted."""
+        tokens = verify(rows, drafts, state.params, state.gen)
+        self.proposed += len(drafts)
+        self.accepted += len(tokens) - 1
+        seq = state.seq
+        real = len(seq.tokens) - len(drafts)
+        del seq.tokens[real:]  # the drafts leave; the kept ones come back one by one below
+        outs = []
+        for token in tokens:
+            outs.append(advance(Choice(token)))
+            if outs[-1].finished:
+                break
+        if not outs[-1].finished:
+            seq.computed = real + len(tokens) - 1  # kept drafts are cached; the last token is not yet
+        return replace(outs[-1], choices=[c for o in outs for c in o.choices], text="".join(o.text for o in outs))
+
+    def stats(self) -> dict[str, float]:
+        return {"speculative_proposed": self.proposed, "speculative_accepted": self.accepted}

@@ -1,0 +1,165 @@
+"""Speculative decoding by prompt lookup: the proposer, verification's distribution (a chi-square test
+against the target distribution, with temperature, top-k and top-p), and the engine: greedy output
+identical with and without speculation (batched, alone, sharing cached prefixes), seeded sampling
+distributed as without it, and drafts actually proposed and kept on repetitive text."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.config.serve import EngineConfig
+from stalwart.data.tokenizer import eos_id, train_bpe
+from stalwart.generate import filter_logits
+from stalwart.infer.engine import Engine
+from stalwart.infer.sampling import SamplingParams
+from stalwart.infer.speculative import propose_ngram, verify
+from stalwart.models.flavors import TransformerArgs
+from stalwart.models.llama import Transformer
+from stalwart.runtime.device import host_generator
+from stalwart.train.init import materialize_and_init
+
+pytestmark = pytest.mark.unit
+
+ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, ffn_hidden=128,
+                       max_seq_len=256, init_std=0.4)
+P_MIN = 1e-3  # a chi-square p-value below this fails (the draws are seeded: a pass is repeatable)
+
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """P-value of Pearson's chi-square test of counts ``observed`` against ``expected`` (same total)."""
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "a token the target gives no probability was drawn"
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_propose_ngram():
+    assert propose_ngram([1, 2, 3, 4, 9, 1, 2, 3], 3, 2) == [4, 9]
+    assert propose_ngram([1, 2, 3, 4, 9, 1, 2, 3], 3, 10) == [4, 9, 1, 2, 3]
+    assert propose_ngram([5, 1, 2, 7, 8, 1, 2, 6, 2], 3, 2) == [6, 2]  # the latest occurrence of "2"
+    assert propose_ngram([5, 1, 2, 7, 3, 1, 2], 3, 3) == [7, 3, 1]  # "1 2" matches, "5 1 2" does not
+    assert propose_ngram([1, 2, 3], 3, 4) == []
+    assert propose_ngram([7], 3, 4) == []
+    assert propose_ngram([4, 4, 4], 2, 3) == [4]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)])
+def test_verify_keeps_the_target_distribution(temperature, top_k, top_p):
+    """Drafts [d1, d2] checked against rows r0, r1, r2: the first token is distributed as p0, the second
+    (after d1 was kept) as p1, the third (after both) as p2, whatever the drafts' own probabilities."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 8, generator=gen) * 1.5
+    drafts = [2, 5]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    target = [torch.softmax(filter_logits(r, temperature, top_k, top_p), -1) for r in rows]
+    counts = [torch.zeros(8) for _ in range(3)]
+    gen = host_generator(1)
+    trials = 20000
+    for _ in range(trials):
+        out = verify(rows, drafts, params, gen)
+        for i, token in enumerate(out):
+            counts[i][token] += 1
+        assert out[:-1] == drafts[:len(out) - 1]  # the kept tokens are a prefix of the drafts
+    reached = [trials, counts[0][drafts[0]], counts[1][drafts[1]]]  # trials that got to position i
+    for i in range(3):
+        assert counts[i].sum() == reached[i]
+        assert chi_square_p(counts[i], target[i] * reached[i]) > P_MIN, (i, counts[i], target[i])
+
+
+def test_verify_greedy_keeps_agreeing_drafts():
+    rows = torch.full((4, 6), -5.0)
+    rows[0, 1] = rows[1, 3] = rows[2, 0] = rows[3, 4] = 5.0  # most likely: 1, 3, 0, 4
+    greedy = SamplingParams(temperature=0.0)
+    assert verify(rows, [1, 3, 0], greedy, host_generator(0)) == [1, 3, 0, 4]
+    assert verify(rows, [1, 2, 0], greedy, host_generator(0)) == [1, 3]
+    assert verify(rows, [5, 3, 0], greedy, host_generator(0)) == [1]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    texts = [p.read_text() for p in sorted((Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py"))]
+    tok = train_bpe(texts, ARGS.vocab_size)
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    materialize_and_init(model, torch.device("cpu"), 0)
+    return model.eval(), tok
+
+
+CODE = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+        "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+        "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,",
+        "class A:\n    pass\n",
+        "import json\nimport json\nimport os\nimport",
+        "if x:\n    y = x\nelse:\n    y = x\n"]
+
+
+def run(model, tok, speculative: str, params: list[SamplingParams], prompts: list[str], together: bool = True,
+        **cfg) -> tuple[list[list[int]], Engine]:
+    engine = Engine(model, tok, eos_id(tok), EngineConfig(kv_cache_mb=8, speculative=speculative, **cfg))
+    out = {}
+
+    def drain():
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.rid, []).extend(c.token for c in o.choices)
+
+    for i, (p, prompt) in enumerate(zip(params, prompts)):
+        engine.add(str(i), tok.encode(prompt).ids, p)
+        if not together:
+            drain()
+    drain()
+    return [out[str(i)] for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_greedy_output_is_identical(model_and_tokenizer, together):
+    model, tok = model_and_tokenizer
+    prompts = CODE + CODE[:2]  # repeated prompts: the second ones map the first ones' cached blocks
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True) for _ in prompts]
+    plain, _ = run(model, tok, "off", params, prompts, together)
+    for tokens, ngram in ((4, 3), (2, 1), (8, 2)):
+        spec, engine = run(model, tok, "ngram", params, prompts, together, speculative_tokens=tokens,
+                           speculative_ngram=ngram, block_size=4)
+        assert spec == plain, (tokens, ngram)
+        stats = engine.stats()
+        assert stats["speculative_proposed"] > 0 and stats["speculative_accepted"] > 0, stats
+
+
+def test_seeded_sampling_keeps_the_distribution(model_and_tokenizer):
+    """The k-th token over many seeds, with and without speculation: the same distribution (two-sample
+    chi-square over the tokens that both draw, per position)."""
+    model, tok = model_and_tokenizer
+    seeds = range(300)
+    prompts = [CODE[2]] * len(seeds)
+    params = [SamplingParams(max_tokens=6, temperature=0.8, top_k=3, seed=s, ignore_eos=True) for s in seeds]
+    plain, _ = run(model, tok, "off", params, prompts)
+    spec, engine = run(model, tok, "ngram", params, prompts, speculative_tokens=3)
+    assert engine.stats()["speculative_accepted"] > 0
+    assert spec != plain  # other draws, same law
+    for pos in range(1, 6):
+        a = torch.bincount(torch.tensor([t[pos] for t in plain]), minlength=ARGS.vocab_size).double()
+        b = torch.bincount(torch.tensor([t[pos] for t in spec]), minlength=ARGS.vocab_size).double()
+        both = (a + b) > 0
+        a, b = a[both], b[both]
+        # Two samples of equal size: expected counts are the pooled halves.
+        pooled = (a + b) / 2
+        stat = float((((a - pooled) ** 2 + (b - pooled) ** 2) / pooled).sum())
+        df = int(both.sum()) - 1
+        p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                          torch.tensor(stat / 2, dtype=torch.float64))) if df > 0 else 1.0
+        assert p > P_MIN, (pos, a, b)
+
+
+def test_requests_that_cannot_speculate_decode_one_token_a_step(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logit_bias={5: 1.0})]
+    plain, _ = run(model, tok, "off", params, CODE[:2])
+    spec, engine = run(model, tok, "ngram", params, CODE[:2])
+    assert spec == plain and engine.stats()["speculative_proposed"] == 0
