@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -243,9 +244,10 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         t0 = time.perf_counter()
         preload()
         launcher["preload_s"] = round(time.perf_counter() - t0, 3)
-
         config.start_method = "fork"
         entrypoint, entry_args = forked_worker, train_argv
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # what the launcher's start cost, whatever the load
+    launcher["launcher_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
     paths.root.mkdir(parents=True, exist_ok=True)
     events = EventLog(paths.events, enabled=True)
     holder: dict = {}
