@@ -33,7 +33,9 @@ def runs(tmp_path_factory):
     service = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", "sandbox", "--serve", "--service.port", "0"],
                                cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = service.stdout.readline().split()[5]
+        line = service.stdout.readline()
+        assert line.startswith("stalwart rl sandbox: serving on http://127.0.0.1:"), line + service.stdout.read()
+        url = line.split()[5]
         for algorithm in ("dapo", "rloo", "dr_grpo"):
             via = ["--workers.sandbox_urls", url] if algorithm == "dr_grpo" else []
             run_cli("rl", *QUICK, "--rl.algorithm", algorithm, *via, "--run.dir", str(root / algorithm), timeout=400)
