@@ -258,6 +258,12 @@ class RunPaths:
         """Where `stalwart rl`'s trainers checkpoint their state across a change of their count."""
         return self.controller_dir / "rebalance"
 
+    @property
+    def rl_state(self) -> Path:
+        """`stalwart rl`'s own state (step, pending groups, verdicts, figures) at each trainer snapshot or
+        checkpoint, one ``step-<s>.json`` each: what a rerun of a killed controller resumes with."""
+        return self.controller_dir / "rl-state"
+
     # -- single controller ----------------------------------------------------------------------
     @property
     def controller_dir(self) -> Path:

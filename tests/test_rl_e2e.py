@@ -1,8 +1,9 @@
 """`stalwart rl` for real: Monarch actor meshes, the inference engine, the training core, bubblewrap.
 
 A sync run is bitwise reproducible, and a run whose generator, reward worker and trainer are each
-killed with SIGKILL mid-run reproduces it too: no accepted group is lost or trained twice. An async
-run never trains a group staler than its bound."""
+killed with SIGKILL mid-run reproduces it too: no accepted group is lost or trained twice; so does a
+run whose controller itself is killed twice and resumed by the same command. An async run never
+trains a group staler than its bound."""
 
 import json
 import os
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, cli_env, read_metrics, run_cli
+from controller_kill import has, journal, kill_when, start
+
+from stalwart.paths import RunPaths
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
@@ -50,9 +54,23 @@ def _kill_when(run: Path, plan: list[tuple[int, str]], done: list, proc: subproc
         done.append((step, which, pid))
 
 
-def test_sync_run_is_reproducible_and_loses_nothing_when_workers_are_killed(tmp_path):
-    plain, hurt = tmp_path / "plain", tmp_path / "hurt"
-    run_cli("rl", *TINY, "--run.dir", str(plain), timeout=400)
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The uninterrupted sync run the others must reproduce."""
+    run = tmp_path_factory.mktemp("rl") / "plain"
+    run_cli("rl", *TINY, "--run.dir", str(run), timeout=400)
+    return run
+
+
+def _same_steps(a: Path, b: Path) -> None:
+    sa, sb = _rl_steps(a), _rl_steps(b)
+    assert sorted(sa) == sorted(sb) == [1, 2, 3, 4]
+    for s in sa:
+        assert {k: sa[s][k] for k in COMPARED} == {k: sb[s][k] for k in COMPARED}, s
+
+
+def test_sync_run_is_reproducible_and_loses_nothing_when_workers_are_killed(tmp_path, plain):
+    hurt = tmp_path / "hurt"
     proc = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", *TINY, "--run.dir", str(hurt)], cwd=REPO,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed: list = []
@@ -86,6 +104,36 @@ def test_sync_run_is_reproducible_and_loses_nothing_when_workers_are_killed(tmp_
     assert "held-out reward" in out
 
 
+def _sessions(entries: list[dict]) -> int:
+    return sum(e["cmd"] == "session" for e in entries)
+
+
+def test_a_killed_controller_resumes_bit_for_bit(tmp_path, plain):
+    """kill -9 of the `stalwart rl` controller as step 3's groups are generated (just after the snapshot
+    of step 2), then, resumed, as step 4's are (step 3 trained, its weights being sent): its actors die
+    with it each time. The second run resumes from the trainers' in-memory snapshot of step 2; before
+    the third the snapshots are removed from /dev/shm, so it resumes from the disk checkpoint of step 2
+    and computes step 3 again, checked against the journal. No warm-up is run again, and every RL
+    step's figures and the final evaluation equal the uninterrupted run's."""
+    run = tmp_path / "killed"
+    cmd = ["rl", *TINY, "--workers.checkpoint_interval", "2", "--run.dir", str(run)]
+    kill_when(start(*cmd), run, lambda j: has(j, "snapshot", 2), timeout_s=400)
+    kill_when(start(*cmd), run, lambda j: _sessions(j) == 2 and has(j, "applied", 3), timeout_s=400)
+    shutil.rmtree(RunPaths(run).snapshots())
+    out = run_cli(*cmd, timeout=400).stdout
+    assert "resumed at RL step 2 from the trainers' disk state" in out
+
+    _same_steps(plain, run)
+    sa, sb = (json.loads((r / "summary.json").read_text()) for r in (plain, run))
+    assert sa["final_reward_mean"] == sb["final_reward_mean"] and sb["groups_trained"] == 16
+    assert sb["resumed"] == {"step": 2, "source": "disk", "checks": 1, "checks_matched": 1, "checks_differed": 0}
+    sessions = [e for e in journal(run) if e["cmd"] == "session"]
+    assert [(e["step"], e["source"]) for e in sessions] == [(0, "init"), (2, "memory"), (2, "disk")]
+    assert len({e["config"] for e in sessions}) == 1
+    assert len([m for m in read_metrics(run) if m.get("kind") == "sft"]) == 8  # the warm-up ran once
+    assert not RunPaths(run).snapshots().exists()  # a finished run leaves no snapshot behind
+
+
 def test_bad_rl_settings_are_one_line_errors(tmp_path):
     p = run_cli("rl", "--config", "rl_code", "--workers.trainers", "3", "--run.dir", str(tmp_path / "x"),
                 check=False)
@@ -106,9 +154,18 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
 
 
 def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_path):
+    """Also across a kill -9 of the controller after step 3 was trained: the rerun resumes from the snapshot
+    of step 2 with step 3's groups, generated before the kill, kept in the loop's state (pending), and
+    step 3 computed again is compared with the journal (reported, not required: async promises the bound)."""
     run = tmp_path / "async"
-    run_cli("rl", *TINY, "--rl.mode", "async", "--rl.max_offpolicy_steps", "1", "--rl.logprobs", "engine",
-            "--run.dir", str(run), timeout=400)
+    cmd = ["rl", *TINY, "--rl.mode", "async", "--rl.max_offpolicy_steps", "1", "--rl.logprobs", "engine",
+           "--run.dir", str(run)]
+    kill_when(start(*cmd), run, lambda j: has(j, "applied", 3), timeout_s=400)
+    run_cli(*cmd, timeout=400)
+    (resumed,) = [e for e in _events(run) if e["event"] == "rl_resumed"]
+    assert (resumed["step"], resumed["source"], resumed["checks"], resumed["pending_groups"]) == (2, "memory", 1, 4)
+    (check,) = [e for e in _events(run) if e["event"] == "rl_resume_check"]
+    assert check["step"] == 3
     steps = _rl_steps(run)
     assert sorted(steps) == [1, 2, 3, 4]
     assert all(m["staleness_max"] <= 1 for m in steps.values())

@@ -197,6 +197,9 @@ class WorkersConfig:
                                     "shard of the model and optimizer state (and a copy on a peer trainer); a "
                                     "failed trainer costs at most the steps since, replayed from the journal.", 5,
                                     min=1)
+    checkpoint_interval: int = option("Every this many RL steps the trainers also write the policy and optimizer "
+                                      "to <run>/checkpoints (the newest kept), beside the loop's state: a rerun "
+                                      "resumes from it when the in-memory snapshots are gone (0 = off).", 0, min=0)
     balance: Literal["fixed", "adaptive"] = option(
         "fixed: the actor counts above for the whole run; adaptive: every balance_window steps, move one worker "
         "between the generator and trainer meshes when the measured generation and training time says the step "

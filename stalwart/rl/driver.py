@@ -16,6 +16,12 @@ steps. It journals every step (the groups it trains on, their versions, the appl
 ``controller/journal.jsonl`` and keeps the trainer rows since the snapshot: a trainer that fails is
 replaced, every trainer restores the snapshot, and the steps since are replayed; a replayed step must
 reproduce its journaled loss.
+
+The controller's own crash loses nothing either: before each trainer snapshot the loop's state of
+that step goes to ``<run>/controller/rl-state`` (``rl/state.py``), the snapshots outlive every process
+in ``/dev/shm`` (and the trainers also write a disk checkpoint every ``workers.checkpoint_interval``
+steps), and the same command run again resumes from the newest of them, skipping the warm-up, and
+computes again the steps the journal holds results of, checked against them.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ import numpy as np
 
 from stalwart.config.render import to_toml
 from stalwart.config.rl import RLConfig
-from stalwart.controller.journal import Journal
+from stalwart.controller.journal import Journal, config_key, earlier_results
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
-from stalwart.controller.replay import RecoveriesExhausted
+from stalwart.controller.replay import RecoveriesExhausted, ReplayDiverged
 from stalwart.errors import UserError
 from stalwart.metrics.records import EventLog, JsonlWriter
 from stalwart.paths import RunPaths
@@ -44,7 +50,43 @@ from stalwart.rl.pools import Pool
 from stalwart.rl.progress import RLProgress
 from stalwart.rl.services import SETUP_S, Generators, Rewards, Timeouts, Trainers
 from stalwart.rl.setup import TaskSetup, build_tokenizer, max_prompt_tokens, prompt_text
+from stalwart.rl.state import Checks, StateFiles, capture, resume, resume_point
 from stalwart.rl.weights import WeightSync
+
+# Settings that do not change a run's numbers: a rerun may change them and still resume (and check).
+UNDEFINING = {"controller": None, "metrics": None, "sandbox": None,
+              "workers": ("reward_threads", "sandbox_urls", "sandbox_retry_s", "reward_timeout_s", "generate_timeout_s",
+                          "checkpoint_interval")}
+
+
+def run_key(cfg: RLConfig) -> str:
+    """The digest of the settings that define an RL run's numbers (``journal.config_key``)."""
+    d = dataclasses.asdict(cfg)
+    for section, fields in UNDEFINING.items():
+        if fields is None:
+            d.pop(section, None)
+        else:
+            d[section] = {k: v for k, v in d[section].items() if k not in fields}
+    return config_key(d)
+
+
+def resumable(paths: RunPaths, key: str) -> tuple[str, int] | None:
+    """Where a rerun of this run resumes (``state.resume_point``: the newest trainer snapshot complete in
+    ``/dev/shm`` or disk checkpoint whose loop state was written under the same settings), from files
+    alone; None = start afresh. A run left by other settings is refused (one line)."""
+    from stalwart.checkpoint.manager import newest_complete_checkpoint
+    from stalwart.checkpoint.snapshot import SnapshotStore
+    from stalwart.paths import checkpoint_step
+
+    files = StateFiles(paths.rl_state)
+    keys = {s: (files.read(s) or {}).get("config") for s in files.steps()}
+    if keys and key not in keys.values():
+        raise UserError(f"run.dir {paths.root} holds an unfinished RL run with other settings; rerun the command "
+                        "that started it to resume it, or pass another --run.dir")
+    states = [s for s, k in keys.items() if k == key]
+    memory = max(SnapshotStore.common_steps(paths.snapshots()) & set(states), default=None)
+    disk = newest_complete_checkpoint(paths.checkpoints)
+    return resume_point(memory, checkpoint_step(disk) if disk is not None else None, states)
 
 
 class RLDriver:
@@ -57,6 +99,13 @@ class RLDriver:
         self.cfg = cfg = dataclasses.replace(cfg, run=run)
         self.paths = RunPaths.of(cfg.run)
         self.task = TaskSetup.of(cfg)
+        self.key = run_key(cfg)
+        self.states = StateFiles(self.paths.rl_state)
+        self.point = resumable(self.paths, self.key)  # (source, step) to resume from, or None
+        self.resumed: dict[str, Any] | None = None
+        if self.point is not None:  # the counts the run had then (adaptive balancing changes them)
+            layout = self.states.read(self.point[1])["layout"]
+            self.cfg = cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, **layout))
         self.paths.root.mkdir(parents=True, exist_ok=True)
         self.paths.config.write_text(to_toml(cfg))
         self.events = EventLog(self.paths.events)
@@ -70,9 +119,14 @@ class RLDriver:
         self.length = rollout.row_length(self.prompt_len, cfg.rl.max_tokens)
         self.args = resolve_args(cfg.model, self.tok.get_vocab_size(), self.length + 1)
         self.store = controller_store(cfg.workers.trainers, SETUP_S)
-        shutil.rmtree(self.paths.snapshots(), ignore_errors=True)  # the trainers' snapshots: this run's only
+        if self.point is None:  # the trainers' snapshots and the loop's states: this run's only
+            shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
+            shutil.rmtree(self.paths.rl_state, ignore_errors=True)
         self.journal: Journal | None = None
         self.svc: Services | None = None
+        self.checks = Checks({}, True, self.events)
+        self.figures: dict[str, Any] = {}  # the warm-up's figures and the first evaluation (kept in the state)
+        self.finished = False
         self.t0 = time.time()
 
     # ------------------------------------------------------------------ services
@@ -147,7 +201,8 @@ class RLDriver:
             self.progress.close()
             for mesh in getattr(self, "meshes", []):
                 mesh.stop()
-            shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
+            if self.finished:  # else they are what a rerun resumes from
+                shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
             if self.journal is not None:
                 self.journal.close()
             self.metrics.close()
@@ -157,7 +212,7 @@ class RLDriver:
     def _context(self) -> RunContext:
         return RunContext(self.cfg, self.task, self.args, self.length, self.pad, self.journal, self.metrics,
                           self.events, self.progress, self.evaluate, self._eval_record, str(self.paths.rebalance),
-                          self.store, self.t0)
+                          self.store, self.t0, self._keep_state, lambda *a: self.checks(*a))
 
     def _run(self) -> dict[str, Any]:
         cfg, svc = self.cfg, self.svc
@@ -166,6 +221,38 @@ class RLDriver:
         svc.trainers.join()
         svc.generators.setup()
         svc.rewards.setup()
+        state = self._resume() if self.point is not None else None
+        if state is None:
+            self._warm_up(ctx)
+        step, source = (state["step"], self.point[0]) if state is not None else (0, "init")
+        earlier = earlier_results(self.journal.entries, step, self.key)
+        self.journal.append("session", step=step, config=self.key, source=source, checks=len(earlier),
+                            layout={"generators": svc.generators.n, "trainers": svc.trainers.n})
+        self.checks = Checks(earlier, cfg.rl.mode == "sync", self.events)
+        stepper = Stepper(ctx, svc)
+        if state is not None:
+            resume(stepper, state, {i.key: i for i in self.task.train + self.task.evaluated})
+            self.resumed = {"step": step, "source": source, "checks": len(earlier)}
+            self.events("rl_resumed", **self.resumed, pending_groups=sum(len(g) for g in state["pending"].values()))
+            self.progress.phase(f"resumed at RL step {step} from the trainers' {source} state; {len(earlier)} "
+                                "journaled step(s) after it are computed again and checked")
+            if source == "disk":  # an in-memory snapshot to recover a trainer from in this session
+                stepper.take_snapshot(step)
+        curve = stepper.run()
+        if self.resumed is not None:
+            self.resumed.update(checks_matched=self.checks.matched, checks_differed=self.checks.differed)
+        sft_fig, start = self.figures["sft"], self.figures["start"]
+        self.progress.phase("final evaluation on the held-out instances")
+        final = self.evaluate("final")
+        self._eval_record(cfg.rl.steps, final)
+        curve["policy"] = self._write_policy(self.paths.policy, "policy")
+        self.finished = True
+        return self._summary(sft_fig, start, final, curve)
+
+    def _warm_up(self, ctx: RunContext) -> None:
+        """A fresh run's start: fine-tuning, the reference (with a KL term), version 0 to every generator,
+        the first evaluation."""
+        cfg, svc = self.cfg, self.svc
         self.progress.phase(f"SFT warm-up: {cfg.sft.steps} steps on {len(self.task.sft)} examples")
         sft_fig = sft(ctx, svc, self.tok, self.eos)
         if cfg.rl.kl_coef > 0:  # the fine-tuned policy is the frozen reference: on disk once, then to every generator
@@ -175,17 +262,52 @@ class RLDriver:
         self.progress.phase("evaluating the fine-tuned policy on the held-out instances")
         start = self.evaluate("start")
         self._eval_record(0, start)
+        self.figures = {"sft": sft_fig, "start": start}
         self.progress.phase(f"held-out reward {start['held_out_reward']:.3f} after fine-tuning; "
                             f"{cfg.rl.steps} RL steps ({cfg.rl.mode})")
         self.events("rl_start", held_out_reward=start["held_out_reward"], train_instances=len(self.task.train),
                     held_out_instances=len(self.task.held_out),
                     evaluated_instances=len(self.task.evaluated), sft_examples=len(self.task.sft), mode=cfg.rl.mode)
-        curve = Stepper(ctx, svc).run()
-        self.progress.phase("final evaluation on the held-out instances")
-        final = self.evaluate("final")
-        self._eval_record(cfg.rl.steps, final)
-        curve["policy"] = self._write_policy(self.paths.policy, "policy")
-        return self._summary(sft_fig, start, final, curve)
+
+    def _resume(self) -> dict[str, Any]:
+        """A rerun's start (``self.point``): the RL phase's core, the trainers' state of the resumed step
+        (their in-memory snapshot, else the disk checkpoint), the reference from disk, that step's weights
+        to every generator; returns the loop's state of the step."""
+        from stalwart.checkpoint.manager import newest_complete_checkpoint
+
+        cfg, svc = self.cfg, self.svc
+        source, step = self.point
+        state = self.states.read(step)
+        info = svc.trainers.build("rl", self.args, self.length, cfg.rl.prompts_per_step // svc.trainers.n,
+                                  cfg.rl.steps)
+        self.events("rl_trainers", layout=info["layout"], params=info["params"], sft_examples=len(self.task.sft))
+        got = (svc.trainers.restore(step) if source == "memory" else
+               svc.trainers.load_checkpoint(str(newest_complete_checkpoint(self.paths.checkpoints))))
+        if got != step:
+            raise RuntimeError(f"the trainers restored step {got} from {source}, the loop's state is of step {step}")
+        if cfg.rl.kl_coef > 0:  # the reference policy went to disk before the first RL step
+            w = svc.weights
+            w.join_links(list(range(svc.generators.n)))
+            for g in range(svc.generators.n):
+                svc.generators.load_reference(g, w.reference_run)
+            w.has_reference = True
+        svc.weights.settle(svc.weights.publish(step))
+        self.figures = {"sft": state["sft"], "start": state["start"]}
+        return state
+
+    def _keep_state(self, step: int, stepper: Stepper) -> None:
+        """The loop's state of ``step`` (before the trainers' snapshot of it), and every
+        ``workers.checkpoint_interval`` steps the trainers' disk checkpoint after it."""
+        from stalwart.checkpoint.manager import newest_complete_checkpoint
+        from stalwart.paths import checkpoint_step
+
+        interval = self.cfg.workers.checkpoint_interval
+        disk = bool(interval) and step > 0 and step % interval == 0
+        newest = newest_complete_checkpoint(self.paths.checkpoints)
+        keep = ({checkpoint_step(newest)} if newest is not None else set()) | ({step} if disk else set())
+        self.states.write({**capture(stepper, step), "config": self.key, **self.figures}, keep)
+        if disk:
+            self.svc.trainers.save_checkpoint(str(self.paths.checkpoints))
 
     def _write_policy(self, root, what: str) -> str:
         """The current policy as a run directory of its own: a training config that names its model
@@ -216,7 +338,7 @@ class RLDriver:
                    "replacements": {"generator": svc.generators.pool.replacements,
                                     "reward": svc.rewards.pool.replacements,
                                     "trainer": curve.get("trainer_recoveries", 0)},
-                   "wall_s": time.time() - self.t0,
+                   "wall_s": time.time() - self.t0, "resumed": self.resumed,
                    # the controller's own peak memory: it holds no weights, so this does not grow with the model
                    "controller_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    **{k: v for k, v in curve.items() if k != "trainer_recoveries"}}
@@ -232,9 +354,9 @@ def run_rl_job(cfg: RLConfig) -> int:
     paths = RunPaths.of(cfg.run)
     TaskSetup.of(cfg)  # a mistake in the task section is refused before the run directory is touched
     check_device(cfg.workers.device, 1, "--device")  # and a device this machine lacks, before any actor
-    if paths.metrics.exists() or paths.summary.exists():
-        raise UserError(f"run.dir {paths.root} already holds a run (an RL run does not resume); pass another "
-                        "--run.dir or remove that one")
+    if paths.summary.exists():  # a killed run (no summary) is resumed by the same command instead
+        raise UserError(f"run.dir {paths.root} already holds a run that finished; pass another --run.dir or "
+                        "remove that one")
     with RunLock(paths):
         try:
             s = RLDriver(cfg).run()
@@ -244,6 +366,9 @@ def run_rl_job(cfg: RLConfig) -> int:
         except RecoveriesExhausted as e:
             print(f"stalwart rl: {e}", flush=True)
             return e.exit_code
+        except ReplayDiverged as e:  # a resumed step did not reproduce the journal: determinism is broken
+            print(f"stalwart rl: {e}", flush=True)
+            return 1
     print(f"stalwart rl: held-out reward {s['initial_reward_mean']:.3f} after fine-tuning -> "
           f"{s['final_reward_mean']:.3f} after {s['steps']} RL steps ({s['wall_s']:.0f} s); "
           f"summary in {RunPaths.of(cfg.run).summary}", flush=True)

@@ -57,6 +57,8 @@ class RunContext:
     rebalance_dir: str
     store: Any                    # the controller's store (the trainers' group attempts meet on it)
     t0: float
+    keep_state: Callable[[int, Any], None]        # the loop's state of a step, before the trainers' snapshot
+    check: Callable[[int, dict, dict], None]      # a step an earlier session completed: checked again
 
 
 def sft(run: RunContext, svc: Services, tok: Any, eos: int) -> dict[str, Any]:
@@ -95,6 +97,9 @@ class Stepper:
         self.trained: dict[str, int] = {}          # gid -> the step that trained it
         self.kept: dict[int, list] = {}            # step -> the trainer rows, since the snapshot
         self.staleness_max = 0
+        self.first = 0                             # the step this session starts after (rl/state.py resumes)
+        self.groups_before = 0                     # groups trained by earlier sessions
+        self.steps_to: dict[str, float] = {}
         tr, c = svc.trainers, run.cfg.controller
         role = RecoveryRole(attempt=lambda: tr.attempt, rebuild=self._rebuild, restore=self._restore,
                             replay=lambda t: tr.train(t, self.kept[t]), matched=("loss", "grad_norm"))
@@ -193,7 +198,7 @@ class Stepper:
         t0 = time.perf_counter()
         busy0 = (sum(gen.pool.busy_s), sum(rew.pool.busy_s))
         for t in range(s + 1, min(s + self.ahead, r.steps) + 1):  # the generators run ahead meanwhile
-            if t not in self.inflight:
+            if t not in self.inflight and t not in self.ready:
                 self.inflight[t] = gen.generate(self.plan(t))
         groups, gfig = self.groups_for(s)
         sfig = rew.score(groups)
@@ -210,7 +215,8 @@ class Stepper:
                 raise RuntimeError(f"group {g.gid} would be trained twice (steps {self.trained[g.gid]} and {s})")
             self.trained[g.gid] = s
         self.kept[s] = per_rank
-        run.journal.append("applied", sync=False, step=s, loss=rec["loss"], grad_norm=rec["grad_norm"])
+        applied = run.journal.append("applied", sync=False, step=s, loss=rec["loss"], grad_norm=rec["grad_norm"])
+        run.check(s, {"groups": [g.gid for g in groups], "versions": [g.version for g in groups]}, applied)
         t_sync = time.perf_counter()
         wfig = self.publish(s)
         sync_s = time.perf_counter() - t_sync
@@ -274,10 +280,11 @@ class Stepper:
 
     def run(self) -> dict[str, Any]:
         r, run = self.r, self.ctx
-        self.take_snapshot(0)
-        steps_to = {}
-        run.progress.start()
-        for s in range(1, r.steps + 1):
+        if self.first == 0:
+            self.take_snapshot(0)
+        steps_to = self.steps_to
+        run.progress.start(self.first)
+        for s in range(self.first + 1, r.steps + 1):
             record = self.step(s)
             run.metrics.write(record)
             run.progress.step(record)
@@ -294,7 +301,7 @@ class Stepper:
         self.catch_up(r.steps + 1)  # the final evaluation follows
         run.progress.close()
         return {"trainer_recoveries": self.recovery.count, "staleness_max": self.staleness_max,
-                "groups_trained": len(self.trained), **steps_to}
+                "groups_trained": self.groups_before + len(self.trained), **steps_to}
 
     # ------------------------------------------------------------------ balancing
     def maybe_rebalance(self, s: int) -> None:
@@ -349,6 +356,11 @@ class Stepper:
         tr.build("rl", self.ctx.args, self.ctx.length, cfg.rl.prompts_per_step // tr.n, cfg.rl.steps)
 
     def take_snapshot(self, s: int) -> None:
+        """The loop's own state of step ``s`` (its pending groups collected first), then the trainers'
+        snapshot of it: every snapshot that exists has its loop state (``rl/state.py``)."""
+        for t in sorted(self.inflight):
+            self.ready[t] = self.svc.generators.collect(self.inflight.pop(t))
+        self.ctx.keep_state(s, self)
         self.svc.trainers.snapshot(s)
         self.kept = {k: v for k, v in self.kept.items() if k > s}
         self.snap_step = s

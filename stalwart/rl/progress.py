@@ -43,9 +43,9 @@ class RLProgress:
             self._last_sft = now
             self.phase(f"SFT warm-up step {step}/{total}, loss {loss:.4f}")
 
-    def start(self) -> None:
-        """The RL steps begin: the bar (or the plain lines) from here."""
-        self.bar = Progress(self.steps, 0, self.show, label="rl")
+    def start(self, first: int = 0) -> None:
+        """The RL steps begin after step ``first`` (0, or where a resumed run goes on): the bar from here."""
+        self.bar = Progress(self.steps, first, self.show, label="rl")
 
     def step(self, record: dict[str, Any]) -> str:
         """Show one RL step's record; returns the text shown after the step counter."""

@@ -93,11 +93,11 @@ class Trainers:
 
         return self._all(PolicyTrainerActor.snapshot, (step,))[0]["bytes"]
 
-    def restore(self) -> int:
-        """Every rank loads the newest complete snapshot; its step."""
+    def restore(self, step: int | None = None) -> int:
+        """Every rank loads the snapshot of ``step`` (default: the newest complete one); its step."""
         from stalwart.rl.trainer import PolicyTrainerActor
 
-        self.version = self._all(PolicyTrainerActor.restore)[0]["step"]
+        self.version = self._all(PolicyTrainerActor.restore, (step,))[0]["step"]
         return self.version
 
     def save_checkpoint(self, root: str) -> str:

@@ -175,9 +175,10 @@ class PolicyTrainerActor(Actor):
         return {"rank": self.rank, "bytes": size}
 
     @endpoint
-    def restore(self) -> dict[str, Any]:
-        """Load the newest snapshot every rank can get (collective); its RL step."""
-        step = self.snapshots.newest_complete_step()
+    def restore(self, step: int | None = None) -> dict[str, Any]:
+        """Load the snapshot of ``step``, by default the newest every rank can get (collective); its RL
+        step. The snapshots outlive the processes (tmpfs): a rerun of a killed controller loads them too."""
+        step = self.snapshots.newest_complete_step() if step is None else step
         if step is None:
             raise RuntimeError("no trainer snapshot is complete on every rank: the run cannot recover")
         state = self.snapshots.load(step, self.core.model, self.core.optimizer)
