@@ -339,12 +339,14 @@ def test_the_service_reports_health_and_metrics_and_refuses_bad_requests_by_name
     bad = httpx.post(score, json={"program": "print(1)", "cases": [{"input": "1"}]})
     assert bad.status_code == 400 and bad.json()["error"] == ('cases: case 0 must be an object with string fields '
                                                              '"input" and "output"')
+    surrogate = httpx.post(score, content=b'{"program": "print(1)", "cases": [{"input": "\\ud800", "output": "1"}]}')
+    assert surrogate.status_code == 400 and "UTF-8" in surrogate.json()["error"]
     many = httpx.post(score, json={"program": "print(1)", "cases": [{"input": "", "output": "1"}] * 65})
     assert many.status_code == 413 and "service.max_cases" in many.json()["error"]
     huge = httpx.post(score, json={"program": "x" * (5 << 20), "cases": add["cases"]})
     assert huge.status_code == 413 and "service.max_request_mb" in huge.json()["error"]
     metrics = httpx.get(f"{service}/metrics").text
-    for line in ('stalwart_sandbox_requests_total{outcome="bad_request"} 2.0',
+    for line in ('stalwart_sandbox_requests_total{outcome="bad_request"} 3.0',
                  'stalwart_sandbox_requests_total{outcome="too_large"} 2.0', "stalwart_sandbox_running 0.0",
                  "stalwart_sandbox_concurrency 2.0", "stalwart_sandbox_program_seconds_count"):
         assert line in metrics, line

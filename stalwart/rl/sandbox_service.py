@@ -155,6 +155,11 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
             cases = cases_from(data["cases"], "cases")
         except SandboxError as e:
             return refuse(400, "bad_request", str(e))
+        try:  # what the sandbox writes as files and pipes: lone surrogates are valid JSON but not UTF-8
+            for text in (data["program"], *(t for c in cases for t in (c.input, c.output))):
+                text.encode()
+        except UnicodeEncodeError:
+            return refuse(400, "bad_request", "the program and cases must be UTF-8 text (no lone surrogates)")
         if len(cases) > cfg.max_cases:
             return refuse(413, "too_large", f"{len(cases)} cases; this service takes at most {cfg.max_cases} per "
                                             "request (service.max_cases)")
