@@ -52,6 +52,10 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "stalwart", "serve", *args, "--port", "0",
                                       "--port-file", str(self.port_file)], env=cli_env(), cwd=REPO,
                                      stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_serving()
+
+    def wait_serving(self) -> None:
+        """Wait for the port file (written once serving; again by a group started again)."""
         deadline = time.monotonic() + 240
         while not self.port_file.is_file():
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}: {self.output()}"
@@ -224,6 +228,8 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert expected_b != expected
     finally:
         assert one.stop() == 0
+    run_cli("export", "--run", str(a), "--format", "hf", "--out", str(tmp_path / "hf"))
+    bad = wrong_shape_copy(tmp_path / "hf", tmp_path / "hf-bad")
     tp = Server(tmp_path, "--run", str(a), "--tp", "2")
     try:
         # Every socket the group listens on is on loopback (the HTTP one follows --host, 127.0.0.1 here):
@@ -239,6 +245,11 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert tp.update(checkpoint)["weight_version"] == 2
         r = tp.client.completions.create(model=None, prompt=prompts[:4], max_tokens=8, temperature=0)
         assert [c.text for c in r.choices] == expected[:4] and r.system_fingerprint == "stalwart-weights-v2"
+        # Weights of the wrong shape: refused by every rank alike (400 naming the tensor), all keep serving.
+        r = httpx.post(tp.url + "/v1/weights", json={"source": str(bad)}, timeout=120)
+        assert r.status_code == 400 and "has shape" in r.json()["error"]["message"], r.text
+        assert tp.greedy(prompts[:4]) == expected[:4]
+        assert httpx.get(tp.url + "/health").json() == {"status": "ok", "model": "a", "weight_version": 2}
     finally:
         # SIGINT to every process of the group at once stops it quietly, as one process: the start line
         # and "stopped", exit status 0 (no launcher or rank traceback, no warning from a rank).
@@ -246,12 +257,21 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         lines = tp.output().splitlines()
         assert len(lines) == 2 and "tp=2" in lines[0] and lines[1] == "stalwart serve: stopped", tp.output()
     # The exported Hugging Face directory, pipeline-split over two processes.
-    run_cli("export", "--run", str(a), "--format", "hf", "--out", str(tmp_path / "hf"))
     pp = Server(tmp_path, "--hf", str(tmp_path / "hf"), "--pp", "2")
     try:
         assert pp.greedy(prompts) == expected
         assert pp.update(b)["weight_version"] == 1
         assert pp.greedy(prompts[:8]) == expected_b[:8]
+        # kill -9 of one rank: the launcher stops the group, and `stalwart serve` starts it again (with
+        # the weights its command line names).
+        pp.port_file.unlink()
+        ranks = [p for p in process_tree(pp.proc.pid)
+                 if b"stalwart.serve.replica" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGKILL)
+        pp.wait_serving()
+        assert pp.greedy(prompts[:8]) == expected[:8]
+        assert "the replica exited with code 1; starting it again" in pp.output()
     finally:
         # SIGTERM to the command: the group stops in order, quietly.
         assert pp.stop(signal.SIGTERM) == 0, pp.output()
@@ -280,6 +300,21 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
     finally:
         if routed.proc.poll() is None:
             assert routed.stop() == 0, routed.output()
+
+
+def wrong_shape_copy(hf: Path, out: Path) -> Path:
+    """A copy of the Hugging Face directory ``hf`` whose last layer's MLP is one row short."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf, out)
+    weights = out / "model.safetensors"
+    tensors = load_file(weights)
+    name = max(k for k in tensors if k.endswith("mlp.down_proj.weight"))
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return out
 
 
 def _has_parent(proc: Path, pid: int) -> bool:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from stalwart.procs import die_with_parent
@@ -107,19 +108,38 @@ def stop_replica(proc: subprocess.Popen) -> None:
         os.kill(proc.pid, signal.SIGTERM)
 
 
+USER_ERROR = 2  # a replica that said what to fix (one line) is not started again
+QUICK_FAILURE_S = 60.0  # a replica that fails this soon after starting, 3 times running, is given up
+
+
 def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
-    """Run a replica's process group; SIGINT/SIGTERM here stops it in order (a second one forcibly), and a
-    stop asked for is exit 0."""
-    child = _start(cmd, env)
+    """Run a replica's process group, started again whenever it fails (a rank died, or rank 0 found its
+    engine dead or stuck: serve/replica.py); SIGINT/SIGTERM here stops it in order (a second one
+    forcibly), and a stop asked for is exit 0."""
     asked: list[int] = []
+    child: subprocess.Popen | None = None
 
     def forward(sig, _frame) -> None:
         asked.append(sig)
-        stop_replica(child)
+        if child is not None:
+            stop_replica(child)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    quick = 0
     try:
-        code = child.wait()
+        while True:
+            started = time.monotonic()
+            child = _start(cmd, env)
+            code = child.wait()
+            if asked or code in (0, USER_ERROR):
+                break
+            quick = quick + 1 if time.monotonic() - started < QUICK_FAILURE_S else 0
+            if quick >= 3:
+                print(f"stalwart serve: the replica failed {quick} times within {QUICK_FAILURE_S:.0f} s of "
+                      "starting; giving up", file=sys.stderr, flush=True)
+                break
+            print(f"stalwart serve: the replica exited with code {code}; starting it again", file=sys.stderr,
+                  flush=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

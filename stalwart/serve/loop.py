@@ -83,7 +83,7 @@ class Timing:
 # How long one step, or one command such as a weight load, may take before the engine counts as stuck.
 # NOTE: generous for a step (a step is bounded by engine.max_batch_tokens; seconds even on 2 CPU cores);
 # a load reads a whole checkpoint.
-STEP_LIMIT_S = 30.0
+STEP_LIMIT_S = 20.0
 LOAD_LIMIT_S = 900.0
 
 

@@ -18,6 +18,8 @@ from stalwart.infer.load import Source
 from stalwart.procs import die_with_parent
 
 IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a follower rank waits this long for rank 0's next step
+UNHEALTHY_EXIT_S = 5.0  # rank 0 of a group exits once its engine has been dead or stuck this long
+EXIT_UNHEALTHY = 3
 
 
 def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
@@ -69,6 +71,8 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
             return 0
         name = cfg.server.model_name or source.name
         loop = EngineLoop(engine, link, load).start()
+        if world > 1:  # its launcher starts the group again when a process exits
+            _exit_when_unhealthy(loop, UNHEALTHY_EXIT_S)
         try:
             what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
                     f"blocks of {cfg.engine.block_size} tokens)")
@@ -85,6 +89,28 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         from stalwart.runtime.group import leave
 
         leave()
+
+
+def _exit_when_unhealthy(loop, after_s: float) -> None:
+    """Watch ``loop`` from a thread; once its engine has been dead or stuck (``EngineLoop.problem``) for
+    ``after_s`` seconds (``/health`` said 503 meanwhile), end this process at once: a stuck engine holds
+    a collective that no graceful stop gets past. The group's launcher then stops the other ranks and
+    `stalwart serve` starts the group again."""
+    import threading
+    import time
+
+    def watch() -> None:
+        since = None
+        while not loop.stopped:
+            time.sleep(0.5)
+            problem = loop.problem()
+            since = None if problem is None else since or time.monotonic()
+            if since is not None and time.monotonic() - since > after_s and not loop.stopped:
+                print(f"stalwart serve: {problem}; this replica exits to be started again", file=sys.stderr,
+                      flush=True)
+                os._exit(EXIT_UNHEALTHY)
+
+    threading.Thread(target=watch, name="stalwart-watchdog", daemon=True).start()
 
 
 def _note_stop_signals() -> list[int]:
