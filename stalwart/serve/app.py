@@ -26,8 +26,10 @@ from stalwart.infer.engine import Output, RequestError
 from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.serve.chat import ChatFormat
 from stalwart.serve.errors import ApiError, error_body, install_error_handlers
+from stalwart.serve.http import ClientGone, unless_client_leaves
 from stalwart.serve.loop import EngineLoop, EngineUnavailable, Failure, Submission, Timing, WeightVersionError
 from stalwart.serve.metrics import ServeMetrics
+from stalwart.serve.resume import CHUNK_FIELD, RESUME_FIELD, Resume, from_router, resume_of
 from stalwart.serve.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -46,12 +48,17 @@ from stalwart.serve.protocol import (
 class Job:
     """One engine request seen from the event loop: its outputs arrive on an asyncio queue."""
 
-    def __init__(self, app_loop: asyncio.AbstractEventLoop, metrics: ServeMetrics) -> None:
+    def __init__(self, app_loop: asyncio.AbstractEventLoop, metrics: ServeMetrics, emitted: list[int] = (),
+                 done: bool = False, versions: list[int] = ()) -> None:
         self.rid = uuid.uuid4().hex
         self.queue: asyncio.Queue[Output | Failure] = asyncio.Queue()
         self.timing = Timing(time.monotonic())
         self.metrics = metrics
-        self.versions: list[int] = []
+        # A resumed request (serve/resume.py): the tokens sent before, whether it had finished, the versions.
+        self.emitted = list(emitted)
+        self.done = done
+        self.timing.tokens = len(self.emitted)
+        self.versions: list[int] = list(versions)
         self._loop = app_loop
 
     def sink(self, out: Output | Failure) -> None:  # engine thread
@@ -78,9 +85,9 @@ def _error_event(f: Failure) -> str:
 
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None = None,
-               chat: ChatFormat | None = None) -> FastAPI:
-    """The API over ``loop``; ``chat`` renders conversations (the model's template; default: plain
-    ``role: content`` lines)."""
+               router_secret: str | None = None, chat: ChatFormat | None = None) -> FastAPI:
+    """The API over ``loop``; ``router_secret``: the secret of the router in front (serve/resume.py);
+    ``chat`` renders conversations (the model's template; default: plain ``role: content`` lines)."""
     engine = loop.engine
     chat_format = chat or ChatFormat()
     tokenizer = engine.tokenizer
@@ -98,8 +105,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
     @app.get("/health")
     async def health():
         body = {"status": "ok", "model": model_name, "weight_version": engine.weight_version}
-        if loop.failure is not None:  # the engine thread is gone: this server can answer nothing
-            return JSONResponse({**body, "status": "error", "error": f"the engine stopped ({loop.failure})"}, 503)
+        problem = loop.problem()
+        if problem is not None:  # the engine thread is gone or stuck: this server can answer nothing
+            return JSONResponse({**body, "status": "error", "error": problem}, 503)
         return body
 
     @app.get("/metrics")
@@ -117,9 +125,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
                            "not_found_error")
 
     def start(req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
-              leads: list[int | None] | None = None) -> list[Job]:
-        """Check every prompt, then queue them together: a request runs whole or not at all. ``leads[k]``:
-        the earlier submission whose prompt submission k shares (several choices of one prompt)."""
+              resume: Resume | None = None, leads: list[int | None] | None = None) -> list[Job]:
+        """Check every prompt, then queue them together: a request runs whole or not at all. ``resume``:
+        where the stream stood on a replica that was lost (serve/resume.py). ``leads[k]``: the earlier
+        submission whose prompt submission k shares (several choices of one prompt)."""
         limit = engine.cfg.max_queue
         if len(prompts) > limit:
             raise ApiError(400, f"the request has {len(prompts)} prompts; this server queues at most {limit} "
@@ -131,11 +140,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
             raise ApiError(400, str(e), req.param_name(e.param)) from None
         if loop.queued() + len(prompts) > limit:
             raise ApiError(503, "the server is at capacity; retry later", None, "server_error")
-        jobs = [Job(asyncio.get_running_loop(), metrics) for _ in prompts]
+        here = asyncio.get_running_loop()
+        jobs = [Job(here, metrics, resume.tokens[k], resume.finished[k], resume.versions) if resume else
+                Job(here, metrics) for k in range(len(prompts))]
         try:
             leads = leads or [None] * len(jobs)
-            loop.submit([Submission(j.rid, prompt, p, j.sink, jobs[lead].rid if lead is not None else None)
-                         for j, prompt, p, lead in zip(jobs, prompts, params, leads)])
+            loop.submit([Submission(j.rid, prompt, p, j.sink, jobs[lead].rid if lead is not None else None,
+                                    emitted=j.emitted)
+                         for j, prompt, p, lead in zip(jobs, prompts, params, leads) if not j.done])
         except EngineUnavailable as e:
             raise ApiError(e.status, str(e), None, "server_error") from None
         metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
@@ -151,13 +163,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
             if out.finished:
                 return outs, out
 
-    def stream(jobs: list[Job], chunk: Callable[[int, Output], dict], usage: Callable[[], dict] | None):
-        """Server-sent events: one chunk per output of any prompt, a usage chunk if asked, then [DONE]."""
+    def stream(jobs: list[Job], chunk: Callable[[int, Output], dict], usage: Callable[[], dict] | None,
+               routed: bool = False):
+        """Server-sent events: one chunk per output of any prompt, a usage chunk if asked, then [DONE].
+        ``routed``: each chunk also says which output and tokens it carries, for the router."""
 
         async def events():
-            pending = {j.rid for j in jobs}
+            pending = {j.rid for j in jobs if not j.done}
             try:
-                waiters = {asyncio.ensure_future(j.queue.get()): (i, j) for i, j in enumerate(jobs)}
+                waiters = {asyncio.ensure_future(j.queue.get()): (i, j) for i, j in enumerate(jobs) if not j.done}
                 while waiters:
                     done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                     for fut in done:
@@ -170,6 +184,9 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
                         event = chunk(i, out)
                         if usage is not None:
                             event["usage"] = None
+                        if routed:
+                            event[CHUNK_FIELD] = {"job": i, "tokens": [c.token for c in out.choices],
+                                                  "finished": out.finished}
                         yield f"data: {json.dumps(event)}\n\n"
                         if out.finished:
                             pending.discard(job.rid)
@@ -190,34 +207,59 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         return lambda: usage_chunk(rid, kind, created, model_name, sorted({v for j in jobs for v in j.versions}),
                                    sum(len(p) for p in prompts), sum(j.timing.tokens for j in jobs))
 
+    async def resumed(request: Request, outputs: int, streams: bool) -> tuple[bool, Resume | None]:
+        """(whether the router sent ``request``, the stream it resumes if any)."""
+        routed = from_router(request.headers, router_secret)
+        body = await request.body()
+        resume = resume_of(json.loads(body), routed, outputs) if RESUME_FIELD.encode() in body else None
+        if resume is not None and not streams:
+            raise ApiError(400, f"{RESUME_FIELD} resumes streams only", RESUME_FIELD)
+        return routed, resume
+
+    async def collect_all(request: Request, jobs: list[Job]) -> list[tuple[list[Output], Output]]:
+        """Every job's outputs; a client that leaves first has its jobs aborted (ClientGone)."""
+        try:
+            return await unless_client_leaves(request, asyncio.gather(*(collect(j) for j in jobs)))
+        except ClientGone:
+            for j in jobs:
+                loop.abort(j.rid)
+            metrics.outcome("cancelled")
+            raise
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         prompts = req.token_prompts(tokenizer)
         draws, params = plan_draws(req, len(prompts), req.sampling())
-        jobs = start(req, [prompts[d.prompt] for d in draws], params, [d.lead for d in draws])
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        routed, resume = await resumed(request, len(draws), req.stream)
+        jobs = start(req, [prompts[d.prompt] for d in draws], params, resume, [d.lead for d in draws])
+        rid, created = (resume.id, resume.created) if resume else (f"cmpl-{uuid.uuid4().hex}", int(time.time()))
         texts = req.prompt_texts(prompts, tokenizer) if req.echo else []
         if req.stream:
             usage = usage_of(rid, "text_completion", created, jobs, prompts) if req.include_usage else None
             chunks = CompletionStream(rid, created, model_name, tokenizer, req, draws, prompts, texts)
-            return stream(jobs, chunks.chunk, usage)
-        results = [await collect(j) for j in jobs]
+            return stream(jobs, chunks.chunk, usage, routed)
+        results = await collect_all(request, jobs)
         metrics.outcome("ok")
         return completion_response(rid, req, draws, jobs, results, prompts, texts, created, model_name, tokenizer)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
         prompt = tokenizer.encode(chat_prompt(req.messages, chat_format), add_special_tokens=False).ids
         draws, params = plan_draws(req, 1, req.sampling(room=engine.room(len(prompt))))
-        jobs = start(req, [prompt] * len(draws), params, [d.lead for d in draws])
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        routed, resume = await resumed(request, len(draws), req.stream)
+        jobs = start(req, [prompt] * len(draws), params, resume, [d.lead for d in draws])
+        rid, created = (resume.id, resume.created) if resume else (f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         if req.stream:
             usage = usage_of(rid, "chat.completion.chunk", created, jobs, [prompt]) if req.include_usage else None
             return stream(jobs, lambda k, out: chat_chunk(rid, created, model_name, draws[k].j, out, tokenizer,
-                                                          req.logprobs), usage)
-        results = [await collect(j) for j in jobs]
+                                                          req.logprobs), usage, routed)
+        results = await collect_all(request, jobs)
         metrics.outcome("ok")
         return chat_response(rid, req, jobs, results, len(prompt), created, model_name, tokenizer)
 
