@@ -25,11 +25,19 @@ QUICK = ["--config", "rl_code", "--rl.mode", "sync", "--rl.steps", "2", "--rl.pr
          "--controller.supervision_poll_s", "0.2"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def test_dapo_rloo_and_dr_grpo_each_train_two_steps(tmp_path):
+    """One test, so that pytest-xdist never starts the three runs twice (a module fixture runs once per
+    worker that gets one of its tests)."""
+    runs = _run_all(tmp_path)
+    for algorithm in ("dapo", "rloo", "dr_grpo"):
+        _check_trained(runs, algorithm)
+    _check_rloo_and_dr_grpo(runs)
+    _check_dapo_refills(runs)
+
+
+def _run_all(root):
     """One run per algorithm; dr_grpo's reward workers send their programs to a sandbox service (the
     run's default limits), whose metrics are kept in <root>/service_metrics.txt."""
-    root = tmp_path_factory.mktemp("algorithms")
     service = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", "sandbox", "--serve", "--service.port", "0"],
                                cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -50,18 +58,17 @@ def _steps(run):
     return {m["step"]: m for m in read_metrics(run) if m.get("kind") == "rl"}
 
 
-@pytest.mark.parametrize("algorithm", ["dapo", "rloo", "dr_grpo"])
-def test_every_algorithm_trains_two_steps(runs, algorithm):
+def _check_trained(runs, algorithm):
     steps = _steps(runs / algorithm)
     assert sorted(steps) == [1, 2]
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in steps.values())
     summary = json.loads((runs / algorithm / "summary.json").read_text())
     assert summary["groups_trained"] == 2 * 4 and 0.0 <= summary["final_reward_mean"] <= 1.0
     dynamic = {"dynamic_sampling_rounds", "sampled_groups", "zero_variance_groups"}
-    assert dynamic <= set(steps[1]) if algorithm == "dapo" else not dynamic & set(steps[1])
+    assert (dynamic <= set(steps[1])) if algorithm == "dapo" else not dynamic & set(steps[1]), algorithm
 
 
-def test_rloo_and_dr_grpo_score_the_same_samples_and_differ_in_their_loss(runs):
+def _check_rloo_and_dr_grpo(runs):
     """Also: dr_grpo's programs ran in the sandbox service, rloo's in the reward worker's own
     sandboxes, and the same samples got the same rewards."""
     rloo, dr = _steps(runs / "rloo")[1], _steps(runs / "dr_grpo")[1]
@@ -72,7 +79,7 @@ def test_rloo_and_dr_grpo_score_the_same_samples_and_differ_in_their_loss(runs):
     assert sum(float(x) for x in scored) >= sum(m["programs_run"] for m in _steps(runs / "dr_grpo").values()) > 0
 
 
-def test_dapo_replaces_groups_that_scored_alike(runs):
+def _check_dapo_refills(runs):
     run = runs / "dapo"
     journal = [json.loads(x) for x in (run / "controller" / "journal.jsonl").read_text().splitlines()]
     trained = {e["step"]: e["groups"] for e in journal if e["cmd"] == "step"}
