@@ -17,6 +17,7 @@ from test_serve_app import ARGS, InProcessServer, error, tokenizer  # noqa: F401
 
 from stalwart.config.serve import EngineConfig
 from stalwart.generate import sample
+from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams, adjust_logits, choice_seed
 from stalwart.models.llama import Transformer
 from stalwart.serve.chat import ChatFormat
@@ -85,6 +86,35 @@ def test_echo_scores_the_prompt_as_the_training_forward_does(server, reference):
     # echo without logprobs: the prompt's text, no scores.
     assert complete(server, echo=True, max_tokens=0)["choices"][0] == {
         "index": 0, "text": PROMPT, "finish_reason": "length", "logprobs": None}
+
+
+def test_prompt_scores_survive_chunked_prefill_and_preemption(tokenizer, reference):  # noqa: F811
+    # The engine tests' cache-pressure setting: a budget of 24 tokens cuts the longer prompts into chunks,
+    # and a cache of some 100 tokens cannot hold 8 running requests' growth, so some are preempted and
+    # recompute their prompts.
+    with torch.device("meta"):
+        model = Transformer(ARGS128)
+    materialize_and_init(model, torch.device("cpu"), 0)
+    engine = Engine(model.eval(), tokenizer, None, EngineConfig(block_size=4, max_batch_tokens=24, max_seqs=8,
+                                                                  kv_cache_mb=0.05))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, ARGS.vocab_size, (n,), generator=g).tolist()
+               for n in (20, 15, 22, 9, 17, 12, 5, 23, 2, 13, 30, 45)]
+    for i, p in enumerate(prompts):
+        engine.add(str(i), p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
+    scores = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.prompt is not None:
+                scores[o.rid] = o.prompt
+    assert engine.stats()["preemptions"] > 0
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([p])).float(), -1)[0]
+        got = scores[str(i)]
+        assert [c.token for c in got] == p[1:]
+        assert max(abs(c.logprob - float(logp[k, p[k + 1]])) for k, c in enumerate(got)) < 1e-5
+        assert [c.top[0][0] for c in got] == logp[:-1].argmax(-1).tolist()
 
 
 def test_n_and_best_of_draw_seeded_choices_from_one_computed_prompt(server):
@@ -199,6 +229,8 @@ BAD = [  # (path, body, the param the error names, part of its message)
      "min_tokens",
      "min_tokens must be in"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages", "messages"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 16}, "n", "48 sequences (prompts x n or best_of)"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "best_of": 16}, "best_of", "queues at most 32"),
 ]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,7 +118,7 @@ def stops_on(token: int, params: SamplingParams, eos_id: int | None) -> bool:
     return (token == eos_id and not params.ignore_eos) or token in params.stop_token_ids
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[int],
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
                   eos_id: int | None) -> torch.Tensor:
     """The logits a request samples from, given the tokens it ``generated`` so far (vocab,), fp32.
 
@@ -162,13 +163,13 @@ class Choice:
     top: list[tuple[int, float]] | None = None  # (token, logprob), most likely first
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, generated: list[int] = (),
+def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, generated: Sequence[int] = (),
                eos_id: int | None = None, allowed: torch.Tensor | None = None) -> Choice:
     """One token from one row of logits (vocab,), fp32 on the host, drawn by the one sampler
     (``generate.next_token``) after the request's adjustments and, for a structured output, only among
     the ``allowed`` tokens (its grammar's mask); with the model's log-probabilities when the request
     asks for them."""
-    token = next_token(adjust_logits(logits, params, list(generated), eos_id), params.temperature, params.top_k,
+    token = next_token(adjust_logits(logits, params, generated, eos_id), params.temperature, params.top_k,
                        params.top_p, gen, allowed)
     if params.logprobs is None:
         return Choice(token)

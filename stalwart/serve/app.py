@@ -131,8 +131,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         submission whose prompt submission k shares (several choices of one prompt)."""
         limit = engine.cfg.max_queue
         if len(prompts) > limit:
-            raise ApiError(400, f"the request has {len(prompts)} prompts; this server queues at most {limit} "
-                                f"requests (engine.max_queue)", "prompt")
+            many = "sequences (prompts x n or best_of)" if req.draws > 1 else "prompts"
+            raise ApiError(400, f"the request has {len(prompts)} {many}; this server queues at most {limit} "
+                                f"requests (engine.max_queue)",
+                           "prompt" if req.draws == 1 else "n" if req.draws == req.n else "best_of")
         try:
             for prompt, p in zip(prompts, params):
                 engine.check(prompt, p)
