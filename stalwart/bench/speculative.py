@@ -2,12 +2,13 @@
 workload, with a trained run's weights.
 
 The workload: windows of Python source (``--source``, default the standard library's ``json``,
-``email`` and ``importlib`` packages, text a model trained on code continues by copying names and
-idioms from its context) as prompts, each continued greedily for ``--max-tokens`` tokens. Each
+``email`` and ``importlib`` packages) as prompts, continued (``--workload continue``) or written out
+again after a comment (``--workload edit``, as when a model rewrites code it was given), greedily or
+seeded at ``--temperature``, for ``--max-tokens`` tokens each. Each
 configuration runs the same requests through the engine, one at a time (batch 1) and all at once,
 interleaved repeat by repeat. Reported: seconds and output tokens/s (medians), engine steps, the
 acceptance rate (drafts kept / drafts proposed), tokens emitted per sequence-step, the speed-up over
-plain decoding, and whether the greedy tokens are identical (they must be).
+plain decoding, and whether greedy tokens are identical (they must be).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from stalwart.config.arguments import ArgumentParser
 from stalwart.config.serve import EngineConfig
+from stalwart.errors import UserError
 from stalwart.infer.engine import Engine
 from stalwart.infer.load import Source, build_model, read_source
 from stalwart.infer.sampling import SamplingParams
@@ -30,21 +32,25 @@ from stalwart.runtime.device import HOST
 DEFAULT_SOURCES = ("json", "email", "importlib")
 
 
-def code_prompts(tokenizer, sources: list[Path], n: int, length: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` tokens: windows from the start of each source file, in name order."""
+def code_prompts(tokenizer, sources: list[Path], n: int, length: int, workload: str) -> list[list[int]]:
+    """``n`` prompts from the source files, in name order: 'continue', the first ``length`` tokens of a
+    file; 'edit', those tokens, a comment line, and their first quarter again (the rest is to be
+    written out once more, as when a model rewrites code it was given)."""
     files = sorted(f for s in sources for f in (s.rglob("*.py") if s.is_dir() else [s]))
     prompts = []
     for f in files:
         ids = tokenizer.encode(f.read_text(errors="replace")).ids
         if len(ids) >= length:
-            prompts.append(ids[:length])
+            code = ids[:length]
+            if workload == "edit":
+                code = code + tokenizer.encode("\n\n# The same code, again:\n").ids + code[:length // 4]
+            prompts.append(code)
         if len(prompts) == n:
             break
     return prompts
 
 
-def run_once(engine: Engine, prompts: list[list[int]], max_tokens: int, together: bool):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def run_once(engine: Engine, prompts: list[list[int]], max_tokens: int, together: bool, temperature: float):
     out: dict[str, list[int]] = {}
     steps = 0
     t0 = time.perf_counter()
@@ -57,7 +63,7 @@ def run_once(engine: Engine, prompts: list[list[int]], max_tokens: int, together
                 out.setdefault(o.rid, []).extend(c.token for c in o.choices)
 
     for i, p in enumerate(prompts):
-        engine.add(f"{i}", p, params)
+        engine.add(f"{i}", p, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True))
         if not together:
             drain()
     drain()
@@ -79,6 +85,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ngram", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workload", choices=("continue", "edit"), default="continue",
+                    help="continue a file's start, or write out again code the prompt holds (see code_prompts)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -86,11 +95,18 @@ def main(argv: list[str]) -> int:
     model = build_model(loaded, torch.float32, HOST)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sources = [Path(s) for s in args.source] or [stdlib / s for s in DEFAULT_SOURCES]
-    prompts = code_prompts(loaded.tokenizer, sources, args.requests, args.prompt_tokens)
-    room = loaded.args.max_seq_len - args.prompt_tokens
+    prompts = code_prompts(loaded.tokenizer, sources, args.requests, args.prompt_tokens, args.workload)
+    room = loaded.args.max_seq_len - max((len(p) for p in prompts), default=args.prompt_tokens)
+    if room < 1:
+        raise UserError(f"--prompt-tokens {args.prompt_tokens} leaves no room in the model's context of "
+                        f"{loaded.args.max_seq_len} tokens; pass fewer")
+    if len(prompts) < args.requests:
+        raise UserError(f"--source has {len(prompts)} files of at least {args.prompt_tokens} tokens; "
+                        f"--requests {args.requests} needs more")
     max_tokens = min(args.max_tokens, room)
     print(f"model: {loaded.origin} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
-          f"{loaded.args.vocab_size}); {len(prompts)} code prompts of {args.prompt_tokens} tokens, greedy, "
+          f"{loaded.args.vocab_size}); {len(prompts)} code prompts ({args.workload}, {args.prompt_tokens} tokens of code), "
+          f"{'greedy' if args.temperature <= 0 else f'temperature {args.temperature:g}'}, "
           f"{max_tokens} tokens each; {args.threads} thread(s); load average {os.getloadavg()[0]:.1f}")
     configs = [("off", 0)] + [("ngram", k) for k in (args.tokens or [2, 4, 8])]
     kv_mb = 64.0
@@ -103,7 +119,7 @@ def main(argv: list[str]) -> int:
                 cfg = EngineConfig(kv_cache_mb=kv_mb, speculative=mode, speculative_tokens=max(k, 1),
                                    speculative_ngram=args.ngram, prefix_caching=False)
                 engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg)
-                s, tokens, steps = run_once(engine, prompts, max_tokens, together)
+                s, tokens, steps = run_once(engine, prompts, max_tokens, together, args.temperature)
                 seconds[(mode, k)].append(s)
                 result[(mode, k)] = (tokens, steps, engine.stats())
         base = statistics.median(seconds[("off", 0)])
@@ -119,6 +135,7 @@ def main(argv: list[str]) -> int:
             rate = f"{accepted / proposed:.1%}" if proposed else "-"
             seq_steps = sum(len(t) for t in tokens) - accepted  # one per forward pass a sequence took part in
             name = "off" if mode == "off" else f"ngram k={k}"
+            same = tokens == plain_tokens if args.temperature <= 0 else "-"  # sampling: same law, other draws
             print(f"  {name:<10} {s:8.2f} {total / s:8.1f} {steps:6d} {rate:>7} "
-                  f"{sum(len(t) for t in tokens) / seq_steps:12.2f} {base / s:7.2f}x  {tokens == plain_tokens}")
+                  f"{sum(len(t) for t in tokens) / seq_steps:12.2f} {base / s:7.2f}x  {same}")
     return 0
