@@ -110,6 +110,24 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
+def step_fingerprints(run_dir: Path) -> dict[int, str]:
+    """step -> state fingerprint (weights, optimizer state, RNG, data position; stalwart.train.fingerprint),
+    the last line winning if a step was logged twice."""
+    return {m["step"]: m["fingerprint"] for m in read_metrics(run_dir) if "fingerprint" in m}
+
+
+def assert_same_states(a: Path, b: Path, skip: tuple[int, ...] = ()) -> None:
+    """Two runs went bit for bit alike: every common step's loss and whole-state fingerprint are equal
+    (``skip``: steps left out), and they have the same steps. Names the first step that differs."""
+    la, lb = step_losses(a), step_losses(b)
+    fa, fb = step_fingerprints(a), step_fingerprints(b)
+    assert fa and sorted(fa) == sorted(la), f"{a}: steps without a state fingerprint"
+    assert sorted(la) == sorted(lb), (sorted(la), sorted(lb))
+    for step in sorted(la):
+        if step not in skip:
+            assert (la[step], fa[step]) == (lb[step], fb[step]), f"the runs differ first at step {step}"
+
+
 def _spawned_rank(rank: int, world: int, target, cases: list, tmp: str) -> None:
     import torch
     import torch.distributed as dist

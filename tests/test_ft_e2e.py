@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import TINY_RUN, read_metrics, run_cli, step_losses
+from conftest import TINY_RUN, assert_same_states, read_metrics, run_cli, step_losses
 
 from stalwart.checkpoint.inspect import digest
 from stalwart.ft.detect import EXIT_CRASH_LOOP, EXIT_RESTART_BUDGET
@@ -34,7 +34,7 @@ def test_faults_recover_bit_identically(tmp_path):
                  "--fault.inject", "kill:rank=1,step=4;hang:rank=0,step=7;exception:rank=1,step=10")
     assert "goodput" in proc.stdout and "ETTR" in proc.stdout
 
-    assert step_losses(straight) == step_losses(faulty)  # exact float equality, every step
+    assert_same_states(straight, faulty)  # exact: every step's loss and state fingerprint
     a, b = straight / "checkpoints" / "step-12", faulty / "checkpoints" / "step-12"
     assert digest(a, "model.") == digest(b, "model.")
     assert digest(a, "optim.") == digest(b, "optim.")
@@ -111,8 +111,7 @@ def test_rollback_skips_the_bad_step_deterministically(tmp_path):
     assert [e["step"] for e in events(rolled, "step_skipped")] == [5]
     a, b = skip / "checkpoints" / "step-6", rolled / "checkpoints" / "step-6"
     assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")
-    la, lb = step_losses(skip), step_losses(rolled)
-    assert {s: la[s] for s in la if s != 5} == {s: lb[s] for s in lb if s != 5}
+    assert_same_states(skip, rolled, skip=(5,))
 
 
 def test_failing_host_is_excluded_and_the_job_shrinks(tmp_path):
@@ -144,6 +143,6 @@ def test_excluded_host_is_replaced_by_a_spare(tmp_path):
     assert len(adopted) == 1 and adopted[0]["host"] == 1 and adopted[0]["spares_left"] == 0
     assert not events(run, "excluded")
     assert events(run, "start")[-1]["world_size"] == 2
-    assert step_losses(run) == step_losses(straight)
+    assert_same_states(run, straight)
     a, b = straight / "checkpoints" / "step-8", run / "checkpoints" / "step-8"
     assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")

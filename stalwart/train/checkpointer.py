@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,13 +214,15 @@ class Checkpointer:
         """Preempted (SIGTERM): checkpoint this step, blocking, then raise :class:`Preempted` on every rank.
         A save that fails (under ``on_failure = continue``) still stops: the newest complete checkpoint
         is what the requeued job resumes from."""
+        t0 = time.perf_counter()
         with self._phase("checkpoint"):
             path = self.save(block=True)
         seconds = self.preemption.seconds_since()
         error = None if path is not None else self.manager.last_error
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # the step's end -> durable is save_s; the rest finished the step
             self.log_event("preempted", step=step, checkpoint=str(path) if path else None,
-                           signal_to_durable_s=round(seconds, 3), error=error)
+                           signal_to_durable_s=round(seconds, 3), save_s=round(time.perf_counter() - t0, 3),
+                           error=error)
         raise Preempted(step, str(path) if path else None, seconds, error)
 
     def finish(self, trained: bool, stopped_early: bool) -> Path | None:
