@@ -114,7 +114,10 @@ def test_a_killed_controller_resumes_from_memory_and_checks_the_journal(tmp_path
     a, b = spmd / "checkpoints" / f"step-{STEPS}", ctl / "checkpoints" / f"step-{STEPS}"
     assert digest(a, "model.") == digest(b, "model.") and digest(a, "optim.") == digest(b, "optim.")
 
+    assert run_cli("compare", str(spmd), str(ctl)).returncode == 0  # every step's state fingerprint too
+
     entries = journal(ctl)
+    assert all("fingerprint" in e for e in entries if e["cmd"] == "applied")  # checked when computed again
     sessions = [e for e in entries if e["cmd"] == "session"]
     assert len(sessions) == 3 and len({e["config"] for e in sessions}) == 1
     # Session 2 resumed from the snapshot of step 3 and checked step 4; session 3 from the newest

@@ -151,6 +151,12 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
     p = run_cli("rl", "--config", "rl_code", "--run.dir", str(done), check=False)
     assert p.returncode == 2 and "already holds a run" in p.stderr
     assert (done / "summary.json").read_text() == "{}" and sorted(x.name for x in done.iterdir()) == ["summary.json"]
+    other = tmp_path / "other"  # a killed run's state, written under other settings: not resumed, not overwritten
+    (other / "controller" / "rl-state").mkdir(parents=True)
+    (other / "controller" / "rl-state" / "step-2.json").write_text('{"step": 2, "config": "0123456789abcdef"}')
+    p = run_cli("rl", "--config", "rl_code", "--run.dir", str(other), check=False)
+    assert p.returncode == 2 and "holds an unfinished RL run with other settings" in p.stderr
+    assert "Traceback" not in p.stderr and not (other / "config.toml").exists()
 
 
 def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_path):

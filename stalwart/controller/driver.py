@@ -39,7 +39,9 @@ from stalwart.paths import RunPaths
 from stalwart.runtime.group import controller_store
 
 SETUP_TIMEOUT_S = 600.0  # building the model and resuming: bounded by the actors' own init
-MATCHED = ("lr", "loss", "grad_norm")  # what a replayed step must reproduce bit for bit
+# What a replayed step must reproduce bit for bit: its result and, at the steps that take one, the
+# training state's fingerprint (train/fingerprint.py: parameters, optimizer state, RNG, data position).
+MATCHED = ("lr", "loss", "grad_norm", "fingerprint")
 # The sections that define a run's numbers: a session resumed with equal ones checks an earlier one's steps.
 DEFINING = ("run", "model", "data", "optimizer", "scheduler", "training", "parallelism", "comm")
 
@@ -191,7 +193,7 @@ class Controller:
         t3 = time.perf_counter()
         rec = replies[0]
         self._check_earlier(n, before, rec)
-        self.journal.append("applied", sync=False, step=n, **{k: rec[k] for k in MATCHED})
+        self.journal.append("applied", sync=False, step=n, **{k: rec[k] for k in MATCHED if k in rec})
         self._journal_snapshot(n)
         t4 = time.perf_counter()
         if not self.recovery.recovering:  # the first step after a recovery is no measure of dispatch

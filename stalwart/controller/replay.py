@@ -86,8 +86,9 @@ def replay_steps(applied: Mapping[int, Any], restored: int) -> list[int]:
 
 
 def divergence(step: int, got: Mapping[str, Any], want: Mapping[str, Any], fields: Iterable[str]) -> str | None:
-    """None when ``got`` reproduces ``want`` in every field bit for bit; else what differs, in words."""
-    fields = tuple(fields)
+    """None when ``got`` reproduces ``want`` in every field bit for bit; else what differs, in words. A
+    field missing on either side (a state fingerprint is taken every few steps) is not compared."""
+    fields = tuple(k for k in fields if k in want and k in got)
     if all(got[k] == want[k] for k in fields):
         return None
     return (f"replayed step {step} gave { {k: got[k] for k in fields} }, the journal holds "
