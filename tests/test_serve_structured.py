@@ -10,19 +10,16 @@ from __future__ import annotations
 import json
 import re
 import sysconfig
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import jsonschema
 import llguidance
-import openai
 import pytest
 import torch
-import uvicorn
 
+from inproc_server import serve_in_process
 from stalwart.config.serve import EngineConfig
 from stalwart.data.tokenizer import eos_id, train_bpe
 from stalwart.generate import next_token
@@ -32,9 +29,6 @@ from stalwart.infer.structured import Constraint, Grammars
 from stalwart.models.flavors import TransformerArgs
 from stalwart.models.llama import Transformer
 from stalwart.runtime.device import host_generator
-from stalwart.serve.app import create_app
-from stalwart.serve.http import bind
-from stalwart.serve.loop import EngineLoop
 from stalwart.train.init import materialize_and_init
 
 pytestmark = pytest.mark.unit
@@ -83,21 +77,8 @@ def server(tokenizer):
         model = Transformer(ARGS)
     materialize_and_init(model, torch.device("cpu"), 0)
     engine = Engine(model.eval(), tokenizer, eos_id(tokenizer), EngineConfig(max_seqs=16, kv_cache_mb=8))
-    loop = EngineLoop(engine).start()
-    sock = bind("127.0.0.1", 0)
-    sock.listen()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    http = uvicorn.Server(uvicorn.Config(create_app(loop, "tiny"), log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not http.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    http.should_exit = True
-    thread.join(30)
-    loop.stop()
+    with serve_in_process(engine) as served:
+        yield served
 
 
 def _chat(client, seed, **extra):

@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup: the proposer, verification's distribution (a chi-square test
 against the target distribution, with temperature, top-k and top-p), and the engine: greedy output
 identical with and without speculation (batched, alone, sharing cached prefixes), seeded sampling
-distributed as without it, and drafts actually proposed and kept on repetitive text."""
+distributed as without it, and drafts actually proposed and kept on repetitive text; through the
+server (OpenAI's client), whole and streamed, several tokens to a chunk."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inproc_server import serve_in_process
 from stalwart.config.serve import EngineConfig
 from stalwart.data.tokenizer import eos_id, train_bpe
 from stalwart.generate import filter_logits
@@ -60,7 +62,7 @@ def test_verify_keeps_the_target_distribution(temperature, top_k, top_p):
     target = [torch.softmax(filter_logits(r, temperature, top_k, top_p), -1) for r in rows]
     counts = [torch.zeros(8) for _ in range(3)]
     gen = host_generator(1)
-    trials = 20000
+    trials = 6000
     for _ in range(trials):
         out = verify(rows, drafts, params, gen)
         for i, token in enumerate(out):
@@ -163,3 +165,23 @@ def test_requests_that_cannot_speculate_decode_one_token_a_step(model_and_tokeni
     plain, _ = run(model, tok, "off", params, CODE[:2])
     spec, engine = run(model, tok, "ngram", params, CODE[:2])
     assert spec == plain and engine.stats()["speculative_proposed"] == 0
+
+
+def test_through_the_server_whole_and_streamed(model_and_tokenizer):
+    """A server speculating answers greedy completions with the text an engine without speculation
+    makes, whole and streamed (a step's kept drafts arrive in one chunk), and counts every token."""
+    model, tok = model_and_tokenizer
+    prompts = CODE[:4]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in prompts]
+    plain, _ = run(model, tok, "off", params, prompts)
+    engine = Engine(model, tok, eos_id(tok), EngineConfig(kv_cache_mb=8, speculative="ngram"))
+    chunks = 0
+    with serve_in_process(engine) as (_, client):
+        for prompt, expect in zip(prompts, plain):
+            kw = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
+            r = client.completions.create(**kw)
+            assert r.choices[0].text == tok.decode(expect) and r.usage.completion_tokens == 40
+            streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+            assert "".join(streamed) == tok.decode(expect)
+            chunks += len(streamed)
+    assert engine.stats()["speculative_accepted"] > 0 and chunks < 4 * 40
