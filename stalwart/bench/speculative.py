@@ -23,7 +23,6 @@ import torch
 
 from stalwart.config.arguments import ArgumentParser
 from stalwart.config.serve import EngineConfig
-from stalwart.errors import UserError
 from stalwart.infer.engine import Engine
 from stalwart.infer.load import Source, build_model, read_source
 from stalwart.infer.sampling import SamplingParams
@@ -98,11 +97,11 @@ def main(argv: list[str]) -> int:
     prompts = code_prompts(loaded.tokenizer, sources, args.requests, args.prompt_tokens, args.workload)
     room = loaded.args.max_seq_len - max((len(p) for p in prompts), default=args.prompt_tokens)
     if room < 1:
-        raise UserError(f"--prompt-tokens {args.prompt_tokens} leaves no room in the model's context of "
-                        f"{loaded.args.max_seq_len} tokens; pass fewer")
+        ap.error(f"--prompt-tokens {args.prompt_tokens} leaves no room in the model's context of "
+                 f"{loaded.args.max_seq_len} tokens; pass fewer")
     if len(prompts) < args.requests:
-        raise UserError(f"--source has {len(prompts)} files of at least {args.prompt_tokens} tokens; "
-                        f"--requests {args.requests} needs more")
+        ap.error(f"--source has {len(prompts)} files of at least {args.prompt_tokens} tokens; "
+                 f"--requests {args.requests} needs more")
     max_tokens = min(args.max_tokens, room)
     print(f"model: {loaded.origin} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
           f"{loaded.args.vocab_size}); {len(prompts)} code prompts ({args.workload}, {args.prompt_tokens} tokens of code), "
