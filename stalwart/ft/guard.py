@@ -54,7 +54,7 @@ class Guard:
         self.straggler_found: list[dict] = []
         self.skipped: list[int] = []
         self.before_step: list[Callable[[int], None]] = []
-        self.heartbeat = Heartbeat(paths, rank, self.attempt, cfg.heartbeat_interval_s)
+        self.heartbeat = Heartbeat(paths, rank, self.attempt, cfg.heartbeat_interval_s, log_event)
         self._step = 0
 
     # ------------------------------------------------------------------ lifecycle

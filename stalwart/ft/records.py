@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from stalwart.atomic import write_json_atomic
@@ -33,12 +34,16 @@ def _read_json(path: Path) -> Any:
 class Heartbeat:
     """A daemon thread writing ``heartbeat/rank-<r>.json`` every ``interval`` seconds."""
 
-    def __init__(self, paths: RunPaths, rank: int, attempt: int, interval: float) -> None:
+    def __init__(self, paths: RunPaths, rank: int, attempt: int, interval: float,
+                 log_event: Callable[..., None] | None = None) -> None:
+        """``log_event``: where a process that runs alone (no supervisor) reports its start-up."""
         self.paths, self.path = paths, paths.heartbeat(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval = interval
+        self.log_event = log_event
         self.state = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "step": 0, "resumed_step": 0,
                       "phase": "init", "progress_time": time.time()}
+        self._trained = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stalwart-heartbeat", daemon=True)
 
@@ -55,8 +60,19 @@ class Heartbeat:
     def progress(self, step: int, phase: str = "train") -> None:
         self.state = {**self.state, "step": step, "phase": phase, "progress_time": time.time()}
         self.beat()  # at once: the supervisor times recovery from the step's completion
-        if phase == "train":
-            mark_startup(self.paths, "training", rank=self.state["rank"])  # start-up ends (once per process)
+        if phase == "train" and not self._trained:  # start-up ends
+            self._trained = True
+            mark_startup(self.paths, "training", rank=self.state["rank"])
+            if self.log_event is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
+                self._report_alone()
+
+    def _report_alone(self) -> None:
+        """The ``startup`` event of a process without a supervisor (which would write it otherwise)."""
+        rank = self.state["rank"]
+        rec = read_startup(self.paths, [rank]).get(rank)
+        event = startup_event({rank: rec}, rec["process_start"]) if rec and rec.get("process_start") else None
+        if event is not None:
+            self.log_event("startup", attempt=self.state["attempt"], **event)
 
     def beat(self) -> None:
         try:  # rewritten twice a second: atomic, but not fsynced

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 
 
@@ -19,9 +20,7 @@ def forked_worker(*argv: str) -> None:
     trainer before its first start, so no worker, first or restarted, imports it again. Runs
     ``stalwart.train`` with ``argv``; a failure leaves with its exit code, success returns to torch's
     wrapper (which hands the launcher the result)."""
-    for stream in (sys.stdout, sys.stderr):  # as `python -u` runs an exec'd worker
-        with contextlib.suppress(AttributeError, ValueError):
-            stream.reconfigure(line_buffering=True, write_through=True)
+    _as_a_new_process()
     from stalwart.train.__main__ import main
 
     code = main(list(argv))
@@ -29,6 +28,20 @@ def forked_worker(*argv: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _as_a_new_process() -> None:
+    """Undo what a fork inherits from the launcher and an exec'd worker would not have: the launcher's
+    signal handlers (torch's agent turns SIGINT and SIGTERM into its own exception; a worker's Ctrl-C
+    must be a KeyboardInterrupt, its SIGTERM the default until the trainer sets its own), and buffered
+    output (an exec'd worker runs as ``python -u``)."""
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True, write_through=True)
 
 
 def preload() -> None:

@@ -97,8 +97,6 @@ def _worker_main(cfg: JobConfig) -> int:
     mark_startup(RunPaths.of(cfg.run), "data", rank=env.rank)
     try:
         summary = Trainer(cfg, env).train()
-        if not env.is_distributed and "TORCHELASTIC_RUN_ID" not in os.environ:
-            _report_startup(RunPaths.of(cfg.run))  # no supervisor to do it
         if env.is_main:
             print(format_summary(summary), flush=True)
         leave_together()
@@ -147,21 +145,6 @@ def _worker_main(cfg: JobConfig) -> int:
         leave()
 
 
-
-
-def _report_startup(paths: RunPaths) -> None:
-    """The ``startup`` event of a process that ran alone, in-process: its phases from its own start."""
-    from stalwart.ft.records import read_startup, startup_event
-    from stalwart.metrics.records import EventLog
-
-    rec = read_startup(paths, [0]).get(0)
-    event = startup_event({0: rec}, rec["process_start"]) if rec and rec.get("process_start") else None
-    if event is not None:
-        log = EventLog(paths.events)
-        try:
-            log("startup", attempt=0, **event)
-        finally:
-            log.close()
 
 
 def _leave(code: int) -> None:
