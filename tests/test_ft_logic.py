@@ -335,3 +335,25 @@ def test_root_cause_prefers_the_rank_that_failed_first():
     assert root_cause({1: -9}, paths, 0.0, []) == 1  # seen first-hand: only rank 1 had exited
     assert root_cause({0: -15, 1: -9}, paths, 0.0, []) == 1  # torch's SIGTERM to the survivor is not a cause
     assert root_cause({0: 1, 1: -9}, paths, 0.0, [{"rank": 0, "time": 5.0}]) == 0  # an injected fault wins
+
+
+def test_a_forked_worker_starts_like_a_new_process():
+    import signal
+    import sys
+
+    from stalwart.launch.fork import _as_a_new_process, forkable
+
+    assert forkable(sys.executable, ["-u", "-m", "stalwart.train", "--config", "debug"]) == ["--config", "debug"]
+    assert forkable(sys.executable, ["-u", "-m", "other.module"]) is None
+    assert forkable("/usr/bin/env", ["-m", "stalwart.train"]) is None
+    saved = {s: signal.getsignal(s) for s in signal.valid_signals() if callable(signal.getsignal(s))}
+    saved.update({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
+    try:
+        for s in (signal.SIGINT, signal.SIGTERM):  # as torch's agent sets them in the launcher
+            signal.signal(s, lambda *a: None)
+        _as_a_new_process()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
