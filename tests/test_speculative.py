@@ -6,9 +6,11 @@ server (OpenAI's client), whole and streamed, several tokens to a chunk."""
 
 from __future__ import annotations
 
+import re
 import sysconfig
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -176,7 +178,7 @@ def test_through_the_server_whole_and_streamed(model_and_tokenizer):
     plain, _ = run(model, tok, "off", params, prompts)
     engine = Engine(model, tok, eos_id(tok), EngineConfig(kv_cache_mb=8, speculative="ngram"))
     chunks = 0
-    with serve_in_process(engine) as (_, client):
+    with serve_in_process(engine) as (url, client):
         for prompt, expect in zip(prompts, plain):
             kw = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
             r = client.completions.create(**kw)
@@ -184,4 +186,8 @@ def test_through_the_server_whole_and_streamed(model_and_tokenizer):
             streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
             assert "".join(streamed) == tok.decode(expect)
             chunks += len(streamed)
+        # Time per output token is observed once per token, kept drafts included (39 per request).
+        metrics = httpx.get(url + "/metrics").text
+        tpot = re.search(r"^stalwart_serve_time_per_output_token_seconds_count{[^}]*} (\S+)$", metrics, re.M)
+        assert float(tpot.group(1)) == 2 * len(prompts) * 39
     assert engine.stats()["speculative_accepted"] > 0 and chunks < 4 * 40

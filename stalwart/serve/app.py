@@ -68,8 +68,9 @@ class Job:
             if t.first_token is None:
                 t.first_token = now
                 self.metrics.ttft.observe(now - t.arrived)
-            else:
-                self.metrics.tpot.observe(now - t.last_token)
+            else:  # several tokens at once (speculative decoding's kept drafts): the interval shared out
+                for _ in out.choices:
+                    self.metrics.tpot.observe((now - t.last_token) / len(out.choices))
             t.last_token = now
             t.tokens += len(out.choices)
             if not self.versions or self.versions[-1] != out.weight_version:
