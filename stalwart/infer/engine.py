@@ -1,0 +1,373 @@
+"""The inference engine: continuous batching over a paged KV cache, on Stalwart's own model.
+
+``Engine.step()`` is one forward pass: the scheduler picks tokens (decodes and prompt chunks), the
+model computes them in one flat stream, the sequences that completed get their next token sampled,
+and finished requests leave. Requests are added and aborted between steps.
+
+Over several processes every rank holds the cache of its layers and heads; rank 0 owns the scheduler
+and sends each step's batch to the other ranks (``infer/group.py``), which run their part of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from stalwart.config.serve import EngineConfig
+from stalwart.errors import UserError
+from stalwart.infer.attention import KVCache, StepContext, StepLayout, build_layout, install_paged_attention
+from stalwart.infer.blocks import BlockPool
+from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, skip_draws, stops_on
+from stalwart.infer.scheduler import Piece, Scheduler, Sequence
+from stalwart.infer.speculative import Speculator
+from stalwart.infer.structured import GrammarState, Grammars
+from stalwart.infer.text import TextTail
+from stalwart.models.llama import pack_fused_weights
+from stalwart.runtime.device import HOST
+
+
+class RequestError(UserError, ValueError):
+    """A request the engine cannot take (too long, bad parameters); the message says why, ``param``
+    names the request field to change."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Output:
+    """What one step produced for one request."""
+
+    rid: str
+    choices: list[Choice]  # tokens generated this step (0 or 1)
+    text: str  # text newly safe to show (stop strings held back until they cannot match)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    weight_version: int = 0
+    prompt: list[Choice] | None = None  # the prompt's log-probabilities (asked for), with the first output
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    params: SamplingParams
+    gen: torch.Generator
+    tail: TextTail
+    grammar: GrammarState | None = None  # a structured output's position in its constraint
+    prompt_choices: list[Choice] = field(default_factory=list)  # prompt tokens 1.. scored so far
+
+    @property
+    def generated(self) -> list[int]:
+        return self.seq.tokens[self.seq.prompt_len:]
+
+
+@dataclass
+class Batch:
+    """One forward pass, as plain lists (what rank 0 sends to the other tensor-parallel ranks)."""
+
+    tokens: list[int]
+    positions: list[int]
+    spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
+    rows: list[int]  # stream offsets whose logits are needed
+
+    def layout(self, block_size: int, num_slots: int, group: bool, device: torch.device) -> StepLayout:
+        """The attention layout over a cache of ``num_slots`` slots, its index tensors on ``device`` (the
+        cache's); with ``group``, sequences share attention calls where their shapes allow."""
+        return build_layout(self.spans, block_size, num_slots, group, device)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, tokenizer, eos_id: int | None, cfg: EngineConfig, tp_size: int = 1,
+                 link=None, pipe=None, weight_version: int = 0) -> None:
+        self.model = model.eval()
+        pack_fused_weights(model)  # the fused projections then read their weights in place
+        self.args = model.args
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.cfg = cfg
+        self.link = link  # infer.group.StepLink when several processes, else None
+        self.pipe = pipe  # infer.group.PipeLink when pipeline parallel, else None
+        self.weight_version = weight_version
+        weight = next(model.parameters())
+        dtype = weight.dtype
+        self.dtype = dtype
+        # The model's device holds the cache and runs the step; sampling reads the logits on the host.
+        self.device = weight.device
+        kv_heads = self.args.n_kv_heads // tp_size
+        # Every stage sizes its cache for the largest stage, so all ranks agree on the block count.
+        stage_layers = -(-self.args.n_layers // (pipe.stages if pipe else 1))
+        per_token = 2 * stage_layers * kv_heads * self.args.head_dim * dtype.itemsize
+        num_blocks = max(1, int(cfg.kv_cache_mb * 2**20) // (per_token * cfg.block_size))
+        self.caches = [KVCache((num_blocks + 1) * cfg.block_size, kv_heads, self.args.head_dim, dtype, self.device)
+                       for _ in model.layers]
+        self.step_ctx = StepContext()
+        install_paged_attention(model, self.caches, self.step_ctx)
+        self.pool = BlockPool(num_blocks + 1, cfg.block_size)
+        # One block never given to a sequence: padding tokens write their keys and values there.
+        self.scratch = self.pool.reserve() if cfg.pad_rows > 1 else None
+        self.scheduler = Scheduler(self.pool, cfg.max_batch_tokens, cfg.max_seqs, cfg.prefix_caching)
+        self.requests: dict[str, RequestState] = {}
+        self.tokens_generated = 0
+        self.grammars = Grammars(tokenizer, eos_id, self.args.vocab_size)  # structured outputs' compiler
+        self.speculator = (Speculator(self.scheduler, cfg.speculative_tokens, cfg.speculative_ngram,
+                                      self.args.max_seq_len) if cfg.speculative == "ngram" else None)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def room(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt may generate (the context and the cache allow)."""
+        return min(self.args.max_seq_len, self.scheduler.capacity_tokens()) - prompt_len
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise RequestError or SamplingError if the engine cannot take this request (reads nothing
+        that changes)."""
+        params.validate()
+        params.check_tokens(self.args.vocab_size)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
+        if not prompt:
+            raise RequestError("the prompt is empty", "prompt")
+        if any(t < 0 or t >= self.args.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {self.args.vocab_size})", "prompt")
+        limit, n = self.args.max_seq_len, len(prompt)
+        if n >= limit and params.max_tokens:
+            raise RequestError(f"the prompt ({n} tokens) leaves no room for output in the model's context of "
+                               f"{limit} tokens", "prompt")
+        if n + params.max_tokens > limit:
+            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                               f"context of {limit} tokens (max_tokens {limit - n} at most)", "max_tokens")
+        capacity = self.scheduler.capacity_tokens()
+        if n + params.max_tokens > capacity:
+            raise RequestError(f"the request needs {n + params.max_tokens} tokens of KV cache; the whole cache "
+                               f"holds {capacity} (lower max_tokens, or raise engine.kv_cache_mb)", "max_tokens")
+
+    def add(self, rid: str, prompt: list[int], params: SamplingParams, follows: str | None = None,
+            emitted: list[int] = ()) -> None:
+        """Queue a request; all or nothing: on any error the engine is as it was. ``follows``: a request
+        in flight with the same prompt (another choice of one HTTP request), whose cached prompt this one
+        maps once it is computed. ``emitted``: tokens the request already produced on another replica
+        (one resumed by the router): they are computed with the prompt, and the generator, the text shown
+        and a structured output's state are advanced past them, so it goes on as it would have there."""
+        self.check(prompt, params)
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in flight")
+        emitted = list(emitted)
+        if (emitted and len(emitted) >= params.max_tokens) or any(t < 0 or t >= self.args.vocab_size for t in emitted):
+            raise RequestError(f"a resumed request has {len(emitted)} tokens already (max_tokens "
+                               f"{params.max_tokens}), each in [0, {self.args.vocab_size})", "resume")
+        lead = self.requests.get(follows) if follows is not None else None
+        seq = Sequence(rid, list(prompt) + emitted, len(prompt), len(prompt) + params.max_tokens,
+                       reuse_prefix=params.prompt_logprobs is None, follows=lead.seq if lead else None)
+        tail = TextTail(self.tokenizer, params.stop, params.min_tokens)
+        if emitted:
+            tail.push(emitted)  # the text shown so far, as it was shown
+        state = RequestState(seq, params, skip_draws(params.generator(), params, len(emitted), self.args.vocab_size),
+                             tail, self.grammars.start(params.structured, emitted) if params.structured is not None
+                             else None)
+        self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
+        self.requests[rid] = state
+
+    def abort(self, rid: str) -> Output | None:
+        state = self.requests.pop(rid, None)
+        if state is None:
+            return None
+        self.scheduler.abort(rid)
+        return Output(rid, [], "", True, "abort", self.weight_version)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step --------------------------------------------------------------------------------
+
+    # Inference mode, not just no_grad: no version counters or view tracking, which measurably cuts the
+    # per-operator cost of small (dispatch-bound) steps. Nothing a step creates is used by autograd.
+    @torch.inference_mode()
+    def step(self) -> list[Output]:
+        pieces = self.scheduler.schedule()
+        if not pieces:
+            return []
+        drafts: dict[str, list[int]] = {}
+        if self.speculator is not None:  # decoding pieces widened by their drafts, for this step only
+            pieces, drafts = self.speculator.draft(pieces, self.requests)
+        batch, sampled, scored = self._batch(pieces, drafts)
+        if self.link is not None:
+            self.link.send_step(batch)
+        logits = self.forward(batch)
+        for piece in pieces:  # a drafted piece commits its real token; verification decides the drafts
+            self.scheduler.commit(Piece(piece.seq, piece.start, 1) if piece.seq.rid in drafts else piece)
+        logits = logits.float().to(HOST)
+        at = len(sampled) + sum(len(d) for d in drafts.values())
+        for state, n in scored:  # prompt rows, after the sampled ones: scored before the first sample
+            self._score(state, logits[at:at + n])
+            at += n
+        outputs, at = [], 0
+        for piece in sampled:
+            state, k = self.requests[piece.seq.rid], len(drafts.get(piece.seq.rid, ()))
+            if k:  # k + 1 rows: verify the drafts, emit what is kept and one more token
+                outputs.append(self.speculator.advance(state, logits[at:at + k + 1], drafts[piece.seq.rid],
+                                                       lambda c, s=state: self._advance(s, None, c)))
+            else:
+                outputs.append(self._advance(state, logits[at]))
+            at += k + 1
+        return outputs
+
+    def forward(self, batch: Batch) -> torch.Tensor | None:
+        """Logits (len(batch.rows), vocab) of the requested stream offsets (None on a rank without them)."""
+        m = self.model
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        if m.tok_embeddings is not None:
+            x = torch.tensor([batch.tokens], dtype=torch.long, device=self.device)  # (1, tokens)
+        else:  # a later pipeline stage: the previous stage's activations (1, tokens, dim)
+            x = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
+        # Grouping sequences is faster but gives attention batch-dependent shapes: off in bitwise mode.
+        layout = batch.layout(self.cfg.block_size, self.pool.num_blocks * self.cfg.block_size, self.cfg.pad_rows == 1,
+                              self.device)
+        with self.step_ctx.use(layout):
+            h = m.hidden(x, positions)  # the model's own layers; attention reads and writes the paged cache
+        logits = None
+        if m.output is not None:
+            logits = m.head(h[:, batch.rows])[0]  # the norm and head over the sampled rows only
+            if isinstance(logits, AsyncCollectiveTensor):
+                # Tensor parallel: the head's all-gather is still in flight. Finish it on every rank,
+                # including those that never read the logits (else torch warns of it at exit).
+                logits = logits.wait()
+        else:
+            self.pipe.send_hidden(h)
+        if self.pipe is not None:
+            logits = self.pipe.exchange_logits(logits, len(batch.rows), self.args.vocab_size, self.dtype)
+        return logits
+
+    def _batch(self, pieces: list[Piece], drafts: dict[str, list[int]] | None = None
+               ) -> tuple[Batch, list[Piece], list[tuple[RequestState, int]]]:
+        batch = Batch([], [], [], [])
+        sampled, scored, starts = [], [], []
+        for p in pieces:
+            q_start = len(batch.tokens)
+            starts.append(q_start)
+            batch.tokens += p.seq.tokens[p.start:p.start + p.n]
+            batch.positions += range(p.start, p.start + p.n)
+            batch.spans.append((q_start, p.n, p.start + p.n, list(p.seq.blocks)))
+            if p.sample:  # the last row; with k drafts, the k + 1 last rows
+                k = len(drafts.get(p.seq.rid, ())) if drafts else 0
+                batch.rows += range(q_start + p.n - 1 - k, q_start + p.n)
+                sampled.append(p)
+        for p, q_start in zip(pieces, starts):
+            state = self.requests[p.seq.rid]
+            if state.params.prompt_logprobs is not None:
+                # Rows of positions whose next token is a prompt token, not yet scored (a preempted
+                # sequence recomputes its prompt; its scores stay).
+                first, end = max(p.start, len(state.prompt_choices)), min(p.start + p.n, p.seq.prompt_len - 1)
+                if end > first:
+                    batch.rows += range(q_start + first - p.start, q_start + end - p.start)
+                    scored.append((state, end - first))
+        self._pad(batch)
+        return batch, sampled, scored
+
+    def _score(self, state: RequestState, logits: torch.Tensor) -> None:
+        """Log-probabilities of the next prompt tokens from their preceding rows' ``logits``."""
+        done = len(state.prompt_choices)
+        targets = state.seq.tokens[done + 1:done + 1 + len(logits)]
+        state.prompt_choices += score_rows(logits, targets, state.params.prompt_logprobs)
+
+    def _pad(self, batch: Batch) -> None:
+        """Round the token count and the sampled rows up to a multiple of ``pad_rows``.
+
+        Padding tokens form one extra span at positions 0.. in the scratch block (at most a block
+        long each, so chained blocks hold them); their logits, like the padded rows, are never read.
+        """
+        k = self.cfg.pad_rows
+        extra = -len(batch.tokens) % k
+        if extra:
+            bs = self.cfg.block_size
+            blocks = [self.scratch] * -(-extra // bs)
+            batch.spans.append((len(batch.tokens), extra, extra, blocks))
+            batch.tokens += [0] * extra
+            batch.positions += range(extra)
+        batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
+
+    def _advance(self, state: RequestState, logits: torch.Tensor | None, choice: Choice | None = None) -> Output:
+        """Sample the request's next token from ``logits`` (or take ``choice``, a token speculative
+        decoding verified), append it, and decide whether the request is finished."""
+        seq = state.seq
+        prompt = state.prompt_choices if state.params.prompt_logprobs is not None and seq.prompt_len == len(
+            seq.tokens) else None  # the first output carries the prompt's scores
+        if state.params.max_tokens == 0:  # the prompt scored, nothing to generate
+            self.scheduler.finish(seq)
+            del self.requests[seq.rid]
+            return Output(seq.rid, [], "", True, "length", self.weight_version, prompt)
+        grammar = state.grammar
+        if choice is None:
+            choice = sample_row(logits, state.params, state.gen, state.generated, self.eos_id,
+                                allowed=grammar.allowed() if grammar else None)
+        seq.tokens.append(choice.token)
+        self.tokens_generated += 1
+        if grammar is not None:
+            grammar.advance(choice.token)
+        shown = state.generated
+        if stops_on(choice.token, state.params, self.eos_id):
+            reason = "stop"
+            shown = shown if choice.token == self.eos_id else shown[:-1]  # a stop token's text is not shown
+        elif grammar is not None and grammar.done:  # the structured output is complete
+            reason = "stop"
+        elif len(state.generated) >= state.params.max_tokens or len(seq.tokens) >= self.args.max_seq_len:
+            reason = "length"
+        else:
+            reason = None
+        text, hit = state.tail.push(shown, final=reason is not None)
+        if hit:
+            reason = "stop"
+        out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version, prompt)
+        if reason is not None:
+            self.scheduler.finish(seq)
+            del self.requests[seq.rid]
+        return out
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, read: Callable[[], dict[str, torch.Tensor]], version: int) -> None:
+        """Replace the weights with ``read()``'s (a full state dict), between two steps.
+
+        Over several processes every rank calls this for the same update (rank 0 announces it first,
+        since reading a run checkpoint is itself a collective) and the ranks agree before any copies:
+        if any rank could not read or check the weights, every rank keeps its old ones.
+        """
+        from stalwart.infer.load import check_full_state
+
+        state, error = None, None
+        try:
+            state = read()
+            check_full_state(self.model, state)
+        except Exception as e:  # noqa: BLE001 - reported below, after the ranks agree
+            error = e
+        if self.link is not None and not self.link.agree(error is None) and error is None:
+            error = UserError("another process of this replica could not read these weights")
+        if error is not None:
+            raise error
+        self.load_full_state(state, version)
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy a full (unsharded) state dict into this rank's weights, sharding where tensor parallel.
+
+        Sequences in flight keep their cache and go on with the new weights (each response lists the
+        versions that produced it); cached prefixes computed with the old weights are forgotten.
+        """
+        from stalwart.infer.load import copy_full_state
+
+        copy_full_state(self.model, state)
+        self.weight_version = version
+        self.pool.by_digest.clear()
+        self.pool.digest_of.clear()
+
+    def stats(self) -> dict[str, float]:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.pool.used - self.pool.reserved,
+                "kv_blocks_total": self.pool.num_blocks - self.pool.reserved,
+                "preemptions": self.scheduler.preempted_total, "prefix_cached_tokens": self.scheduler.cached_tokens_total,
+                "tokens_generated": self.tokens_generated, "weight_version": self.weight_version,
+                **(self.speculator.stats() if self.speculator is not None else {})}
