@@ -134,6 +134,24 @@ def greedy_at_once(server: Server, prompts: list[str]) -> list[str | None]:
     return [results.get(i) for i in range(len(prompts))]
 
 
+# Prompt scoring (echo with logprobs) and several choices, as lm-evaluation-harness and samplers send them.
+SCORED = {"prompt": PROMPTS[:3], "max_tokens": 2, "echo": True, "logprobs": 2, "temperature": 0, "n": 2}
+
+
+def scored(server: Server) -> tuple[list[str], list[list[float | None]]]:
+    """The texts and per-token log-probabilities (the prompt's, then the output's) of one echo request."""
+    r = httpx.post(server.url + "/v1/completions", json=SCORED, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    return [c["text"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
+
+
+def same_scores(got: tuple[list[str], list[list]], want: tuple[list[str], list[list]]) -> bool:
+    """Equal texts, log-probabilities within 1e-5 (tensor parallel sums in another order)."""
+    flat = [(x, y) for g, w in zip(got[1], want[1]) for x, y in zip(g, w, strict=True)]
+    return got[0] == want[0] and all(x is y is None or abs(x - y) < 1e-5 for x, y in flat)
+
+
 def generate(run: Path, prompt: str, n: int) -> str:
     out = run_cli("generate", "--run", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
                   "--temperature", "0").stdout
@@ -223,6 +241,7 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
     one = Server(tmp_path, "--run", str(a))
     try:
         expected = one.greedy(prompts)
+        expected_scores = scored(one)
         one.update(b)
         expected_b = one.greedy(prompts)  # what the weights of run b say
         assert expected_b != expected
@@ -238,6 +257,7 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert len(listening) >= 4 and all(a.startswith("127.0.0.1:") for a in listening), listening
         assert tp.greedy(prompts) == expected
         assert tp.greedy(prompts[:1]) == expected[:1] and tp.greedy(prompts[:4]) == expected[:4]
+        assert same_scores(scored(tp), expected_scores)
         # Weight updates over both processes: from a run directory, then from one of a run's checkpoints.
         assert tp.update(b)["weight_version"] == 1
         assert tp.greedy(prompts) == expected_b
@@ -260,6 +280,7 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
     pp = Server(tmp_path, "--hf", str(tmp_path / "hf"), "--pp", "2")
     try:
         assert pp.greedy(prompts) == expected
+        assert same_scores(scored(pp), expected_scores)
         assert pp.update(b)["weight_version"] == 1
         assert pp.greedy(prompts[:8]) == expected_b[:8]
         # kill -9 of one rank: the launcher stops the group, and `stalwart serve` starts it again (with

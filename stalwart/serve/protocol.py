@@ -136,8 +136,12 @@ class CompletionRequest(SamplingRequest):
     def prompt_texts(self, prompts: list[list[int]], tokenizer) -> list[str]:
         """Each prompt as text, for ``echo``: as sent when it was a string, else its tokens decoded."""
         p = self.prompt
-        sent = [p] if isinstance(p, str) else [x if isinstance(x, str) else None for x in p] if p and not isinstance(
-            p[0], int) else [None]
+        if isinstance(p, str):
+            sent = [p]
+        elif not p or isinstance(p[0], int):  # one prompt of token ids
+            sent = [None]
+        else:
+            sent = [x if isinstance(x, str) else None for x in p]
         return [t if t is not None else tokenizer.decode(ids, skip_special_tokens=False)
                 for t, ids in zip(sent, prompts)]
 
