@@ -244,6 +244,8 @@ def test_mask_in_the_sampler_and_rebuilt_state(tokenizer):
             assert torch.equal(grammars.start(c, generated).allowed(), live.allowed())
     assert live.done
     jsonschema.validate(json.loads(tokenizer.decode(generated)), SCHEMAS[3])
+    with pytest.raises(ValueError, match="tokens already generated do not follow"):
+        grammars.start(c, tokenizer.encode("[1]").ids)
 
 
 def test_engine_refuses_bad_constraint_before_queueing(tokenizer):

@@ -141,8 +141,9 @@ class Grammars:
         if matcher.is_error():
             raise SamplingError(f"{c.param}: {_one_line(matcher.get_error())}", c.param)
         state = GrammarState(matcher, self.vocab_size)
-        for token in generated:
-            state.advance(token)
+        if generated and not matcher.consume_tokens(list(generated)):
+            raise SamplingError(f"{c.param}: the {len(generated)} tokens already generated do not follow it "
+                                f"({_one_line(matcher.get_error())})", c.param)
         return state
 
 
