@@ -20,8 +20,10 @@ for a seed: the draws differ). Kept drafts' keys and values are already in the c
 ones' slots are overwritten later, and they were never published for prefix reuse (the scheduler
 commits only the sequence's real tokens).
 
-Requests whose next token depends on more than the logits row (a structured output's grammar,
-logit_bias, penalties, min_tokens, log-probabilities, prompt scoring) decode one token per step.
+A structured output speculates too: each row is masked by its grammar's state after the drafts before
+it, so a draft the grammar refuses is never kept. Requests whose next token depends on more than the
+logits row and grammar (logit_bias, penalties, min_tokens) or that report log-probabilities decode one
+token per step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from stalwart.generate import filter_logits, next_token
 from stalwart.infer.sampling import Choice, SamplingParams
 from stalwart.infer.scheduler import Piece, Scheduler
+from stalwart.infer.structured import GrammarState
 
 
 def propose_ngram(tokens: list[int], max_n: int, k: int) -> list[int]:
@@ -48,33 +51,50 @@ def propose_ngram(tokens: list[int], max_n: int, k: int) -> list[int]:
     return []
 
 
-def verify(rows: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator) -> list[int]:
+def verify(rows: torch.Tensor, drafts: list[int], params: SamplingParams, gen: torch.Generator,
+           grammar: GrammarState | None = None) -> list[int]:
     """The tokens a step emits for one sequence: the drafts kept, then one token drawn by the model.
 
     ``rows`` (len(drafts) + 1, vocab) fp32 on the host: row i is the model's logits for the token after
-    the context plus ``drafts[:i]``."""
+    the context plus ``drafts[:i]``. With a structured output's ``grammar``, each row is masked by the
+    grammar's state after the drafts before it (a draft the grammar refuses is never kept); the state
+    is left as it was (the engine advances it by every token emitted)."""
     out: list[int] = []
-    for row, d in zip(rows, drafts):
-        if params.temperature <= 0.0:
-            token = next_token(row, 0.0, 0, 1.0, gen)
-            out.append(token)
-            if token != d:
-                return out
-            continue
-        probs = torch.softmax(filter_logits(row, params.temperature, params.top_k, params.top_p), dim=-1)
-        if float(torch.rand((), generator=gen)) < float(probs[d]):
-            out.append(d)
-            continue
-        probs[d] = 0.0  # the residual max(0, p - q) for a proposal q with all its mass on d
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    advanced = 0
+    try:
+        for row, d in zip(rows, drafts):
+            allowed = grammar.allowed() if grammar is not None else None
+            if params.temperature <= 0.0:
+                token = next_token(row, 0.0, 0, 1.0, gen, allowed)
+                out.append(token)
+                if token != d:
+                    return out
+            else:
+                if allowed is not None:
+                    row = row.masked_fill(~allowed, float("-inf"))
+                probs = torch.softmax(filter_logits(row, params.temperature, params.top_k, params.top_p), dim=-1)
+                if float(torch.rand((), generator=gen)) >= float(probs[d]):
+                    probs[d] = 0.0  # the residual max(0, p - q) for a proposal q with all its mass on d
+                    out.append(int(torch.multinomial(probs, 1, generator=gen)))
+                    return out
+                out.append(d)
+            if grammar is not None:
+                grammar.advance(d)
+                advanced += 1
+                if grammar.done:  # the output is complete with this draft: nothing follows it
+                    return out
+        allowed = grammar.allowed() if grammar is not None else None
+        out.append(next_token(rows[len(out)], params.temperature, params.top_k, params.top_p, gen, allowed))
         return out
-    out.append(next_token(rows[-1], params.temperature, params.top_k, params.top_p, gen))
-    return out
+    finally:
+        if grammar is not None:
+            grammar.rollback(advanced)
 
 
-def may_speculate(params: SamplingParams, has_grammar: bool) -> bool:
-    """Whether a request's next token depends on the logits row alone (so drafts can be checked)."""
-    return not (has_grammar or params.adjusts or params.logprobs is not None or params.prompt_logprobs is not None)
+def may_speculate(params: SamplingParams) -> bool:
+    """Whether a request's next token depends on its logits row (and grammar) alone, so drafts can be
+    checked: not with logit adjustments that follow the output, nor with log-probabilities to report."""
+    return not (params.adjusts or params.logprobs is not None or params.prompt_logprobs is not None)
 
 
 class Speculator:
@@ -98,7 +118,7 @@ class Speculator:
             room = min(self.tokens, budget, seq.max_total - len(seq.tokens) - 1,
                        self.max_seq_len - len(seq.tokens) - 1)
             if (room <= 0 or p.n != 1 or not p.sample or state is None
-                    or not may_speculate(state.params, state.grammar is not None)):
+                    or not may_speculate(state.params)):
                 out.append(p)
                 continue
             proposal = propose_ngram(seq.tokens, self.ngram, room)
@@ -115,7 +135,7 @@ class Speculator:
         """Verify one sequence's drafts against its ``rows`` and emit the tokens through ``advance`` (the
         engine's one-token step: stop strings, end of text, limits), stopping where the request finishes.
         Returns the step's one Output, holding every token emitted."""
-        tokens = verify(rows, drafts, state.params, state.gen)
+        tokens = verify(rows, drafts, state.params, state.gen, state.grammar)
         self.proposed += len(drafts)
         self.accepted += len(tokens) - 1
         seq = state.seq

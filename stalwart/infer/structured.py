@@ -85,6 +85,11 @@ class GrammarState:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
+    def rollback(self, tokens: int) -> None:
+        """Undo the last ``tokens`` advances (speculative decoding's drafts, once checked)."""
+        if tokens and not self.matcher.rollback(tokens):
+            raise RuntimeError(f"the grammar could not roll back {tokens} tokens: {self.matcher.get_error()}")
+
     @property
     def done(self) -> bool:
         """Nothing but the end of text can follow: the output is complete."""
