@@ -89,3 +89,12 @@ def test_compare_names_the_first_step_and_tensor(tmp_path, capsys):
     assert read_tensor_sums(b / "fingerprints.jsonl")[2]["params/b"] == 3
     with pytest.raises(UserError, match="no run directory"):
         compare.main([str(a), str(tmp_path / "missing")])
+
+
+def test_replicas_share_the_work_and_every_piece_has_one_owner():
+    from stalwart.train.fingerprint import assign_owners
+
+    shared = [("params/a", "0"), ("params/b", "0"), ("params/c", "0"), ("params/d", "0")]
+    owned = assign_owners({0: shared, 1: shared, 2: [("params/e", "0")]})
+    assert sorted(len(v) for v in owned.values()) == [1, 2, 2] and owned[2] == [0]
+    assert sorted(shared[i] for r in (0, 1) for i in owned[r]) == sorted(shared)  # each exactly once

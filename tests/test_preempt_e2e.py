@@ -54,6 +54,14 @@ def test_sigterm_saves_the_step_exits_75_and_the_rerun_resumes_there(tmp_path):
     assert saved["step"] == last and saved["signal_to_durable_s"] > 0  # no trained step is lost
     ckpt = run / "checkpoints" / f"step-{last}"
     assert (ckpt / MANIFEST).is_file() and [p.name for p in (run / "checkpoints").glob("step-*")] == [ckpt.name]
+    # The fingerprint's per-tensor sums (each FSDP rank summed its shard) are the whole tensors' sums.
+    from stalwart.checkpoint.inspect import load_flat
+    from stalwart.train.fingerprint import MASK, int_sum, read_tensor_sums
+
+    flat, sums = load_flat(ckpt), read_tensor_sums(run / "fingerprints.jsonl")[last]
+    whole = {k: flat["model." + k[7:]] if k.startswith("params/") else
+             flat["optim.state.{}.{}".format(*k.split("/")[1:])] for k in sums}
+    assert sums and all(int(int_sum(whole[k])) & MASK == v for k, v in sums.items())
     run_cli("train", "--run.dir", str(run), *args, "--training.stop_at_step", str(last + 2))
     assert [e["step"] for e in _events(run, "resumed")] == [last]
 

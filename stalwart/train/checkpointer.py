@@ -168,7 +168,8 @@ class Checkpointer:
         stop; snapshot / checkpoint at their intervals (the final step is saved by ``finish``)."""
         stop = step < end and self.preemption.agreed()  # collective: every rank stops after the same step
         self.manager.poll()  # commits an async save once every rank's write is durable
-        if record is not None and self.watch.step_done(record):
+        # Only under the SPMD loop (which enters ``preemption``): a controller decides its recoveries itself.
+        if record is not None and self.preemption.active and self.watch.step_done(record):
             self._demote_and_restore()
             return
         if stop:

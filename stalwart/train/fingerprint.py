@@ -13,9 +13,9 @@ sum of the whole tensor, so the per-tensor values (and the ``params`` / ``optim`
 same whether a tensor is replicated (DDP: one copy counted), sharded (FSDP, tensor parallel) or held
 by one process: those two components do not depend on the number of processes or the layout. A
 piece is identified by the tensor's name and the global offset of its shard; replicas hold the same
-piece and are counted once (the first rank's). The ``rng`` component digests the distinct per-rank
-RNG states and ``data`` the per-rank data positions in rank order: both depend on the number of
-data-parallel ranks (each rank has its own position).
+piece, which is counted once and summed by one of them (in turn: N replicas each do 1/N of the
+work). The ``rng`` component digests the distinct per-rank RNG states and ``data`` the per-rank data
+positions in rank order: both depend on the number of data-parallel ranks (each has its own position).
 
 The record carries ``fingerprint`` (the whole state, 16 hex digits), ``fingerprint_parts``
 (``params``, ``optim``, ``rng``, ``data``) and ``fingerprint_s`` (what taking it cost); rank 0 also
@@ -78,22 +78,38 @@ def int_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, str, torch.Tensor]]:
-    """``(name, offset key, int32 sum)`` for this rank's piece of every parameter (``params/NAME``) and
-    optimizer state tensor (``optim/NAME/KEY``), sums still on the device."""
+    """``(name, offset key, local tensor)`` for this rank's piece of every parameter (``params/NAME``) and
+    optimizer state tensor (``optim/NAME/KEY``), in a fixed order."""
     out: list[tuple[str, str, torch.Tensor]] = []
     names = {}
     for name, p in model.named_parameters():
         names[id(p)] = name
         local, offset = _local(p)
-        out.append((f"params/{name}", offset, int_sum(local)))
+        out.append((f"params/{name}", offset, local))
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(optimizer.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
                         local, offset = _local(value)
-                        out.append((f"optim/{names.get(id(p), '?')}/{key}", offset, int_sum(local)))
+                        out.append((f"optim/{names.get(id(p), '?')}/{key}", offset, local))
     return out
+
+
+def assign_owners(keys: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]]:
+    """Which rank sums which of its pieces: a piece several ranks hold (a replica) is summed by one of
+    them, in turn, so replicated state costs each of N replicas 1/N of the work. Returns, per rank, the
+    indices into its own key list. Pure and the same on every rank (it sees the same ``keys``)."""
+    holders: dict[tuple[str, str], list[int]] = {}
+    for r in sorted(keys):
+        for k in keys[r]:
+            holders.setdefault(k, []).append(r)
+    where = {r: {k: i for i, k in enumerate(keys[r])} for r in keys}
+    owned: dict[int, list[int]] = {r: [] for r in keys}
+    for n, (k, ranks) in enumerate(holders.items()):
+        owner = ranks[n % len(ranks)]
+        owned[owner].append(where[owner][k])
+    return {r: sorted(v) for r, v in owned.items()}
 
 
 def _digest(items) -> str:
@@ -152,17 +168,23 @@ class Fingerprinter:
         self._names: list[str] | None = None
         self._sent_keys: list | None = None   # this rank's piece names and offsets, as last sent
         self._keys: dict[int, list] = {}      # every rank's, as last received
+        self._owned: dict[int, list[int]] | None = None  # per rank, the indices of the pieces it sums
         self.seconds = 0.0  # time spent fingerprinting in this session (the overhead figure)
 
     def take(self) -> tuple[str, dict[str, str], dict[str, int]]:
         """(fingerprint, components, per-tensor sums) of the current state (collective).
 
-        A rank sends its pieces' names and offsets only when they changed since its last send (the
-        optimizer's state appears after the first step); otherwise just the values."""
+        A rank sends its pieces' names and offsets (and every piece's sum) only when they changed since
+        its last send (the optimizer's state appears after the first step); otherwise just the sums of
+        the pieces it owns (``assign_owners``)."""
         pieces = local_pieces(self.model, self.optimizer)
         keys = [(n, o) for n, o, _ in pieces]
-        values = torch.stack([v for _, _, v in pieces]).cpu().tolist() if pieces else []
-        mine = (keys if keys != self._sent_keys else None, values, rng_digest(),
+        full = keys != self._sent_keys or self._owned is None
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        mine_idx = range(len(pieces)) if full else self._owned[rank]
+        sums = [int_sum(pieces[i][2]) for i in mine_idx]
+        values = torch.stack(sums).cpu().tolist() if sums else []
+        mine = (keys if full else None, values, rng_digest(),
                 json.dumps(self.data_state(), sort_keys=True, default=str))
         self._sent_keys = keys
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -170,12 +192,16 @@ class Fingerprinter:
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
-        ranks = []
+        ranks, any_keys = [], False
         for r, (rank_keys, rank_values, rng, data) in enumerate(gathered):
             if rank_keys is not None:
-                self._keys[r] = rank_keys
-            ranks.append({"pieces": [(n, o, v) for (n, o), v in zip(self._keys[r], rank_values)], "rng": rng,
-                          "data": data})
+                self._keys[r], any_keys = rank_keys, True
+                held = rank_keys
+            else:
+                held = [self._keys[r][i] for i in self._owned[r]]
+            ranks.append({"pieces": [(n, o, v) for (n, o), v in zip(held, rank_values)], "rng": rng, "data": data})
+        if any_keys:
+            self._owned = assign_owners(self._keys)
         sums, parts = combine(ranks)
         return whole(parts), parts, sums
 
