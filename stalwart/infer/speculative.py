@@ -136,8 +136,9 @@ class Speculator:
         engine's one-token step: stop strings, end of text, limits), stopping where the request finishes.
         Returns the step's one Output, holding every token emitted."""
         tokens = verify(rows, drafts, state.params, state.gen, state.grammar)
+        kept = next((i for i, (t, d) in enumerate(zip(tokens, drafts)) if t != d), min(len(tokens), len(drafts)))
         self.proposed += len(drafts)
-        self.accepted += len(tokens) - 1
+        self.accepted += kept
         seq = state.seq
         real = len(seq.tokens) - len(drafts)
         del seq.tokens[real:]  # the drafts leave; the kept ones come back one by one below
@@ -147,7 +148,7 @@ class Speculator:
             if outs[-1].finished:
                 break
         if not outs[-1].finished:
-            seq.computed = real + len(tokens) - 1  # kept drafts are cached; the last token is not yet
+            seq.computed = real + kept  # kept drafts are cached; the token after them is not yet
         return replace(outs[-1], choices=[c for o in outs for c in o.choices], text="".join(o.text for o in outs))
 
     def stats(self) -> dict[str, float]:
