@@ -115,3 +115,18 @@ def test_chat_renders_the_directorys_template_as_transformers_does(served):
     with pytest.raises(Exception, match="max_completion_tokens must be >= 1") as e:
         c.chat.completions.create(model="hf", messages=parts, max_completion_tokens=0)
     assert e.value.body["param"] == "max_completion_tokens"
+
+
+def test_a_template_that_does_not_parse_is_one_line_before_anything_starts(served):
+    _, hf, root = served
+    bad = root / "hf-bad-template"
+    bad.mkdir()
+    for f in hf.iterdir():
+        (bad / f.name).symlink_to(f)
+    (bad / "chat_template.jinja").write_text("{% if messages %}never closed")
+    proc = run_cli("serve", "--hf", str(bad), "--port", "0", check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"stalwart serve: error: {bad / 'chat_template.jinja'}: the chat template does not parse (Unexpected end "
+        "of template."), proc.stderr

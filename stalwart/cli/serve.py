@@ -42,6 +42,9 @@ def main(argv: list[str]) -> int:
     from stalwart.infer.load import check_layout, read_args
 
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
+    from stalwart.serve.chat import ChatFormat
+
+    ChatFormat.of_dir(source.hf)  # a chat template that does not parse is one line now, too
     procs = layout.tp * layout.pp
     # A device the machine lacks (or too few GPUs: one per process) is one line now, not a failed group.
     kind = check_device(cfg.engine.device, procs * layout.replicas, device_setting(argv))
