@@ -60,10 +60,11 @@ BODIES = [  # greedy, seeded, seeded with top-k and a stop string, two prompts a
     {"prompt": "class Foo", "max_tokens": 20, "temperature": 0.9, "top_k": 20, "seed": 2**64 - 1, "stop": ["zz"],
      "ignore_eos": True},
     {"prompt": ["def ", "x = ["], "max_tokens": 12, "temperature": 1.2, "seed": 5, "ignore_eos": True},
+    {"prompt": "def ", "max_tokens": 12, "temperature": 0.9, "seed": 4, "n": 2, "echo": True, "ignore_eos": True},
 ]
 
 
-@pytest.mark.parametrize("body", BODIES, ids=["greedy", "seeded", "top_k_stop", "two_prompts"])
+@pytest.mark.parametrize("body", BODIES, ids=["greedy", "seeded", "top_k_stop", "two_prompts", "n_echo"])
 def test_a_stream_resumed_anywhere_goes_on_exactly_as_undisturbed(server, body):
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     whole = events(server.url, body, ROUTER)

@@ -245,6 +245,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         if req.stream:
             usage = usage_of(rid, "text_completion", created, jobs, prompts) if req.include_usage else None
             chunks = CompletionStream(rid, created, model_name, tokenizer, req, draws, prompts, texts)
+            if resume is not None:  # outputs that began on the lost replica: their prompt (echo) was sent
+                chunks.started.update(k for k, j in enumerate(jobs) if j.emitted or j.done)
             return stream(jobs, chunks.chunk, usage, routed)
         results = await collect_all(request, jobs)
         metrics.outcome("ok")
