@@ -7,7 +7,8 @@ on the same request sets, interleaved repeat by repeat, in this process:
 - mixed: 32 requests with prompt and output lengths drawn from a seeded range, all arriving at t=0.
 The peers: `transformers` is `generate` on static batches in arrival order (on the mixed trace each batch
 runs to its longest output); `transformers-cb` is transformers' own continuous batching
-(`init_continuous_batching`, the engine behind `generate_batch`), where the installed version has it.
+(`init_continuous_batching`, the engine behind `generate_batch`, one manager per model kept running),
+where the installed version has it.
 Each system is warmed up once per model before anything is timed (the warm-up's seconds are printed).
 The engine's KV cache is sized to hold the whole workload, as transformers' caches are.
 Reported per run: output tokens/s, time to first token and time per output token (p50, p99), the load
@@ -133,32 +134,41 @@ def has_continuous_batching(hf) -> bool:
     return hasattr(hf, "init_continuous_batching")
 
 
-def run_hf_cb(hf, reqs: list[Req]) -> Result:
-    """transformers' continuous batching: every request queued at t=0, its own output length."""
-    from transformers import GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
+class HfContinuous:
+    """transformers' continuous batching: one manager per model, started and warmed up once (its cache
+    is set up on its own thread when started), sized for the largest of ``sizing``'s requests; each
+    ``run`` queues every request at t=0 with its own output length."""
 
-    gen = GenerationConfig(max_new_tokens=max(r.out for r in reqs), do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
-    hints = WorkloadHints(max(len(r.prompt) for r in reqs), max(r.out for r in reqs), len(reqs))
-    manager = hf.init_continuous_batching(generation_config=gen, workload_hints=hints)
-    start = time.perf_counter()
-    manager.start()
-    try:
+    def __init__(self, hf, sizing: list[Req]) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        gen = GenerationConfig(max_new_tokens=max(r.out for r in sizing), do_sample=False, eos_token_id=-1,
+                               pad_token_id=0)
+        hints = WorkloadHints(max(len(r.prompt) for r in sizing), max(r.out for r in sizing), len(sizing))
+        self.manager = hf.init_continuous_batching(generation_config=gen, workload_hints=hints)
+        self.manager.start()
+        self.runs = 0
+        self.run([Req(sizing[0].prompt[:8], 1)])
+
+    def run(self, reqs: list[Req]) -> Result:
+        m, tag = self.manager, f"r{self.runs}-"
+        self.runs += 1
+        start = time.perf_counter()
         for i, r in enumerate(reqs):
-            manager.add_request(r.prompt, str(i), max_new_tokens=r.out, record_timestamps=True, eos_token_id=-1)
+            m.add_request(r.prompt, f"{tag}{i}", max_new_tokens=r.out, record_timestamps=True, eos_token_id=-1)
         stamps: dict[str, list[float]] = {}
         while len(stamps) < len(reqs):
-            out = manager.get_result(timeout=1)
-            if out is None and not manager.is_running():
+            out = m.get_result(timeout=1)
+            if out is None and not m.is_running():
                 raise RuntimeError("transformers' continuous batching stopped before finishing")
             if out is not None and out.is_finished():
                 stamps[out.request_id] = list(out.timestamps)
-        seconds = time.perf_counter() - start
-    finally:
-        manager.stop(block=True, timeout=60)
-        manager.destroy()
-    return timings(start, stamps, seconds)
+        return timings(start, stamps, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=60)
+        self.manager.destroy()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -190,8 +200,11 @@ def main(argv: list[str]) -> int:
                    help="systems compared with stalwart, comma separated (transformers-cb: transformers' "
                         "continuous batching, skipped where the installed version lacks it)")
     p.add_argument("--hf-batch", type=int, default=32, help="static batch size of transformers on the mixed trace")
-    p.add_argument("--max-batch-tokens", type=int, default=EngineConfig().max_batch_tokens,
-                   help="the engine's token budget per forward pass (engine.max_batch_tokens)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="the engine's token budget per forward pass (engine.max_batch_tokens; serve's default is "
+                        "512). 8192 takes every prompt of these workloads in the first step, as transformers' "
+                        "static batch does; a smaller budget prefills in chunks between decode steps, which "
+                        "raises the last prompts' time to first token and the first ones' time per token")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where all run (auto = cuda if available)")
     a = p.parse_args(argv)
     device = resolve_device(a.device)
@@ -209,12 +222,15 @@ def main(argv: list[str]) -> int:
         peers = [s for s in a.peers.split(",") if s and (s != "transformers-cb" or has_continuous_batching(hf))]
         if "transformers-cb" in a.peers.split(",") and "transformers-cb" not in peers:
             print("# transformers-cb skipped: this transformers has no continuous batching")
+        cb: HfContinuous | None = None
         runners = {"stalwart": lambda reqs, name: run_engine(model, reqs, engine_config(model, reqs, base)),
                    "transformers": lambda reqs, name: run_hf(hf, reqs, a.hf_batch if name == "mixed" else len(reqs)),
-                   "transformers-cb": lambda reqs, name: run_hf_cb(hf, reqs)}
+                   "transformers-cb": lambda reqs, name: cb.run(reqs)}
         warm = loads["mixed"][:2]
         for system in ["stalwart", *peers]:
             t = time.perf_counter()
+            if system == "transformers-cb":
+                cb = HfContinuous(hf, [r for reqs in loads.values() for r in reqs])
             runners[system](warm, "mixed")
             print(f"# {flavor} {system} warm-up: {time.perf_counter() - t:.1f} s", flush=True)
         for name in a.workloads.split(","):
@@ -235,4 +251,6 @@ def main(argv: list[str]) -> int:
             for peer in peers:
                 print(f"{flavor:<8} {name:<9} throughput ratio stalwart/{peer} per repeat: "
                       + ", ".join(f"{x:.2f}x" for x in ratios[peer]), flush=True)
+        if cb is not None:
+            cb.close()
     return 0
