@@ -220,3 +220,18 @@ def test_a_failed_engine_fails_every_request_and_health_says_so(tokenizer):
             assert r.status_code == 500 and "the engine stopped" in json.loads(r.read())["error"]["message"]
     finally:
         s.close()
+
+
+def test_listening_socket_is_tcp_so_answers_are_not_held_for_delayed_acks():
+    """asyncio turns on TCP_NODELAY only for sockets created as IPPROTO_TCP; without it an answer on a
+    kept-alive connection waited ~40 ms for the client's delayed ACK (measured 44.5 ms per request
+    against 4.7 ms with it)."""
+    import socket
+
+    from stalwart.serve.http import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

@@ -19,7 +19,9 @@ from stalwart.errors import UserError
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port; a UserError naming server.host or server.port says which is wrong."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets it sees as TCP, and without it every
+    # answer on a kept-alive connection waits for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
