@@ -162,6 +162,9 @@ def test_malicious_checkpoint_through_the_cli(good_run, tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "refused" in lines[0] and "step-2" in lines[0], proc.stderr[-2000:]
+        assert "{" not in lines[0] and ") from None" not in lines[0], lines[0]  # never a line of source code
+        if args[0] == "generate" and str(entry) in args:  # the crafted entry is named, with what it held
+            assert "checkpoint entry 'model." in lines[0] and "posix.system" in lines[0], lines[0]
         assert "weights_only" not in proc.stdout + proc.stderr
         assert not marker.exists()
 
