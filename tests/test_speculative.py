@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sysconfig
+import time
 from pathlib import Path
 
 import httpx
@@ -193,6 +194,15 @@ def test_through_the_server_whole_and_streamed(model_and_tokenizer):
         metrics = httpx.get(url + "/metrics").text
         tpot = re.search(r"^stalwart_serve_time_per_output_token_seconds_count{[^}]*} (\S+)$", metrics, re.M)
         assert float(tpot.group(1)) == 2 * len(prompts) * 39
+        # The drafts kept so far, as the engine counts them (updated after each step's outputs are out).
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(url + "/metrics").text
+            kept = re.search(r'^stalwart_serve_speculative_drafts{kind="kept",[^}]*} (\S+)$', text, re.M)
+            if kept and float(kept.group(1)) == engine.stats()["speculative_accepted"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert float(kept.group(1)) == engine.stats()["speculative_accepted"] > 0
     assert engine.stats()["speculative_accepted"] > 0 and chunks < 4 * 40
 
 

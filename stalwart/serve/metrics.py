@@ -39,6 +39,10 @@ class ServeMetrics:
                                     ["model"], registry=r).labels(**labels)
         self.step_seconds = Histogram("stalwart_serve_engine_step_seconds", "One engine step (forward + sampling).",
                                       ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        # Speculative decoding (engine.speculative): drafts checked and kept since start; their ratio is
+        # the acceptance rate. Absent while speculation is off.
+        self.drafts = Gauge("stalwart_serve_speculative_drafts", "Speculative drafts since start, proposed or kept.",
+                            ["model", "kind"], registry=r)
         self.model = model
         self._window: deque[tuple[float, int]] = deque()
 
@@ -59,3 +63,6 @@ class ServeMetrics:
         self.running.set(stats["running"])
         self.kv_usage.set(stats["kv_blocks_used"] / stats["kv_blocks_total"])
         self.weight_version.set(stats["weight_version"])
+        if "speculative_proposed" in stats:
+            self.drafts.labels(model=self.model, kind="proposed").set(stats["speculative_proposed"])
+            self.drafts.labels(model=self.model, kind="kept").set(stats["speculative_accepted"])
