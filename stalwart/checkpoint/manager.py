@@ -108,7 +108,9 @@ class CheckpointManager:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
+                err = self._no_room(tmp)
+                if err is None:
+                    tmp.mkdir()
             except OSError as e:
                 err = storage_problem(e, tmp) or f"cannot create {tmp}: {e}"
         errors = all_gather_object(err)
@@ -234,6 +236,22 @@ class CheckpointManager:
         _writer.fault_point("after_rename")
         write_text_atomic(self.dir.latest, final.name + "\n")
         fsync_dir(self.root)
+
+    def _no_room(self, tmp: Path) -> str | None:
+        """Why a save must not start: the newest checkpoint's size does not fit in the free space. A save
+        that filled the device would fail anyway, and meanwhile starve every other write of the run (its
+        metrics, events and timings), which cannot fail over to the next interval the way a checkpoint
+        does."""
+        newest = newest_complete_checkpoint(self.root)
+        if newest is None:
+            return None
+        need = sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
+        free = shutil.disk_usage(self.root).free
+        reserve = 1 << 20  # room left for the run's records
+        if free >= need + reserve:
+            return None
+        return (f"no space left on the device writing {tmp}: {newest.name} took {need / 2**20:.1f} MiB and "
+                f"{free / 2**20:.1f} MiB are free (not started, so the run's own records keep their room)")
 
     def _fail(self, step: int, tmp: Path, error: str) -> None:
         """Every rank agrees the save failed: report it, drop the partial directory, continue or stop."""
