@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -62,6 +63,10 @@ class Controller:
         self.paths = RunPaths.of(self.cfg.run)
         self.dims = ParallelDims.resolve(cfg.parallelism, nproc)
         self.paths.root.mkdir(parents=True, exist_ok=True)
+        if not self.paths.metrics.exists() and not self.cfg.checkpoint.memory_dir:
+            # A run directory that never trained owns no snapshot: what /dev/shm holds under its key was left
+            # by a deleted run of the same path (killed, so never cleared) and must not be resumed.
+            shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
         self.events = EventLog(self.paths.events)
         # The process groups' rendezvous store lives here, so it outlives any actor.
         self.store = controller_store(nproc, SETUP_TIMEOUT_S)
