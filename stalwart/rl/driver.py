@@ -355,6 +355,7 @@ def run_rl_job(cfg: RLConfig) -> int:
     TaskSetup.of(cfg)  # a mistake in the task section is refused before the run directory is touched
     check_device(cfg.workers.device, 1, "--device")  # and a device this machine lacks, before any actor
     if paths.summary.exists():  # a killed run (no summary) is resumed by the same command instead
+        shutil.rmtree(paths.snapshots(), ignore_errors=True)  # left if it was killed between its summary and exit
         raise UserError(f"run.dir {paths.root} already holds a run that finished; pass another --run.dir or "
                         "remove that one")
     with RunLock(paths):
