@@ -20,11 +20,16 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (one we may not signal counts as alive)."""
+    """Whether process ``pid`` runs on this host: it exists (one we may not signal counts) and is not a
+    zombie (exited, not yet reaped by its parent: dead for every purpose here)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it left between the two looks
         return True
-    return True

@@ -337,6 +337,28 @@ def test_root_cause_prefers_the_rank_that_failed_first():
     assert root_cause({0: 1, 1: -9}, paths, 0.0, [{"rank": 0, "time": 5.0}]) == 0  # an injected fault wins
 
 
+def test_pid_alive_counts_a_zombie_as_dead():
+    import subprocess
+    import sys
+    import time
+
+    from stalwart.procs import pid_alive
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    exited = subprocess.Popen(["true"])
+    try:
+        assert pid_alive(running.pid)
+        deadline = time.monotonic() + 10  # exited but not reaped: a zombie until wait()
+        while pid_alive(exited.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not pid_alive(exited.pid)
+        exited.wait()
+        assert not pid_alive(exited.pid)
+    finally:
+        running.kill()
+        running.wait()
+
+
 def test_a_forked_worker_starts_like_a_new_process():
     import signal
     import sys

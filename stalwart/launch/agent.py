@@ -40,10 +40,11 @@ from stalwart.ft.supervisor import (
 )
 from stalwart.atomic import write_text_atomic
 from stalwart.launch.fork import forkable, forked_worker, preload
-from stalwart.launch.workers import alive, root_cause, stopped
+from stalwart.launch.workers import root_cause, stopped
 from stalwart.ft.records import process_start_time, read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
+from stalwart.procs import pid_alive
 from stalwart.runtime.device import LOOPBACK
 from stalwart.runtime.group import bound_tcp_store, listen_on
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
@@ -77,13 +78,13 @@ class SupervisedAgent(LocalElasticAgent):
 
     def _kill_group(self) -> None:
         """SIGTERM (and SIGCONT for a stopped process), a grace period, then SIGKILL."""
-        pids = [pid for pid in self._pids().values() if alive(pid)]
+        pids = [pid for pid in self._pids().values() if pid_alive(pid)]
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
         deadline = time.monotonic() + self.sup.cfg.kill_grace_s
-        while time.monotonic() < deadline and any(alive(p) for p in pids):
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
             time.sleep(0.05)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

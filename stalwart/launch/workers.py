@@ -1,8 +1,8 @@
-"""What the launcher sees of its own worker processes, first-hand: alive, stopped, and which failed first."""
+"""What the launcher sees of its own worker processes, first-hand: stopped, and which failed first (alive:
+``stalwart.procs.pid_alive``)."""
 
 from __future__ import annotations
 
-import os
 import signal
 
 from stalwart.ft.records import read_exit_records
@@ -16,18 +16,6 @@ def stopped(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 _STOPPED_BY_US = (-signal.SIGTERM, -signal.SIGKILL)  # how torch (and the watchdog) stop the survivors
