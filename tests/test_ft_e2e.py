@@ -58,6 +58,18 @@ def test_faults_recover_bit_identically(tmp_path):
     out = run_cli("goodput", str(faulty)).stdout
     assert "ETTR" in out and "productive" in out and "(injected hang)" in out
 
+    # The summary covers the whole run, all four attempts: wall time from the first start to the finish,
+    # and the eval curve from the first evaluation ever (step 0, in the first attempt) to the last.
+    s, ref = (json.loads((r / "summary.json").read_text()) for r in (faulty, straight))
+    first_start, finish = events(faulty, "start")[0]["time"], events(faulty, "finished")[-1]["time"]
+    assert s["attempts"] == 4 and ref["attempts"] == 1
+    assert abs(s["elapsed_s"] - (finish - first_start)) < 1.0 and s["elapsed_s"] > s["session_elapsed_s"] + 5
+    assert s["first_eval_loss"] == ref["first_eval_loss"] == events(faulty, "eval")[0]["eval_loss"]
+    assert s["first_eval_loss"] != s["final_eval_loss"] == ref["final_eval_loss"]
+    wall = next(x for x in proc.stdout.splitlines() if "wall time" in x)
+    assert f"{s['elapsed_s']:.1f} s over 4 attempts" in wall, wall
+    assert f"eval loss       {ref['first_eval_loss']:.4f} -> " in proc.stdout
+
 
 def test_nan_skip_leaves_state_unchanged_and_straggler_is_named(tmp_path):
     run = tmp_path / "run"

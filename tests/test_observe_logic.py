@@ -257,3 +257,20 @@ def test_cuda_event_path_resolves_at_flush(monkeypatch):
     assert out[0]["phases"] == pytest.approx({"forward": 0.005, "backward": 0.005})
     assert out[0]["step_time_s"] == pytest.approx(0.025)
 
+
+
+def test_run_history_spans_every_attempt_of_this_run_only():
+    from stalwart.train.observer import run_history
+
+    assert run_history([]) == {"started": None, "attempts": 0, "first_eval_loss": None}
+    earlier = [{"event": "start", "time": 1.0, "step": 0}, {"event": "eval", "eval_loss": 9.0},
+               {"event": "finished", "time": 2.0}]
+    run = [{"event": "start", "time": 10.0, "step": 0}, {"event": "eval", "eval_loss": 5.0},
+           {"event": "failure"}, {"event": "start", "time": 20.0, "step": 4},
+           {"event": "eval", "eval_loss": 4.0}]
+    assert run_history(run) == {"started": 10.0, "attempts": 2, "first_eval_loss": 5.0}
+    # A fresh start after a finished run begins another run in the same directory.
+    assert run_history(earlier + run) == run_history(run)
+    # A relaunch that resumes a finished run (more steps) continues it.
+    resumed = earlier + [{"event": "start", "time": 5.0, "step": 8}, {"event": "eval", "eval_loss": 3.0}]
+    assert run_history(resumed) == {"started": 1.0, "attempts": 2, "first_eval_loss": 9.0}

@@ -31,7 +31,7 @@ import torch
 from stalwart.errors import UserError
 from stalwart.metrics.mfu import mfu as model_flops_utilisation
 from stalwart.metrics.progress import Progress, RateWindow
-from stalwart.metrics.records import EventLog
+from stalwart.metrics.records import EventLog, read_jsonl
 from stalwart.observe import FlightRecorder, PhaseTimer, TimingsWriter, build_sinks
 from stalwart.observe.profiler import StepProfiler
 from stalwart.paths import RunPaths
@@ -40,6 +40,26 @@ from stalwart.runtime.env import DistEnv
 
 WARMUP_STEPS = 3  # steady-state throughput excludes this session's first steps
 PROGRESS_WINDOW = 20  # the progress display's tokens/s is over this many recent steps
+
+
+def run_history(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run's records say of all its sessions (attempts, restarts, relaunches), oldest first:
+    ``{"started": unix time of its first start, "attempts": starts, "first_eval_loss": its first
+    evaluation}``; the values are None (attempts 0) without records.
+
+    The run begins at its first ``start`` event, except that a fresh start (step 0) after the run had
+    ``finished`` or ``stopped`` begins a new run in the same directory: what came before is another run's."""
+    begin, ended = None, False
+    for i, e in enumerate(events):
+        if e.get("event") == "start" and (begin is None or (ended and e.get("step") == 0)):
+            begin, ended = i, False
+        elif e.get("event") in ("finished", "stopped") and begin is not None:
+            ended = True
+    run = events[begin:] if begin is not None else []
+    starts = [e for e in run if e.get("event") == "start"]
+    evals = [e["eval_loss"] for e in run if e.get("event") == "eval" and e.get("eval_loss") is not None]
+    return {"started": starts[0].get("time") if starts else None, "attempts": len(starts),
+            "first_eval_loss": evals[0] if evals else None}
 
 
 class TimedLoader:
@@ -191,7 +211,13 @@ class Observer:
         return None
 
     def elapsed(self) -> float:
+        """Seconds since this session's ``start`` (its own attempt only; :meth:`history` spans the run)."""
         return time.perf_counter() - self._t_start
+
+    def history(self) -> dict[str, Any]:
+        """The run so far, from ``events.jsonl`` (rank 0's; other ranks see only this session): see
+        :func:`run_history`."""
+        return run_history(read_jsonl(self.events.path) if self.env.is_main else [])
 
     def memory(self) -> int:
         if is_accelerator(self.env.device):

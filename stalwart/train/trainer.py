@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -174,13 +175,19 @@ class Trainer:
             self.evaluator.run(self.state.step)
         ckpt = self.checkpointer.finish(trained, stopped_early)
         tps = self.observer.throughput()
+        # The run's figures span all its sessions (restarts and relaunches): from its records.
+        run = self.observer.history()
+        session_s = self.observer.elapsed()
         summary = {
             "steps": self.state.step, "stopped_early": stopped_early, "final_loss": self.observer.last.get("loss"),
-            "first_eval_loss": self.evaluator.first, "final_eval_loss": self.evaluator.last, "tokens_per_s": tps,
+            "first_eval_loss": run["first_eval_loss"] if run["first_eval_loss"] is not None else self.evaluator.first,
+            "final_eval_loss": self.evaluator.last, "tokens_per_s": tps,
             "mfu": self.observer.mfu(tps) if tps else None,
             "peak_tflops_per_device": self.observer.peak_flops / 1e12, "peak_source": self.peak_source,
             "world_size": self.env.world_size, "layout": self.core.dims.describe(),
-            "elapsed_s": self.observer.elapsed(), "checkpoint": str(ckpt) if ckpt else None,
+            "elapsed_s": max(session_s, time.time() - run["started"]) if run["started"] else session_s,
+            "session_elapsed_s": session_s, "attempts": max(run["attempts"], 1),
+            "checkpoint": str(ckpt) if ckpt else None,
             "run_dir": str(self.paths.root), "mem_bytes": self.observer.memory(), **self.core.state_bytes(),
         }
         summary["sample"] = self._sample() if not stopped_early else None

@@ -40,7 +40,9 @@ def format_summary(s: dict) -> str:
         lines.append(f"  eval loss       {s['first_eval_loss']:.4f} -> {s['final_eval_loss']:.4f} "
                      f"({100 * ratio:.0f}% of the first)")
     lines.append(f"  peak memory     {s['mem_bytes'] / 2**20:.0f} MiB per process")
-    lines.append(f"  wall time       {s['elapsed_s']:.1f} s")
+    lines.append(f"  wall time       {s['elapsed_s']:.1f} s" + (
+        f" over {s['attempts']} attempts, first start to finish (this one {s['session_elapsed_s']:.1f} s)"
+        if s.get("attempts", 1) > 1 else ""))
     ft = s.get("fault_tolerance") or {}
     if ft.get("skipped_steps"):
         lines.append(f"  skipped steps   {ft['skipped_steps']} (non-finite or rolled-back data)")
