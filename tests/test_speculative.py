@@ -1,13 +1,16 @@
-"""Speculative decoding by prompt lookup: the proposer, verification's distribution (a chi-square test
-against the target distribution, with temperature, top-k and top-p), and the engine: greedy output
-identical with and without speculation (batched, alone, sharing cached prefixes), seeded sampling
-distributed as without it, and drafts actually proposed and kept on repetitive text; through the
-server (OpenAI's client), whole and streamed, several tokens to a chunk."""
+"""Speculative decoding by prompt lookup and by a draft model: the proposers, verification's
+distribution (a chi-square test against the target distribution, with temperature, top-k and top-p),
+and the engine: greedy output identical with and without speculation (batched, alone, sharing cached
+prefixes), seeded sampling distributed as without it, and drafts actually proposed and kept; through
+the server (OpenAI's client), whole and streamed, several tokens to a chunk; a draft model with
+another vocabulary refused in one line by `stalwart serve`."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -18,12 +21,14 @@ import pytest
 import torch
 
 from inproc_server import serve_in_process
-from stalwart.config.serve import EngineConfig
+from stalwart.config.serve import EngineConfig, ServeConfig
 from stalwart.data.tokenizer import eos_id, train_bpe
 from stalwart.generate import filter_logits
 from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams
-from stalwart.infer.speculative import propose_ngram, verify
+from stalwart.errors import UserError
+from stalwart.export.hf import export_hf
+from stalwart.infer.speculative import DraftModelProposer, load_draft_model, propose_ngram, verify
 from stalwart.infer.structured import Constraint
 from stalwart.models.flavors import TransformerArgs
 from stalwart.models.llama import Transformer
@@ -99,6 +104,24 @@ def model_and_tokenizer():
     return model.eval(), tok
 
 
+DRAFT_ARGS = TransformerArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=ARGS.vocab_size,
+                             ffn_hidden=64, max_seq_len=256, init_std=0.4)
+
+
+def new_model(args: TransformerArgs, seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    materialize_and_init(model, torch.device("cpu"), seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def drafts():
+    """Draft models: a copy of the target's weights (its guesses are the target's own: nearly all kept)
+    and a smaller model of its own (few kept)."""
+    return {"same": new_model(ARGS), "small": new_model(DRAFT_ARGS, seed=3)}
+
+
 CODE = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
         "for i in range(10):\n    print(i)\nfor i in range(10):\n",
         "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,",
@@ -108,8 +131,9 @@ CODE = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
 
 
 def run(model, tok, speculative: str, params: list[SamplingParams], prompts: list[str], together: bool = True,
-        **cfg) -> tuple[list[list[int]], Engine]:
-    engine = Engine(model, tok, eos_id(tok), EngineConfig(kv_cache_mb=8, speculative=speculative, **cfg))
+        draft=None, **cfg) -> tuple[list[list[int]], Engine]:
+    engine = Engine(model, tok, eos_id(tok), EngineConfig(kv_cache_mb=8, speculative=speculative, **cfg),
+                    draft=draft)
     out = {}
 
     def drain():
@@ -139,18 +163,10 @@ def test_greedy_output_is_identical(model_and_tokenizer, together):
         assert stats["speculative_proposed"] > 0 and stats["speculative_accepted"] > 0, stats
 
 
-def test_seeded_sampling_keeps_the_distribution(model_and_tokenizer):
-    """The k-th token over many seeds, with and without speculation: the same distribution (two-sample
-    chi-square over the tokens that both draw, per position)."""
-    model, tok = model_and_tokenizer
-    seeds = range(300)
-    prompts = [CODE[2]] * len(seeds)
-    params = [SamplingParams(max_tokens=6, temperature=0.8, top_k=3, seed=s, ignore_eos=True) for s in seeds]
-    plain, _ = run(model, tok, "off", params, prompts)
-    spec, engine = run(model, tok, "ngram", params, prompts, speculative_tokens=3)
-    assert engine.stats()["speculative_accepted"] > 0
-    assert spec != plain  # other draws, same law
-    for pos in range(1, 6):
+def assert_same_law(plain: list[list[int]], spec: list[list[int]]) -> None:
+    """Each position's tokens over many seeds, with and without speculation: the same distribution
+    (two-sample chi-square over the tokens that both draw)."""
+    for pos in range(1, len(plain[0])):
         a = torch.bincount(torch.tensor([t[pos] for t in plain]), minlength=ARGS.vocab_size).double()
         b = torch.bincount(torch.tensor([t[pos] for t in spec]), minlength=ARGS.vocab_size).double()
         both = (a + b) > 0
@@ -162,6 +178,24 @@ def test_seeded_sampling_keeps_the_distribution(model_and_tokenizer):
         p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                           torch.tensor(stat / 2, dtype=torch.float64))) if df > 0 else 1.0
         assert p > P_MIN, (pos, a, b)
+
+
+SEEDED = [SamplingParams(max_tokens=6, temperature=0.8, top_k=3, seed=s, ignore_eos=True) for s in range(300)]
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    return run(model, tok, "off", SEEDED, [CODE[2]] * len(SEEDED))[0]
+
+
+def test_seeded_sampling_keeps_the_distribution(model_and_tokenizer, plain_seeded):
+    """The k-th token over many seeds, with and without speculation: the same distribution."""
+    model, tok = model_and_tokenizer
+    spec, engine = run(model, tok, "ngram", SEEDED, [CODE[2]] * len(SEEDED), speculative_tokens=3)
+    assert engine.stats()["speculative_accepted"] > 0
+    assert spec != plain_seeded  # other draws, same law
+    assert_same_law(plain_seeded, spec)
 
 
 def test_requests_that_cannot_speculate_decode_one_token_a_step(model_and_tokenizer):
@@ -229,3 +263,72 @@ def test_structured_outputs_speculate_under_their_grammar(model_and_tokenizer):
     assert engine.stats()["speculative_accepted"] > 0
     for tokens in outs:
         jsonschema.validate(json.loads(tok.decode(tokens)), SCHEMA)
+
+
+def test_draft_model_proposer_extends_each_window_greedily(drafts):
+    """Each sequence's drafts are the draft model's greedy continuation of its latest ``window`` tokens,
+    however many sequences share the pass, and never more than its room."""
+    draft = drafts["small"]
+    proposer = DraftModelProposer(draft, window=5)
+    contexts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1], [6, 6], [9]]
+    rooms = [3, 2, 4, 0]
+    with torch.inference_mode():
+        got = proposer(contexts, rooms)
+        for c, r, g in zip(contexts, rooms, got):
+            x = list(c[-5:])
+            for _ in range(r):
+                x.append(int(draft(torch.tensor([x]))[0, -1].argmax()))
+            assert g == x[len(c[-5:]):], (c, r, g)
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_draft_model_greedy_output_is_identical(model_and_tokenizer, drafts, together):
+    """Greedy output with a draft model proposing is the output without speculation, whether the draft
+    guesses well (the target's own weights: nearly every draft kept) or badly (a smaller model)."""
+    model, tok = model_and_tokenizer
+    prompts = CODE + CODE[:2]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True) for _ in prompts]
+    plain, _ = run(model, tok, "off", params, prompts, together)
+    for name, tokens, window in (("same", 4, 256), ("small", 3, 16)):
+        spec, engine = run(model, tok, "draft", params, prompts, together, draft=drafts[name],
+                           speculative_tokens=tokens, draft_window=window, draft_model="unused", block_size=4)
+        assert spec == plain, name
+        stats = engine.stats()
+        assert stats["speculative_proposed"] > 0, stats
+        if name == "same":
+            assert stats["speculative_accepted"] > 0.9 * stats["speculative_proposed"], stats
+
+
+def test_draft_model_seeded_sampling_keeps_the_distribution(model_and_tokenizer, drafts, plain_seeded):
+    model, tok = model_and_tokenizer
+    spec, engine = run(model, tok, "draft", SEEDED, [CODE[2]] * len(SEEDED), draft=drafts["same"],
+                       speculative_tokens=3, draft_model="unused")
+    assert engine.stats()["speculative_accepted"] > 0
+    assert spec != plain_seeded
+    assert_same_law(plain_seeded, spec)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(model_and_tokenizer, drafts, tmp_path):
+    """`stalwart serve` refuses a draft of another vocabulary size in one line (exit 2) before loading
+    anything; a draft whose tokenizer differs at the same size is refused when it is loaded."""
+    model, tok = model_and_tokenizer
+    (tmp_path / "tok.json").write_text(tok.to_str())
+    texts = [p.read_text() for p in sorted((Path(sysconfig.get_paths()["stdlib"]) / "email").glob("*.py"))]
+    other = train_bpe(texts, ARGS.vocab_size)
+    (tmp_path / "other.json").write_text(other.to_str())
+    wide = TransformerArgs(**{**DRAFT_ARGS.__dict__, "vocab_size": ARGS.vocab_size + 64})
+    for name, args, tok_file in (("target", ARGS, "tok.json"), ("wide", wide, "other.json"),
+                                 ("other", DRAFT_ARGS, "other.json")):
+        export_hf(new_model(args).state_dict(), args, tmp_path / tok_file, "<|endoftext|>", eos_id(tok), tmp_path / name)
+    r = subprocess.run([sys.executable, "-m", "stalwart", "serve", "--hf", str(tmp_path / "target"),
+                        "--port", "0", "--engine.speculative", "draft", "--engine.draft_model", str(tmp_path / "wide")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "vocabulary has 448 entries" in r.stderr, r.stderr
+    for engine in (EngineConfig(speculative="draft"), EngineConfig(draft_model=str(tmp_path / "target"))):
+        with pytest.raises(UserError, match="go together"):
+            ServeConfig(engine=engine)
+    with pytest.raises(UserError, match="tokenizer differs"):
+        load_draft_model(str(tmp_path / "other"), ARGS.vocab_size, tok, torch.float32, torch.device("cpu"))
+    same = load_draft_model(str(tmp_path / "target"), ARGS.vocab_size, tok, torch.float32, torch.device("cpu"))
+    assert (same.args.vocab_size, same.args.dim) == (ARGS.vocab_size, ARGS.dim)

@@ -1,5 +1,6 @@
-"""`stalwart bench speculative`: prompt-lookup speculative decoding against plain decoding, on a code
-workload, with a trained run's weights.
+"""`stalwart bench speculative`: speculative decoding (prompt lookup, or a draft model with
+``--speculative draft --draft-model DIR``) against plain decoding, on a code workload, with a trained
+run's weights.
 
 The workload: windows of Python source (``--source``, default the standard library's ``json``,
 ``email`` and ``importlib`` packages) as prompts, continued (``--workload continue``) or written out
@@ -26,6 +27,7 @@ from stalwart.config.serve import EngineConfig
 from stalwart.infer.engine import Engine
 from stalwart.infer.load import Source, build_model, read_source
 from stalwart.infer.sampling import SamplingParams
+from stalwart.infer.speculative import load_draft_model
 from stalwart.runtime.device import HOST
 
 DEFAULT_SOURCES = ("json", "email", "importlib")
@@ -81,6 +83,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tokens", type=int, action="append", default=[],
                     help="speculative_tokens to try (repeatable; default 2, 4, 8)")
+    ap.add_argument("--speculative", choices=("ngram", "draft"), default="ngram",
+                    help="how drafts are proposed: prompt lookup, or the --draft-model")
+    ap.add_argument("--draft-model", default="",
+                    help="the draft model's run directory (or checkpoint, or HF directory), same tokenizer")
+    ap.add_argument("--draft-window", type=int, default=64, help="context tokens the draft reads each step")
     ap.add_argument("--ngram", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -88,10 +95,14 @@ def main(argv: list[str]) -> int:
                     help="continue a file's start, or write out again code the prompt holds (see code_prompts)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling")
     args = ap.parse_args(argv)
+    if (args.speculative == "draft") != bool(args.draft_model):
+        ap.error("--speculative draft and --draft-model go together")
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     loaded = read_source(Source(run=Path(args.run)))
     model = build_model(loaded, torch.float32, HOST)
+    draft = (load_draft_model(args.draft_model, loaded.args.vocab_size, loaded.tokenizer, torch.float32, HOST)
+             if args.speculative == "draft" else None)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sources = [Path(s) for s in args.source] or [stdlib / s for s in DEFAULT_SOURCES]
     prompts = code_prompts(loaded.tokenizer, sources, args.requests, args.prompt_tokens, args.workload)
@@ -107,7 +118,10 @@ def main(argv: list[str]) -> int:
           f"{loaded.args.vocab_size}); {len(prompts)} code prompts ({args.workload}, {args.prompt_tokens} tokens of code), "
           f"{'greedy' if args.temperature <= 0 else f'temperature {args.temperature:g}'}, "
           f"{max_tokens} tokens each; {args.threads} thread(s); load average {os.getloadavg()[0]:.1f}")
-    configs = [("off", 0)] + [("ngram", k) for k in (args.tokens or [2, 4, 8])]
+    if draft is not None:
+        print(f"draft: {args.draft_model} ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params), "
+              f"window {args.draft_window} tokens")
+    configs = [("off", 0)] + [(args.speculative, k) for k in (args.tokens or [2, 4, 8])]
     kv_mb = 64.0
     for together in (False, True):
         label = "batch 1" if not together else f"batch {len(prompts)}"
@@ -116,15 +130,18 @@ def main(argv: list[str]) -> int:
         for _ in range(args.repeats):
             for mode, k in configs:
                 cfg = EngineConfig(kv_cache_mb=kv_mb, speculative=mode, speculative_tokens=max(k, 1),
-                                   speculative_ngram=args.ngram, prefix_caching=False)
-                engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg)
+                                   speculative_ngram=args.ngram, prefix_caching=False,
+                                   draft_model=args.draft_model if mode == "draft" else "",
+                                   draft_window=args.draft_window)
+                engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg, draft=draft)
                 s, tokens, steps = run_once(engine, prompts, max_tokens, together, args.temperature)
                 seconds[(mode, k)].append(s)
                 result[(mode, k)] = (tokens, steps, engine.stats())
         base = statistics.median(seconds[("off", 0)])
         plain_tokens = result[("off", 0)][0]
         total = sum(len(t) for t in plain_tokens)
-        print(f"\n{label}: {total} output tokens per run, medians of {args.repeats}")
+        print(f"\n{label}: {total} output tokens per run, medians of {args.repeats}; load average "
+              f"{os.getloadavg()[0]:.1f}")
         print(f"  {'mode':<10} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'accept':>7} {'tok/seq-step':>12} "
               f"{'speed-up':>8}  identical")
         for mode, k in configs:
@@ -133,7 +150,7 @@ def main(argv: list[str]) -> int:
             proposed, accepted = stats.get("speculative_proposed", 0), stats.get("speculative_accepted", 0)
             rate = f"{accepted / proposed:.1%}" if proposed else "-"
             seq_steps = sum(len(t) for t in tokens) - accepted  # one per forward pass a sequence took part in
-            name = "off" if mode == "off" else f"ngram k={k}"
+            name = "off" if mode == "off" else f"{mode} k={k}"
             same = tokens == plain_tokens if args.temperature <= 0 else "-"  # sampling: same law, other draws
             print(f"  {name:<10} {s:8.2f} {total / s:8.1f} {steps:6d} {rate:>7} "
                   f"{sum(len(t) for t in tokens) / seq_steps:12.2f} {base / s:7.2f}x  {same}")

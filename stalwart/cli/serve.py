@@ -42,6 +42,13 @@ def main(argv: list[str]) -> int:
     from stalwart.infer.load import check_layout, read_args
 
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
+    if cfg.engine.speculative == "draft":  # a draft with another vocabulary is one line now (its tokenizer: on load)
+        from stalwart.infer.load import source_from
+        from stalwart.infer.speculative import check_draft_vocabulary
+
+        where = cfg.engine.draft_model
+        check_draft_vocabulary(read_args(source).vocab_size, None, read_args(source_from(where)).vocab_size, None,
+                               f"engine.draft_model {where}")
     from stalwart.serve.chat import ChatFormat
 
     ChatFormat.of_dir(source.hf)  # a chat template that does not parse is one line now, too

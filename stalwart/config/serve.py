@@ -25,11 +25,17 @@ class EngineConfig:
                            "output is bitwise the same alone or batched (CPU BLAS computes a row differently "
                            "when a matrix has 1-3 rows, or an odd number under 10 on two threads). 1 = off: "
                            "faster at small batches, equal tokens but not equal bits. 8 = bitwise.", 1, min=1)
-    speculative: Literal["off", "ngram"] = option(
+    speculative: Literal["off", "ngram", "draft"] = option(
         "Speculative decoding (infer/speculative.py): 'ngram' proposes, for each decoding sequence, the tokens "
         "that followed the latest earlier occurrence of its last n-gram in its prompt and output (prompt "
-        "lookup), and the model verifies them in the step's one forward pass. Greedy output is unchanged; "
-        "sampled output keeps its distribution (not its exact tokens for a seed).", "off")
+        "lookup); 'draft' has a smaller model (engine.draft_model) propose them greedily. The model verifies "
+        "them in the step's one forward pass. Greedy output is unchanged; sampled output keeps its "
+        "distribution (not its exact tokens for a seed).", "off")
+    draft_model: str = option("The draft model for speculative = draft: a run directory (its newest "
+                              "checkpoint), one of its checkpoints, or a Hugging Face directory, with the served "
+                              "model's tokenizer.", "")
+    draft_window: int = option("Latest context tokens the draft model reads each step (it keeps no cache; "
+                               "longer = better guesses, slower drafting).", 64, min=1, max=1 << 20)
     speculative_tokens: int = option("Tokens proposed per sequence and step when speculative decoding is on.", 4,
                                      min=1, max=32)
     speculative_ngram: int = option("Longest n-gram looked up (shorter ones are tried next, down to 1).", 3,
@@ -67,3 +73,5 @@ class ServeConfig:
         if self.engine.max_batch_tokens < self.engine.max_seqs:
             raise ConfigError(f"engine.max_batch_tokens ({self.engine.max_batch_tokens}) must be at least "
                               f"engine.max_seqs ({self.engine.max_seqs}): every sequence decodes a token a step")
+        if (self.engine.speculative == "draft") != bool(self.engine.draft_model):
+            raise ConfigError("engine.speculative = draft and engine.draft_model go together: give both or neither")

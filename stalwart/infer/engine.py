@@ -23,7 +23,7 @@ from stalwart.infer.attention import KVCache, StepContext, StepLayout, build_lay
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, skip_draws, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
-from stalwart.infer.speculative import Speculator
+from stalwart.infer.speculative import build_speculator
 from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
 from stalwart.models.llama import pack_fused_weights
@@ -83,7 +83,8 @@ class Batch:
 
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, eos_id: int | None, cfg: EngineConfig, tp_size: int = 1,
-                 link=None, pipe=None, weight_version: int = 0) -> None:
+                 link=None, pipe=None, weight_version: int = 0, draft: nn.Module | None = None) -> None:
+        """``draft``: the draft model, for ``cfg.speculative = 'draft'`` (rank 0 only: it schedules)."""
         self.model = model.eval()
         pack_fused_weights(model)  # the fused projections then read their weights in place
         self.args = model.args
@@ -114,8 +115,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.tokens_generated = 0
         self.grammars = Grammars(tokenizer, eos_id, self.args.vocab_size)  # structured outputs' compiler
-        self.speculator = (Speculator(self.scheduler, cfg.speculative_tokens, cfg.speculative_ngram,
-                                      self.args.max_seq_len) if cfg.speculative == "ngram" else None)
+        self.speculator = build_speculator(cfg, self.scheduler, self.args.max_seq_len, draft)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
-"""Speculative decoding by prompt lookup: guess a sequence's next tokens from its own context, let the
-model check the guesses in the step's one forward pass, keep the ones it agrees with.
+"""Speculative decoding: guess a sequence's next tokens, let the model check the guesses in the step's
+one forward pass, keep the ones it agrees with. The guesses come from prompt lookup (``ngram``) or from
+a smaller draft model with the same vocabulary (``DraftModelProposer``: greedy, stateless); both are a
+``Proposer`` and everything after the proposal is shared.
 
 Each step, for every sequence that is decoding (one token to compute) and may speculate, ``draft``
 looks for the latest earlier occurrence of the context's last n-gram (n = ``speculative_ngram`` down to
@@ -33,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from stalwart.errors import UserError
 from stalwart.generate import filter_logits, next_token
 from stalwart.infer.sampling import Choice, SamplingParams
 from stalwart.infer.scheduler import Piece, Scheduler
@@ -97,31 +100,122 @@ def may_speculate(params: SamplingParams) -> bool:
     return not (params.adjusts or params.logprobs is not None or params.prompt_logprobs is not None)
 
 
-class Speculator:
-    """Prompt-lookup drafts for one engine, and the counts behind its acceptance rate."""
+Proposer = Callable[[list[list[int]], list[int]], list[list[int]]]
+"""Drafts for several sequences at once: (their tokens so far, the most drafts each may take) -> the
+drafts of each (at most that many, possibly none)."""
 
-    def __init__(self, scheduler: Scheduler, tokens: int, ngram: int, max_seq_len: int) -> None:
+
+def ngram_proposer(max_n: int) -> Proposer:
+    """Prompt lookup (``propose_ngram``) for each sequence."""
+    return lambda contexts, rooms: [propose_ngram(c, max_n, r) for c, r in zip(contexts, rooms)]
+
+
+class DraftModelProposer:
+    """Greedy drafts from a smaller model with the target's vocabulary.
+
+    Stateless: each step the draft reads the latest ``window`` tokens of every sequence afresh (no cache
+    to keep in step with kept and rejected drafts, preemption or weight swaps) and extends them greedily,
+    one forward pass per drafted token; sequences whose window has the same length share each pass. The
+    window starts at position 0 whatever its place in the sequence: rotary attention depends only on the
+    distance between tokens, and a draft needs only to be a good guess, never exact. Greedy drafts are
+    point masses, so ``verify`` keeps greedy output and the sampled distribution unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module, window: int) -> None:
+        self.model = model.eval()
+        self.window = window
+        self.max_seq_len = model.args.max_seq_len
+        self.device = next(model.parameters()).device
+
+    def __call__(self, contexts: list[list[int]], rooms: list[int]) -> list[list[int]]:
+        k = max(rooms, default=0)
+        width = min(self.window, self.max_seq_len - k)  # the window and its drafts fit the draft's context
+        if k <= 0 or width <= 0:
+            return [[] for _ in contexts]
+        groups: dict[int, list[int]] = {}  # window length -> the sequences with it
+        for i, c in enumerate(contexts):
+            groups.setdefault(min(width, len(c)), []).append(i)
+        out: list[list[int]] = [[] for _ in contexts]
+        for n, members in groups.items():
+            x = torch.tensor([contexts[i][-n:] for i in members], dtype=torch.long, device=self.device)  # (batch, n)
+            for _ in range(max(rooms[i] for i in members)):
+                last = self.model.head(self.model.hidden(x)[:, -1])  # (batch, vocab)
+                x = torch.cat([x, last.argmax(-1, keepdim=True)], dim=1)
+            drafted = x[:, n:].tolist()
+            for i, d in zip(members, drafted):
+                out[i] = d[:rooms[i]]
+        return out
+
+
+def check_draft_vocabulary(target_vocab: int, target_tokenizer, draft_vocab: int, draft_tokenizer,
+                           where: str) -> None:
+    """Raise UserError unless the draft model (named ``where``) has the target's vocabulary: the same
+    vocabulary size and, where tokenizers are given, the same token -> id map."""
+    if draft_vocab != target_vocab:
+        raise UserError(f"{where}: the draft model's vocabulary has {draft_vocab} entries, the served model's "
+                        f"{target_vocab}; a draft model must share the served model's tokenizer")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        ours, theirs = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        if ours != theirs:
+            differ = sorted(set(ours.items()) ^ set(theirs.items()))[:1]
+            raise UserError(f"{where}: the draft model's tokenizer differs from the served model's (e.g. "
+                            f"{differ[0][0]!r}); a draft model must share the served model's tokenizer")
+
+
+def load_draft_model(where: str, target_vocab: int, target_tokenizer, dtype: torch.dtype,
+                     device: torch.device) -> torch.nn.Module:
+    """The draft model named by ``where`` (engine.draft_model), in ``dtype`` on ``device``, after checking
+    that it shares the served model's vocabulary (UserError, before anything is served, if not)."""
+    from stalwart.infer.load import build_model, read_source, source_from
+
+    loaded = read_source(source_from(where))
+    check_draft_vocabulary(target_vocab, target_tokenizer, loaded.args.vocab_size, loaded.tokenizer,
+                           f"engine.draft_model {where}")
+    return build_model(loaded, dtype, device)
+
+
+def build_speculator(cfg, scheduler: Scheduler, max_seq_len: int,
+                     draft: torch.nn.Module | None = None) -> Speculator | None:
+    """The engine's speculator for ``cfg`` (an EngineConfig): None when off; 'draft' needs ``draft``,
+    the loaded draft model."""
+    if cfg.speculative == "off":
+        return None
+    if cfg.speculative == "ngram":
+        return Speculator(scheduler, cfg.speculative_tokens, max_seq_len, ngram_proposer(cfg.speculative_ngram))
+    if draft is None:
+        raise UserError("engine.speculative = draft needs a draft model (engine.draft_model)")
+    return Speculator(scheduler, cfg.speculative_tokens, max_seq_len, DraftModelProposer(draft, cfg.draft_window))
+
+
+class Speculator:
+    """Drafts for one engine's decoding sequences (from ``propose``), and the counts behind the
+    acceptance rate."""
+
+    def __init__(self, scheduler: Scheduler, tokens: int, max_seq_len: int, propose: Proposer) -> None:
         self.scheduler = scheduler
         self.tokens = tokens
-        self.ngram = ngram
         self.max_seq_len = max_seq_len
+        self.propose = propose
         self.proposed = 0  # drafts checked by the model
         self.accepted = 0  # drafts kept
 
     def draft(self, pieces: list[Piece], requests: dict) -> tuple[list[Piece], dict[str, list[int]]]:
         """The step's pieces, decoding ones widened by their drafts (appended to their sequences), within
         the token budget and the cache; and the drafts by request id."""
+        rooms: dict[int, int] = {}  # piece index -> the most drafts it may take (the budget aside)
+        for i, p in enumerate(pieces):
+            seq, state = p.seq, requests.get(p.seq.rid)
+            room = min(self.tokens, seq.max_total - len(seq.tokens) - 1, self.max_seq_len - len(seq.tokens) - 1)
+            if room > 0 and p.n == 1 and p.sample and state is not None and may_speculate(state.params):
+                rooms[i] = room
+        if not rooms:
+            return pieces, {}
+        proposals = dict(zip(rooms, self.propose([pieces[i].seq.tokens for i in rooms], list(rooms.values()))))
         budget = self.scheduler.max_batch_tokens - sum(p.n for p in pieces)
         out, drafts = [], {}
-        for p in pieces:
-            seq, state = p.seq, requests.get(p.seq.rid)
-            room = min(self.tokens, budget, seq.max_total - len(seq.tokens) - 1,
-                       self.max_seq_len - len(seq.tokens) - 1)
-            if (room <= 0 or p.n != 1 or not p.sample or state is None
-                    or not may_speculate(state.params)):
-                out.append(p)
-                continue
-            proposal = propose_ngram(seq.tokens, self.ngram, room)
+        for i, p in enumerate(pieces):
+            seq = p.seq
+            proposal = proposals.get(i, [])[:max(budget, 0)]
             if not proposal or not self.scheduler.grow(seq, p.start + 1 + len(proposal)):
                 out.append(p)
                 continue

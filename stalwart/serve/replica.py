@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from stalwart.config.serve import ServeConfig
@@ -59,7 +60,17 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         loaded = read_source(source)
         dtype = getattr(torch, cfg.engine.dtype)
         model = build_model(loaded, dtype, device, tp_mesh, rank // tp, pp)
-        engine = Engine(model, loaded.tokenizer, loaded.eos_id, cfg.engine, tp_size=tp, link=link, pipe=pipe)
+        engine_cfg, draft = cfg.engine, None
+        if engine_cfg.speculative == "draft":  # rank 0 schedules and drafts; the others follow its steps
+            from stalwart.infer.speculative import load_draft_model
+
+            if rank == 0:
+                draft = load_draft_model(engine_cfg.draft_model, loaded.args.vocab_size, loaded.tokenizer, dtype,
+                                         device)
+            else:
+                engine_cfg = replace(engine_cfg, speculative="off", draft_model="")
+        engine = Engine(model, loaded.tokenizer, loaded.eos_id, engine_cfg, tp_size=tp, link=link, pipe=pipe,
+                        draft=draft)
 
         def load(where: str) -> dict:
             return read_source(source_from(where)).state
