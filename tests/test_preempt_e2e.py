@@ -62,8 +62,15 @@ def test_sigterm_saves_the_step_exits_75_and_the_rerun_resumes_there(tmp_path):
     whole = {k: flat["model." + k[7:]] if k.startswith("params/") else
              flat["optim.state.{}.{}".format(*k.split("/")[1:])] for k in sums}
     assert sums and all(int(int_sum(whole[k])) & MASK == v for k, v in sums.items())
-    run_cli("train", "--run.dir", str(run), *args, "--training.stop_at_step", str(last + 2))
+    before = (run / "config.toml").read_text()
+    out = run_cli("train", "--run.dir", str(run), *args, "--training.stop_at_step", str(last + 2)).stdout
     assert [e["step"] for e in _events(run, "resumed")] == [last]
+    # The resume changed a setting: one line names it, an event records it, the previous config is kept.
+    noted = [x for x in out.splitlines() if "config changed" in x]
+    assert len(noted) == 1 and f"training.stop_at_step 0 -> {last + 2} (previous config kept as " in noted[0], out
+    (changed,) = _events(run, "config_changed")
+    assert changed["changes"] == {"training.stop_at_step": [0, last + 2]}
+    assert (run / "config.toml.prev").read_text() == before and changed["previous"] == str(run / "config.toml.prev")
 
 
 _SECOND_SIGNAL = textwrap.dedent("""

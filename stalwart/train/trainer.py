@@ -31,6 +31,7 @@ from stalwart.models.llama import count_params
 from stalwart.parallel.dims import ParallelDims, data_parallel_reason
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
+from stalwart.train.config_change import describe_changes, previous_config, replace_config
 from stalwart.train.core import CoreSpec, TrainCore
 from stalwart.train.data_setup import build_run_data
 from stalwart.runtime.env import DistEnv
@@ -73,8 +74,8 @@ class Trainer:
         fits = replica_fits_here(env, count_params(model_args))
         dims = ParallelDims.resolve(cfg.parallelism, env.world_size, fits)
         self.layout_reason = data_parallel_reason(cfg.parallelism, dims, fits)
-        if env.is_main:
-            write_text_atomic(self.paths.config, to_toml(cfg))
+        # Settings changed since the previous session (a resume with other flags): named at begin().
+        self.config_changes = replace_config(self.paths.config, to_toml(cfg)) if env.is_main else {}
         dp_rank = dims.dp_rank(env.rank)
         data = self.data.loader(cfg.data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
                                 dp_rank, dims.dp, cfg.run.seed)
@@ -157,6 +158,10 @@ class Trainer:
                             layout=self.core.dims.describe(), params=count_params(self.core.spec.model_args),
                             device=str(self.env.device), collectives=self.cfg.comm.algorithm,
                             custom_comm_modules=self.core.pm.custom_comm_modules)
+        if self.config_changes:
+            self.observer.events("config_changed", changes=self.config_changes,
+                                 previous=str(previous_config(self.paths.config)))
+            self.observer.say(describe_changes(self.config_changes, self.paths.config))
         for note in [self.layout_reason, *self.cfg.notes()]:
             if note:
                 self.observer.say(note)
