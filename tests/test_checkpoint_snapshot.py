@@ -178,6 +178,29 @@ def _train_args(run_dir, steps, *extra):
             "--training.steps", str(steps), *extra]
 
 
+def _a_new_run_never_resumes_a_deleted_runs_snapshots(run: Path, snap_dir: Path, tmp_path: Path) -> None:
+    """``run`` was killed with snapshots in ``snap_dir``: delete it (kept aside) and start a new run at its
+    path, under the launcher (2 workers) and as one process: each starts fresh, and drops the leftovers.
+    Then the killed run and its snapshots are put back as they were."""
+    kept, kept_snaps = tmp_path / "killed-kept", tmp_path / "killed-snapshots"
+    run.rename(kept)
+    shutil.copytree(snap_dir, kept_snaps)
+    for nproc in ("2", "1"):
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(snap_dir, ignore_errors=True)
+        shutil.copytree(kept_snaps, snap_dir)  # what the killed run left in RAM
+        run_cli("train", "--run.dir", str(run), *TINY_RUN, "--nproc-per-node", nproc, "--training.steps", "1",
+                "--checkpoint.memory_interval", "3", "--checkpoint.interval", "0", "--eval.at_start", "false",
+                "--sample.max_new_tokens", "0")
+        events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+        assert not [e for e in events if e["event"] == "resumed"], (nproc, events)
+        assert not list(snap_dir.glob("rank-*/*/step-*.snap")), nproc  # the leftovers are gone
+    shutil.rmtree(run)
+    kept.rename(run)
+    shutil.rmtree(snap_dir, ignore_errors=True)
+    shutil.copytree(kept_snaps, snap_dir)
+
+
 @pytest.mark.e2e
 def test_resume_from_memory_after_killing_the_process_group_is_bit_identical(tmp_path, request):
     steps = 24
@@ -208,6 +231,7 @@ def test_resume_from_memory_after_killing_the_process_group_is_bit_identical(tmp
                 pass
         proc.wait()
     assert not (killed / "checkpoints").exists() or not list((killed / "checkpoints").glob("step-*"))
+    _a_new_run_never_resumes_a_deleted_runs_snapshots(killed, snap_dir, tmp_path)
     shutil.rmtree(snap_dir / "rank-1" / "own", ignore_errors=True)  # rank 1's copy must come from its peer
     # NOTE: the killed launch's heartbeat files would look like a hung worker to the new supervisor.
     shutil.rmtree(killed / "ft" / "heartbeat", ignore_errors=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from stalwart.controller.recovery import hang_bound, keeps_survivors, recovery_s
 from stalwart.controller.replay import (RecoveriesExhausted, Recovery, RecoveryRole, ReplayDiverged, Restored,
                                         divergence)
 from stalwart.ft.plan import read_fired
+from stalwart.ft.runlock import drop_unowned_snapshots
 from stalwart.metrics.records import EventLog
 from stalwart.parallel.dims import ParallelDims
 from stalwart.paths import RunPaths
@@ -63,10 +63,7 @@ class Controller:
         self.paths = RunPaths.of(self.cfg.run)
         self.dims = ParallelDims.resolve(cfg.parallelism, nproc)
         self.paths.root.mkdir(parents=True, exist_ok=True)
-        if not self.paths.metrics.exists() and not self.cfg.checkpoint.memory_dir:
-            # A run directory that never trained owns no snapshot: what /dev/shm holds under its key was left
-            # by a deleted run of the same path (killed, so never cleared) and must not be resumed.
-            shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
+        drop_unowned_snapshots(self.paths, self.paths.snapshots(self.cfg.checkpoint.memory_dir))
         self.events = EventLog(self.paths.events)
         # The process groups' rendezvous store lives here, so it outlives any actor.
         self.store = controller_store(nproc, SETUP_TIMEOUT_S)

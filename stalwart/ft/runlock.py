@@ -15,9 +15,11 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
+from pathlib import Path
 
 from stalwart.atomic import output_dir
 from stalwart.errors import UserError
@@ -113,6 +115,20 @@ class RunLock:
                 self.path.unlink()
         os.close(self._fd)
         self._fd = None
+
+
+def drop_unowned_snapshots(paths: RunPaths, snapshot_dir: Path | None) -> bool:
+    """Before a job's first attempt: a run directory that never trained (no ``metrics.jsonl``) owns no
+    in-memory snapshot, so what ``/dev/shm`` holds under its key was left by a deleted run of the same
+    path (killed, so never cleared) and must not be resumed: remove it, and say whether there was one.
+    Only the run's own key (``paths.snapshots()``) is touched, never an explicit ``checkpoint.memory_dir``.
+    Called by whoever holds the job (the launcher's supervisor on each host, the controller, a lone
+    worker), before any worker can look at the snapshots; never on a restart, whose snapshots are its own."""
+    if snapshot_dir is None or Path(snapshot_dir) != paths.snapshots() or paths.metrics.exists():
+        return False
+    existed = Path(snapshot_dir).exists()
+    shutil.rmtree(snapshot_dir, ignore_errors=True)
+    return existed
 
 
 def held_by_parent() -> bool:

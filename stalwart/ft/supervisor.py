@@ -37,6 +37,7 @@ from stalwart.ft.detect import (
 from stalwart.checkpoint.manager import newest_complete_checkpoint
 from stalwart.checkpoint.snapshot import SnapshotStore
 from stalwart.ft.plan import ChaosSchedule, read_fired
+from stalwart.ft.runlock import drop_unowned_snapshots
 from stalwart.ft.records import read_exit_records, read_heartbeats, read_startup, startup_event, startup_phase
 from stalwart.paths import RunPaths, checkpoint_step
 
@@ -113,6 +114,7 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.paths = RunPaths(self.run_dir)
+        drop_unowned_snapshots(self.paths, self.snapshot_dir)  # a deleted run's, before the first attempt
         self.policy = RestartPolicy(self.max_restarts, self.cfg.crash_loop_restarts,
                                     newest_state_step(self.run_dir, self.snapshot_dir))
         if self.cfg.chaos_mtbf_s > 0:

@@ -20,7 +20,7 @@ from stalwart.ft.guard import RollbackRequested
 from stalwart.ft.records import mark_startup, record_exit
 from stalwart.paths import RunPaths
 from stalwart.train.preempt import EXIT_REQUEUE, Preempted
-from stalwart.ft.runlock import RunLock, held_by_parent, under_stalwart_launcher
+from stalwart.ft.runlock import RunLock, drop_unowned_snapshots, held_by_parent, under_stalwart_launcher
 
 
 def format_summary(s: dict) -> str:
@@ -76,6 +76,10 @@ def worker_main(cfg: JobConfig) -> int:
     except UserError as e:
         print(f"stalwart train: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    if not under_stalwart_launcher() and os.environ.get("LOCAL_RANK", "0") == "0" and \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # else the supervisor did, or a restart
+        paths = RunPaths.of(cfg.run)
+        drop_unowned_snapshots(paths, paths.snapshots(cfg.checkpoint.memory_dir))
     try:
         return _worker_main(cfg)
     finally:
