@@ -287,10 +287,12 @@ def test_diagnose_reports_only_the_newest_attempt_and_whether_the_run_went_on(tm
         (flight / f"rank-{r}.json").write_text(json.dumps(d))
     live = run_cli("diagnose", str(tmp_path), check=False)
     assert live.returncode == 1 and "from attempt 0 of launch j" in live.stdout and "HISTORY" not in live.stdout
+    assert live.stdout.rstrip().endswith("verdict: the run's current state diverged (exit 1)")
     (tmp_path / "events.jsonl").write_text(json.dumps({"time": 2100.0, "event": "restart", "attempt": 1}) + "\n" +
                                            json.dumps({"time": 2500.0, "event": "finished", "step": 40}) + "\n")
     done = run_cli("diagnose", str(tmp_path), check=False)
     assert done.returncode == 0 and "HISTORY: the run went on after these dumps (finished at step 40" in done.stdout
+    assert done.stdout.rstrip().endswith("verdict: nothing wrong now (exit 0)")
     (flight / "rank-1.json").write_text(json.dumps(_dump(1, [_e(0)], t=2600.0, job="j", attempt=1)))
     newest = run_cli("diagnose", str(tmp_path), "--json", check=False)
     a = json.loads(newest.stdout)

@@ -71,6 +71,9 @@ def test_sigterm_saves_the_step_exits_75_and_the_rerun_resumes_there(tmp_path):
     (changed,) = _events(run, "config_changed")
     assert changed["changes"] == {"training.stop_at_step": [0, last + 2]}
     assert (run / "config.toml.prev").read_text() == before and changed["previous"] == str(run / "config.toml.prev")
+    # A healthy run, its SIGTERM's flight-recorder dumps left behind: nothing wrong, exit 0.
+    diag = run_cli("diagnose", str(run)).stdout
+    assert "no divergence" in diag and diag.rstrip().endswith("verdict: nothing wrong now (exit 0)"), diag
 
 
 _SECOND_SIGNAL = textwrap.dedent("""

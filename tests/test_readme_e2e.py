@@ -132,5 +132,7 @@ def test_every_readme_command_works_in_order(tmp_path):
         else:
             proc = _stalwart(_args(words, tmp_path))
             assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+            if prefix == "diagnose":  # a healthy run: no dumps, and says so
+                assert proc.stdout.startswith("nothing wrong: no flight-recorder dumps"), proc.stdout
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "report" / "trace.json").is_file()
     assert (tmp_path / "runs-default" / "tokenizer.json").is_file()
