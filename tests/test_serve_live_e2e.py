@@ -92,8 +92,16 @@ def test_live_weights_from_a_running_train(tmp_path):
         # A second live update: a later step, and the trainer recorded each send.
         r = live(server, run)
         assert r.status_code == 200 and r.json()["weight_version"] > version, r.text
-        sends = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
-                 if e["event"] == "weights_published"]
+        # The trainer records a publish once every send returned, which can be after the server has
+        # installed the weights and answered.
+        def published() -> list[dict]:
+            return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                    if e["event"] == "weights_published"]
+
+        deadline = time.monotonic() + 60
+        while len(published()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sends = published()
         assert len(sends) >= 2 and all(e["failed"] == [] and e["subscribers"] == 1 for e in sends)
         print(f"live updates: trainer-side seconds {[round(e['seconds'], 3) for e in sends]}, "
               f"server-side seconds (wait included) {r.json()['seconds']}")

@@ -9,8 +9,8 @@ phase and rank by rank), ``failure``, ``restart``, ``recovered``, ``fault_inject
 
 Where a failure is seen first-hand, by the agent watching its own processes each tick (an exit, a
 stopped process), the failed rank is the one whose process failed and the fault time is the last tick
-it was seen running (or its own exit record's time), so detection latency is measured to within
-``fault.monitor_interval_s``.
+it was seen running (or its own exit record's time, or its newest start-up mark when it died before
+any tick saw it), so detection latency is measured to within ``fault.monitor_interval_s``.
 """
 
 from __future__ import annotations
@@ -280,6 +280,9 @@ class Supervisor:
         beat = read_beats(self.paths, [rank]).get(rank)
         if beat is not None and beat.attempt == self.attempt and beat.beat_time >= self.attempt_start:
             seen.append(beat.beat_time)
+        start = read_startup(self.paths, [rank], self.attempt_start).get(rank)
+        if start is not None and start["phases"][-1][1] <= now:  # each start-up mark was written by the
+            seen.append(start["phases"][-1][1])  # living process: a kill before any tick saw it leaves these
         return min(now, max(seen)) if seen else now
 
     def finished(self, now: float, code: int) -> None:

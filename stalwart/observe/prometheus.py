@@ -46,6 +46,7 @@ RUN_GAUGES: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("tokens_per_second", "Training throughput of the newest logged step (tokens/s)."),
     "mfu": ("mfu_ratio", "Model FLOPs utilisation of the newest logged step (0-1)."),
     "data_wait_s": ("data_wait_seconds", "Time the newest logged step waited for its batch."),
+    "fingerprint_s": ("fingerprint_seconds", "Time the newest logged step spent taking the state fingerprint."),
 }
 # Fields exported otherwise (per rank, or as a counter) or not at all.
 _SPECIAL = {"time", "tokens_seen", "step_time_s", "mem_bytes"}
