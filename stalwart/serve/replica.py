@@ -64,11 +64,10 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         if engine_cfg.speculative == "draft":  # rank 0 schedules and drafts; the others follow its steps
             from stalwart.infer.speculative import load_draft_model
 
-            if rank == 0:
-                draft = load_draft_model(engine_cfg.draft_model, loaded.args.vocab_size, loaded.tokenizer, dtype,
-                                         device)
-            else:
-                engine_cfg = replace(engine_cfg, speculative="off", draft_model="")
+            # Every rank reads it: reading a run checkpoint is a collective over the group.
+            draft = load_draft_model(engine_cfg.draft_model, loaded.args.vocab_size, loaded.tokenizer, dtype, device)
+            if rank != 0:
+                draft, engine_cfg = None, replace(engine_cfg, speculative="off", draft_model="")
         engine = Engine(model, loaded.tokenizer, loaded.eos_id, engine_cfg, tp_size=tp, link=link, pipe=pipe,
                         draft=draft)
 
