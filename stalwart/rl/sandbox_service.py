@@ -24,12 +24,9 @@ reaches it can run programs in its sandboxes.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import math
 import os
-import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from stalwart.asgi import bind, run
 from stalwart.config.rl import SandboxServiceConfig
 from stalwart.errors import UserError
 from stalwart.rl.sandbox import Sandbox, SandboxError, cases_from
@@ -194,43 +192,15 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
     return app
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: any free one); a UserError naming service.host or
-    service.port says which is wrong."""
-    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
-    # it every keep-alive answer's body waits for the client's delayed ACK of its headers (40 ms).
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        setting = "service.host" if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL else "service.port"
-        raise UserError(f"{setting}: cannot listen on {host}:{port} ({e.strerror or e})") from None
-    sock.listen(1024)
-    return sock
-
-
 def serve(sandbox: Sandbox, cfg: SandboxServiceConfig) -> None:
     """Serve until SIGINT or SIGTERM (a graceful stop: requests running finish, exit status 0)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:  # every stop asked for is the graceful one
-            self.should_exit = True
-
-    sock = listen(cfg.host, cfg.port)
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     concurrency = sandboxes_at_once(cfg)
-    print(f"stalwart rl sandbox: serving on http://{shown}:{sock.getsockname()[1]} ({concurrency} sandboxes at "
-          f"once, {cfg.queue} waiting at most)", flush=True)
-    server = Server(uvicorn.Config(create_app(sandbox, cfg), log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=10))
-    # Also before uvicorn installs its own handlers (a stop during start-up) and after (during shutdown).
-    previous = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[sock])
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+
+    def listening(port: int) -> None:
+        print(f"stalwart rl sandbox: serving on http://{shown}:{port} ({concurrency} sandboxes at once, "
+              f"{cfg.queue} waiting at most)", flush=True)
+
+    sock = bind(cfg.host, cfg.port, ("service.host", "--service.host"), ("service.port", "--service.port"))
+    run(create_app(sandbox, cfg), sock, 10, listening)
     print("stalwart rl sandbox: stopped", flush=True)
