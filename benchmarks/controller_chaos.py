@@ -29,17 +29,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stalwart.metrics.records import read_jsonl  # noqa: E402 - after the repository is on the path
+from stalwart.paths import RunPaths  # noqa: E402
 
 
 def _journal(run: Path) -> list[dict]:
-    path = run / "controller" / "journal.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return read_jsonl(RunPaths(run).journal)
 
 
 def _sessions(run: Path) -> list[dict]:

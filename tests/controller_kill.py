@@ -4,7 +4,6 @@ actor processes) outlives it."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,17 +14,13 @@ from pathlib import Path
 
 from conftest import REPO, cli_env
 
+from stalwart.metrics.records import read_jsonl
+from stalwart.paths import RunPaths
+
 
 def journal(run_dir: Path) -> list[dict]:
     """The entries of a run's controller journal (a torn last line skipped)."""
-    path = run_dir / "controller" / "journal.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return read_jsonl(RunPaths(run_dir).journal)
 
 
 def _state(pid: int) -> tuple[str, int] | None:
