@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from stalwart.serve import router
-from stalwart.serve.http import bind
 from stalwart.serve.router import Fleet, create_router
+
+from inproc_server import serve_app
 
 pytestmark = pytest.mark.unit
 
@@ -54,36 +53,27 @@ def test_a_failing_replica_is_killed_and_started_again_and_rejoins(tmp_path, mon
             time.sleep(0.05)
         backends = [f"http://127.0.0.1:{int(f.read_text())}" for f in files]
         fleet = Fleet(procs, files, start)
-        sock = bind("127.0.0.1", 0)
-        sock.listen()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(create_router(backends, fleet), log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
+        with serve_app(create_router(backends, fleet)) as url:
 
-        def health() -> list[dict]:
-            return httpx.get(url + "/health", timeout=10).json()["replicas"]
+            def health() -> list[dict]:
+                return httpx.get(url + "/health", timeout=10).json()["replicas"]
 
-        def wait(what, timeout: float = 20.0) -> list[dict]:
-            deadline = time.monotonic() + timeout
-            while not what(h := health()):
-                assert time.monotonic() < deadline, h
-                time.sleep(0.1)
-            return h
+            def wait(what, timeout: float = 20.0) -> list[dict]:
+                deadline = time.monotonic() + timeout
+                while not what(h := health()):
+                    assert time.monotonic() < deadline, h
+                    time.sleep(0.1)
+                return h
 
-        while not server.started:
-            time.sleep(0.05)
-        first = procs[0]
-        status[0].write_text("503")  # replica 0's engine is stuck: killed and started again
-        h = wait(lambda h: h[0]["restarts"] == 1)
-        assert first.wait(10) < 0 and fleet.procs[0] is not first
-        status[0].write_text("200")
-        h = wait(lambda h: h[0]["ok"] and h[1]["ok"])
-        fleet.procs[1].kill()  # replica 1's process exits: started again
-        h = wait(lambda h: h[1]["restarts"] == 1 and h[1]["ok"])
-        assert [r["restarts"] for r in h] == [1, 1]
-        server.should_exit = True
-        thread.join(10)
+            first = procs[0]
+            status[0].write_text("503")  # replica 0's engine is stuck: killed and started again
+            h = wait(lambda h: h[0]["restarts"] == 1)
+            assert first.wait(10) < 0 and fleet.procs[0] is not first
+            status[0].write_text("200")
+            h = wait(lambda h: h[0]["ok"] and h[1]["ok"])
+            fleet.procs[1].kill()  # replica 1's process exits: started again
+            h = wait(lambda h: h[1]["restarts"] == 1 and h[1]["ok"])
+            assert [r["restarts"] for r in h] == [1, 1]
     finally:
         for p in fleet.procs if "fleet" in locals() else procs:
             p.kill()
