@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from stalwart.metrics.records import read_jsonl  # noqa: E402 - after the repository is on the path
 from stalwart.paths import RunPaths  # noqa: E402
+from stalwart.procs import descendants, pid_alive  # noqa: E402
 
 
 def _journal(run: Path) -> list[dict]:
@@ -41,31 +42,6 @@ def _journal(run: Path) -> list[dict]:
 
 def _sessions(run: Path) -> list[dict]:
     return [e for e in _journal(run) if e["cmd"] == "session"]
-
-
-def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] not in ("Z", "X"):
-            parents[int(d)] = int(fields[1])
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier and c not in out}
-        out |= frontier
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _stalwart(args: list[str], **kw) -> subprocess.Popen:
@@ -90,12 +66,12 @@ def _kill_once(cmd: list[str], run: Path, gap: float) -> dict:
     time.sleep(gap)
     if proc.poll() is not None:
         return {"session": session, "finished_first": True}
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     last = _journal(run)[-1]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
-    while (left := {p for p in children if _alive(p)}) and time.monotonic() < deadline:
+    while (left := {p for p in children if pid_alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.1)
     return {"session": session, "gap_s": round(gap, 2), "last_command": f"{last['cmd']} {last.get('step')}",
             "actors": len(children), "orphans": sorted(left)}

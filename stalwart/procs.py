@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -33,3 +34,22 @@ def pid_alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except (OSError, IndexError):  # no /proc (not Linux), or it left between the two looks
         return True
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, theirs, ...), from /proc; zombies are not counted."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X"):
+            parents[int(d)] = int(fields[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier and c not in out}
+        out |= frontier
+    return out

@@ -16,38 +16,12 @@ from conftest import REPO, cli_env
 
 from stalwart.metrics.records import read_jsonl
 from stalwart.paths import RunPaths
+from stalwart.procs import descendants, pid_alive
 
 
 def journal(run_dir: Path) -> list[dict]:
     """The entries of a run's controller journal (a torn last line skipped)."""
     return read_jsonl(RunPaths(run_dir).journal)
-
-
-def _state(pid: int) -> tuple[str, int] | None:
-    """(state letter, parent pid) of a process, or None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[1])
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid``."""
-    parents: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit() and (st := _state(int(d))) is not None:
-            parents[int(d)] = st[1]
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier and c not in out}
-        out |= frontier
-    return out
-
-
-def alive(pid: int) -> bool:
-    st = _state(pid)
-    return st is not None and st[0] not in ("Z", "X")
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -77,7 +51,7 @@ def kill_when(proc: subprocess.Popen, run_dir: Path, moment: Callable[[list[dict
     proc.wait(timeout=30)
     proc.stdout.close()
     deadline = time.monotonic() + 30
-    while (left := {p for p in children if alive(p)}) and time.monotonic() < deadline:
+    while (left := {p for p in children if pid_alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"actor processes {sorted(left)} outlived their killed controller"
     return entries
