@@ -133,6 +133,16 @@ class RunPaths:
         return self.root / "goodput.json"
 
     @property
+    def chaos_log(self) -> Path:
+        """The faults ``stalwart chaos`` sent to this run from outside, one JSON line each, and its verdict."""
+        return self.root / "chaos.jsonl"
+
+    @property
+    def chaos_output(self) -> Path:
+        """What the `stalwart train` command under ``stalwart chaos`` printed."""
+        return self.root / "chaos-train.log"
+
+    @property
     def timings_dir(self) -> Path:
         return self.root / "timings"
 

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("stalwart.cli.report", "write a static HTML report, PNG plots and (--trace) a Perfetto trace"),
     "diagnose": ("stalwart.cli.diagnose", "analyse flight-recorder dumps: which rank hung, and where"),
     "compare": ("stalwart.cli.compare", "the first step (and tensor) where two runs' training states differ"),
+    "chaos": ("stalwart.cli.chaos", "a clean run and the same run under faults sent from outside; compare them"),
     "goodput": ("stalwart.cli.goodput", "split a run's wall time: productive, lost, detection, restart (ETTR)"),
     "doctor": ("stalwart.cli.doctor", "per-rank compute/communication health check; flags outlier ranks"),
 }

@@ -1,0 +1,4 @@
+"""Chaos from outside the job: the faults a cluster delivers (kill -9, SIGSTOP, a slowed rank, a full
+disk during a save, a partitioned rank, a corrupted memory snapshot) sent to a running `stalwart train`
+by another process, on a seeded schedule, ending with a comparison against a clean run
+(`stalwart chaos`; docs/fault-tolerance.md)."""
