@@ -4,13 +4,41 @@
 the end-of-training sample) and the inference engine (``infer/sampling.py``, per request, with
 log-probabilities) both call it. Sampling happens on the host with a host generator, so the same seed
 draws the same tokens whatever device computed the logits.
+
+The randomness is counter-based (``TokenDraws``): the draws for output token i come from a generator
+seeded with (seed, i) alone, never from one stream advanced token by token. Which token is drawn at
+position i then depends on the seed, i and that position's logits only, however the tokens before it
+were produced: one step at a time, several at once by speculative decoding, or on another replica that
+resumed the request from its first i tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from stalwart.runtime.device import HOST, host_generator
+
+
+def token_seed(seed: int, index: int, stream: int = 0) -> int:
+    """The seed of output token ``index``'s draws from stream ``stream`` (0: the token's own draws; 1: a
+    speculative draft's), for a request seeded ``seed``: the first 8 bytes (little endian, unsigned) of
+    BLAKE2b-64 of ``"<seed>:<index>:<stream>"``."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class TokenDraws:
+    """One seeded request's randomness, by output position: ``at(i)`` is a generator for token i's draws
+    (one generator object, reseeded per call: use it before the next call)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._gen = host_generator(0)
+
+    def at(self, index: int, stream: int = 0) -> torch.Generator:
+        return self._gen.manual_seed(token_seed(self.seed, index, stream))
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
@@ -51,13 +79,13 @@ def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, max_s
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    gen = host_generator(seed)
+    draws = TokenDraws(seed)
     ids = list(prompt) or ([eos] if eos is not None else [0])
     out: list[int] = []
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
         logits = model(context)[0, -1].float().to(HOST)
-        token = next_token(logits, temperature, top_k, 1.0, gen)
+        token = next_token(logits, temperature, top_k, 1.0, draws.at(i))
         if eos is not None and token == eos:
             break
         ids.append(token)

@@ -136,27 +136,3 @@ def test_a_stuck_engine_turns_health_to_503_and_back(server, monkeypatch):
     monkeypatch.setattr(server.engine, "step", step)  # it comes unstuck: healthy again, the request answered
     pending.join(30)
     assert answers[0].status_code == 200 and httpx.get(server.url + "/health").json()["status"] == "ok"
-
-
-def test_skipping_draws_leaves_the_generator_where_sampling_left_it():
-    """A resumed request's generator: advanced over uniform logits, it ends exactly where drawing the real
-    tokens left it, whatever the logits, adjustments and masks were (one draw per token above temperature
-    0, none at 0)."""
-    import torch
-
-    from stalwart.infer.sampling import SamplingParams, sample_row, skip_draws
-
-    vocab = 384
-    cases = [SamplingParams(temperature=0.8, top_k=5, seed=3), SamplingParams(temperature=0),
-             SamplingParams(temperature=1.3, top_p=0.5, seed=2**64 - 1, logit_bias={3: 50.0}),
-             SamplingParams(temperature=0.7, seed=1, frequency_penalty=1.0)]
-    torch.manual_seed(0)
-    for params in cases:
-        gen, generated = params.generator() if params.seed is not None else torch.Generator(), []
-        start = gen.get_state()
-        for i in range(20):
-            allowed = torch.rand(vocab) > 0.5 if i % 3 == 0 else None
-            generated.append(sample_row(torch.randn(vocab) * 3, params, gen, generated, None, allowed).token)
-        skipped = torch.Generator()
-        skipped.set_state(start)
-        assert torch.equal(skip_draws(skipped, params, 20, vocab).get_state(), gen.get_state())

@@ -28,11 +28,12 @@ from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams
 from stalwart.errors import UserError
 from stalwart.export.hf import export_hf
-from stalwart.infer.speculative import DraftModelProposer, load_draft_model, propose_ngram, verify
+from stalwart.generate import TokenDraws
+from stalwart.infer import speculative
+from stalwart.infer.speculative import Drafts, DraftModelProposer, DraftSampling, load_draft_model, propose_ngram, verify
 from stalwart.infer.structured import Constraint
 from stalwart.models.flavors import TransformerArgs
 from stalwart.models.llama import Transformer
-from stalwart.runtime.device import host_generator
 from stalwart.train.init import materialize_and_init
 
 pytestmark = pytest.mark.unit
@@ -42,12 +43,13 @@ ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=3
 P_MIN = 1e-3  # a chi-square p-value below this fails (the draws are seeded: a pass is repeatable)
 
 
-def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """P-value of Pearson's chi-square test of counts ``observed`` against ``expected`` (same total)."""
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor, groups: int = 1) -> float:
+    """P-value of Pearson's chi-square test of counts ``observed`` against ``expected`` (``groups``
+    multinomials laid end to end, each with the same total in both)."""
     keep = expected > 0
     assert observed[~keep].sum() == 0, "a token the target gives no probability was drawn"
     stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    df = int(keep.sum()) - 1
+    df = int(keep.sum()) - groups
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
@@ -62,36 +64,91 @@ def test_propose_ngram():
     assert propose_ngram([4, 4, 4], 2, 3) == [4]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)])
-def test_verify_keeps_the_target_distribution(temperature, top_k, top_p):
-    """Drafts [d1, d2] checked against rows r0, r1, r2: the first token is distributed as p0, the second
-    (after d1 was kept) as p1, the third (after both) as p2, whatever the drafts' own probabilities."""
-    gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(3, 8, generator=gen) * 1.5
-    drafts = [2, 5]
+V = 8  # the verification tests' vocabulary
+
+
+def speculate_once(target: torch.Tensor, draft: torch.Tensor, params: SamplingParams, draws: TokenDraws, last: int,
+                   fed: int, point: bool) -> list[int]:
+    """One step over a Markov chain: the target's logits for the token after ``prev`` are ``target[prev]``,
+    the draft's ``draft[prev]``. The draft guesses ``fed`` + 1 tokens after ``last`` (sampled from its
+    filtered distribution with the position's draft draws, or, ``point``, its most likely: a point mass)
+    and the first ``fed`` join the rows; ``verify`` decides."""
+    guesses, qs, prev = [], [], last
+    for j in range(fed + 1):
+        q = torch.softmax(filter_logits(draft[prev], params.temperature, params.top_k, params.top_p), -1)
+        d = int(draft[prev].argmax()) if point else int(torch.multinomial(q, 1, generator=draws.at(j, 1)))
+        guesses.append(d)
+        qs.append(q)
+        prev = d
+    rows = torch.stack([target[last]] + [target[d] for d in guesses[:fed]])
+    return verify(rows, Drafts(guesses[:fed], guesses[fed], None if point else qs), params, draws, 0)
+
+
+def verification_p_values(params: SamplingParams, point: bool, trials: int = 2000) -> list[float]:
+    """Chi-square p-values of the first token against the target's law and of the second (when the first
+    was a kept draft) against the target's law after the first."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(V, V, generator=g) * 1.5
+    draft = target + torch.randn(V, V, generator=g)  # a draft is an approximation of the target
+    law = torch.stack([torch.softmax(filter_logits(r, params.temperature, params.top_k, params.top_p), -1)
+                       for r in target])
+    first, pairs = torch.zeros(V), torch.zeros(V, V)
+    for t in range(trials):
+        out = speculate_once(target, draft, params, TokenDraws(t), 3, 2, point)
+        first[out[0]] += 1
+        if len(out) > 1:
+            pairs[out[0], out[1]] += 1
+    seen = pairs.sum(1)
+    busy = seen >= 50  # the first tokens kept often enough to test what follows them
+    assert busy.any()
+    return [chi_square_p(first, law[3] * trials),
+            chi_square_p(pairs[busy].flatten(), (law[busy] * seen[busy, None]).flatten(), groups=int(busy.sum()))]
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)]
+
+
+@pytest.mark.parametrize("point", [False, True], ids=["sampled_draft", "point_mass"])
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_verify_keeps_the_target_distribution(temperature, top_k, top_p, point):
+    """Standard speculative sampling over a Markov chain, two drafts fed and a third checked against the
+    last row: the first token is distributed as the target's row, and the second (after the first was a
+    kept draft) as the target's row after it, whatever the draft's distribution or point masses."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    target = [torch.softmax(filter_logits(r, temperature, top_k, top_p), -1) for r in rows]
-    counts = [torch.zeros(8) for _ in range(3)]
-    gen = host_generator(1)
-    trials = 6000
-    for _ in range(trials):
-        out = verify(rows, drafts, params, gen)
-        for i, token in enumerate(out):
-            counts[i][token] += 1
-        assert out[:-1] == drafts[:len(out) - 1]  # the kept tokens are a prefix of the drafts
-    reached = [trials, counts[0][drafts[0]], counts[1][drafts[1]]]  # trials that got to position i
-    for i in range(3):
-        assert counts[i].sum() == reached[i]
-        assert chi_square_p(counts[i], target[i] * reached[i]) > P_MIN, (i, counts[i], target[i])
+    for p in verification_p_values(params, point):
+        assert p > P_MIN, p
+
+
+@pytest.mark.parametrize("point", [False, True], ids=["sampled_draft", "point_mass"])
+def test_a_biased_verification_fails_the_test(monkeypatch, point):
+    """The test has power: a rejection that draws from p instead of max(0, p - q) over-weights the drafts'
+    tokens, and the same chi-square test rejects it."""
+    monkeypatch.setattr(speculative, "residual", lambda p, q: p.clone())
+    assert min(verification_p_values(SamplingParams(temperature=1.0), point)) < P_MIN
+
+
+def test_verification_is_a_function_of_the_position():
+    """A seeded verification is reproducible, and the token at a position does not depend on the draws of
+    the positions before it (counter-based draws)."""
+    g = torch.Generator().manual_seed(1)
+    target, draft = torch.randn(V, V, generator=g), torch.randn(V, V, generator=g)
+    params = SamplingParams(temperature=1.0)
+    runs = [speculate_once(target, draft, params, TokenDraws(s), 3, 2, False) for s in range(50)]
+    assert runs == [speculate_once(target, draft, params, TokenDraws(s), 3, 2, False) for s in range(50)]
+    assert len({tuple(r) for r in runs}) > 10
+    draws = TokenDraws(9)
+    alone = int(torch.multinomial(torch.softmax(target[0], -1), 1, generator=draws.at(5)))
+    torch.rand(100, generator=draws.at(4))  # another position's draws in between
+    assert int(torch.multinomial(torch.softmax(target[0], -1), 1, generator=draws.at(5))) == alone
 
 
 def test_verify_greedy_keeps_agreeing_drafts():
     rows = torch.full((4, 6), -5.0)
     rows[0, 1] = rows[1, 3] = rows[2, 0] = rows[3, 4] = 5.0  # most likely: 1, 3, 0, 4
     greedy = SamplingParams(temperature=0.0)
-    assert verify(rows, [1, 3, 0], greedy, host_generator(0)) == [1, 3, 0, 4]
-    assert verify(rows, [1, 2, 0], greedy, host_generator(0)) == [1, 3]
-    assert verify(rows, [5, 3, 0], greedy, host_generator(0)) == [1]
+    assert verify(rows, Drafts([1, 3, 0]), greedy, None, 0) == [1, 3, 0, 4]
+    assert verify(rows, Drafts([1, 2, 0]), greedy, None, 0) == [1, 3]
+    assert verify(rows, Drafts([5, 3, 0]), greedy, None, 0) == [1]
 
 
 @pytest.fixture(scope="module")
@@ -265,20 +322,30 @@ def test_structured_outputs_speculate_under_their_grammar(model_and_tokenizer):
         jsonschema.validate(json.loads(tok.decode(tokens)), SCHEMA)
 
 
-def test_draft_model_proposer_extends_each_window_greedily(drafts):
-    """Each sequence's drafts are the draft model's greedy continuation of its latest ``window`` tokens,
-    however many sequences share the pass, and never more than its room."""
+def test_draft_model_proposer_extends_each_window(drafts):
+    """Each sequence's drafts are the draft model's continuation of its latest ``window`` tokens, the
+    window sliding over the drafts, however many sequences share the pass, and never more than its room:
+    greedy, the most likely token; sampled, a draw from the filtered draft distribution (returned as q)
+    with the position's draft draws."""
     draft = drafts["small"]
     proposer = DraftModelProposer(draft, window=5)
-    contexts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1], [6, 6], [9]]
-    rooms = [3, 2, 4, 0]
+    contexts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1], [6, 6], [9], [1, 2, 3, 4, 5, 6]]
+    rooms = [3, 2, 4, 0, 3]
+    params = SamplingParams(temperature=0.9, top_k=20)
+    samplings = [None, DraftSampling(params, TokenDraws(4), 7), None, None, DraftSampling(params, TokenDraws(5), 2)]
     with torch.inference_mode():
-        got = proposer(contexts, rooms)
-        for c, r, g in zip(contexts, rooms, got):
-            x = list(c[-5:])
-            for _ in range(r):
-                x.append(int(draft(torch.tensor([x]))[0, -1].argmax()))
-            assert g == x[len(c[-5:]):], (c, r, g)
+        got = proposer(contexts, rooms, samplings)
+        for c, r, s, g in zip(contexts, rooms, samplings, got):
+            x, qs = list(c), []
+            for j in range(r):
+                logits = draft(torch.tensor([x[-5:]]))[0, -1]
+                if s is None:
+                    x.append(int(logits.argmax()))
+                else:
+                    qs.append(torch.softmax(filter_logits(logits, 0.9, 20), -1))
+                    x.append(int(torch.multinomial(qs[-1], 1, generator=s.draws.at(s.start + j, 1))))
+            assert g.fed == x[len(c):], (c, r, g)
+            assert (g.q is None) == (s is None) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g.q or [], qs))
 
 
 @pytest.mark.parametrize("together", [True, False])
@@ -332,3 +399,33 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model_and_tokenizer, d
         load_draft_model(str(tmp_path / "other"), ARGS.vocab_size, tok, torch.float32, torch.device("cpu"))
     same = load_draft_model(str(tmp_path / "target"), ARGS.vocab_size, tok, torch.float32, torch.device("cpu"))
     assert (same.args.vocab_size, same.args.dim) == (ARGS.vocab_size, ARGS.dim)
+
+
+def resumed(model, tok, prompt: str, params: SamplingParams, emitted: list[int], draft=None, **cfg) -> list[int]:
+    """What an engine emits for a request resumed after ``emitted`` (as the router's resume does)."""
+    engine = Engine(model, tok, eos_id(tok), EngineConfig(kv_cache_mb=8, **cfg), draft=draft)
+    engine.add("r", tok.encode(prompt).ids, params, emitted=emitted)
+    out = []
+    while engine.has_work():
+        out += [c.token for o in engine.step() for c in o.choices]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_seeded_speculation_emits_the_same_tokens_however_its_steps_fall(model_and_tokenizer, drafts, kind):
+    """A seeded request's tokens with speculation depend on its seed and the tokens before each, not on
+    where steps begin: the same with 2 or 4 drafts a step, batched or alone, and when resumed from any
+    point of its output (as the router resumes it on another replica)."""
+    model, tok = model_and_tokenizer
+    prompts = [CODE[0], CODE[2]]
+    params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, seed=s, ignore_eos=True)
+              for s, (t, k) in enumerate([(0.8, 0), (1.0, 8)])]
+    cfg = dict(draft=drafts["same"], draft_model="unused", draft_window=16) if kind == "draft" else {}
+    first, engine = run(model, tok, kind, params, prompts, speculative_tokens=4, **cfg)
+    assert engine.stats()["speculative_accepted"] > 0
+    assert run(model, tok, kind, params, prompts, together=False, speculative_tokens=2, **cfg)[0] == first
+    for i in (0, 1):
+        for cut in (1, 11):
+            rest = resumed(model, tok, prompts[i], params[i], first[i][:cut], speculative=kind, speculative_tokens=3,
+                           **cfg)
+            assert rest == first[i][cut:], (i, cut)

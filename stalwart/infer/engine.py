@@ -21,9 +21,10 @@ from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
 from stalwart.infer.attention import KVCache, StepContext, StepLayout, build_layout, install_paged_attention
 from stalwart.infer.blocks import BlockPool
-from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, skip_draws, stops_on
+from stalwart.generate import TokenDraws
+from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
-from stalwart.infer.speculative import build_speculator
+from stalwart.infer.speculative import Drafts, build_speculator
 from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
 from stalwart.models.llama import pack_fused_weights
@@ -56,7 +57,7 @@ class Output:
 class RequestState:
     seq: Sequence
     params: SamplingParams
-    gen: torch.Generator
+    draws: TokenDraws  # output token i's randomness comes from draws.at(i)
     tail: TextTail
     grammar: GrammarState | None = None  # a structured output's position in its constraint
     prompt_choices: list[Choice] = field(default_factory=list)  # prompt tokens 1.. scored so far
@@ -151,8 +152,9 @@ class Engine:
         """Queue a request; all or nothing: on any error the engine is as it was. ``follows``: a request
         in flight with the same prompt (another choice of one HTTP request), whose cached prompt this one
         maps once it is computed. ``emitted``: tokens the request already produced on another replica
-        (one resumed by the router): they are computed with the prompt, and the generator, the text shown
-        and a structured output's state are advanced past them, so it goes on as it would have there."""
+        (one resumed by the router): they are computed with the prompt, and the text shown and a structured
+        output's state are advanced past them; the randomness of each token is its position's
+        (``TokenDraws``), so it goes on drawing as it would have there."""
         self.check(prompt, params)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight")
@@ -166,9 +168,8 @@ class Engine:
         tail = TextTail(self.tokenizer, params.stop, params.min_tokens)
         if emitted:
             tail.push(emitted)  # the text shown so far, as it was shown
-        state = RequestState(seq, params, skip_draws(params.generator(), params, len(emitted), self.args.vocab_size),
-                             tail, self.grammars.start(params.structured, emitted) if params.structured is not None
-                             else None)
+        grammar = self.grammars.start(params.structured, emitted) if params.structured is not None else None
+        state = RequestState(seq, params, params.draws(), tail, grammar)
         self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
         self.requests[rid] = state
 
@@ -191,25 +192,27 @@ class Engine:
         pieces = self.scheduler.schedule()
         if not pieces:
             return []
-        drafts: dict[str, list[int]] = {}
+        drafts: dict[str, Drafts] = {}
         if self.speculator is not None:  # decoding pieces widened by their drafts, for this step only
             pieces, drafts = self.speculator.draft(pieces, self.requests)
         batch, sampled, scored = self._batch(pieces, drafts)
         if self.link is not None:
             self.link.send_step(batch)
         logits = self.forward(batch)
-        for piece in pieces:  # a drafted piece commits its real token; verification decides the drafts
-            self.scheduler.commit(Piece(piece.seq, piece.start, 1) if piece.seq.rid in drafts else piece)
+        for piece in pieces:  # a drafted piece commits its real tokens; verification decides the drafts
+            d = drafts.get(piece.seq.rid)
+            self.scheduler.commit(Piece(piece.seq, piece.start, piece.n - len(d.fed)) if d else piece)
         logits = logits.float().to(HOST)
-        at = len(sampled) + sum(len(d) for d in drafts.values())
+        at = len(sampled) + sum(len(d.fed) for d in drafts.values())
         for state, n in scored:  # prompt rows, after the sampled ones: scored before the first sample
             self._score(state, logits[at:at + n])
             at += n
         outputs, at = [], 0
         for piece in sampled:
-            state, k = self.requests[piece.seq.rid], len(drafts.get(piece.seq.rid, ()))
-            if k:  # k + 1 rows: verify the drafts, emit what is kept and one more token
-                outputs.append(self.speculator.advance(state, logits[at:at + k + 1], drafts[piece.seq.rid],
+            state, d = self.requests[piece.seq.rid], drafts.get(piece.seq.rid)
+            k = len(d.fed) if d else 0
+            if d:  # k + 1 rows: verify the drafts, emit what is kept and one more token
+                outputs.append(self.speculator.advance(state, logits[at:at + k + 1], d,
                                                        lambda c, s=state: self._advance(s, None, c)))
             else:
                 outputs.append(self._advance(state, logits[at]))
@@ -242,7 +245,7 @@ class Engine:
             logits = self.pipe.exchange_logits(logits, len(batch.rows), self.args.vocab_size, self.dtype)
         return logits
 
-    def _batch(self, pieces: list[Piece], drafts: dict[str, list[int]] | None = None
+    def _batch(self, pieces: list[Piece], drafts: dict[str, Drafts] | None = None
                ) -> tuple[Batch, list[Piece], list[tuple[RequestState, int]]]:
         batch = Batch([], [], [], [])
         sampled, scored, starts = [], [], []
@@ -253,7 +256,8 @@ class Engine:
             batch.positions += range(p.start, p.start + p.n)
             batch.spans.append((q_start, p.n, p.start + p.n, list(p.seq.blocks)))
             if p.sample:  # the last row; with k drafts, the k + 1 last rows
-                k = len(drafts.get(p.seq.rid, ())) if drafts else 0
+                d = drafts.get(p.seq.rid) if drafts else None
+                k = len(d.fed) if d else 0
                 batch.rows += range(q_start + p.n - 1 - k, q_start + p.n)
                 sampled.append(p)
         for p, q_start in zip(pieces, starts):
@@ -302,7 +306,8 @@ class Engine:
             return Output(seq.rid, [], "", True, "length", self.weight_version, prompt)
         grammar = state.grammar
         if choice is None:
-            choice = sample_row(logits, state.params, state.gen, state.generated, self.eos_id,
+            gen = state.draws.at(len(state.generated)) if state.params.temperature > 0.0 else None
+            choice = sample_row(logits, state.params, gen, state.generated, self.eos_id,
                                 allowed=grammar.allowed() if grammar else None)
         seq.tokens.append(choice.token)
         self.tokens_generated += 1

@@ -1,9 +1,10 @@
 """A request's sampling: its parameters, its generator, the logit adjustments it asks for, and
 log-probabilities on request. The token itself is drawn by the one sampler, ``stalwart.generate.next_token``.
 
-Each request has its own random generator (seeded from its ``seed``, or from a fresh random seed), and
-each row is sampled on its own, so a request samples the same tokens whether it shares the batch with
-31 others or runs alone. Log-probabilities are those of the model's distribution (the raw logits),
+Each request has its own randomness (``generate.TokenDraws``, from its ``seed`` or a fresh random one),
+counter-based: output token i is drawn with a generator seeded by (seed, i) alone. Each row is sampled
+on its own, so a request samples the same tokens whether it shares the batch with 31 others or runs
+alone, and a request resumed on another replica from its first i tokens draws token i as it would have. Log-probabilities are those of the model's distribution (the raw logits),
 not of the temperature-scaled, biased or penalized one, as OpenAI's API reports them.
 
 Adjustments (``adjust_logits``: ``logit_bias``, presence and frequency penalties, ``min_tokens``) change
@@ -22,8 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stalwart.generate import next_token
-from stalwart.runtime.device import host_generator
+from stalwart.generate import TokenDraws, next_token
 
 # The seeds torch's generator takes: any 64-bit integer, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -93,9 +93,9 @@ class SamplingParams:
             if bad:
                 raise SamplingError(f"{name}: token id {bad[0]} is not in [0, {vocab_size})", name)
 
-    def generator(self) -> torch.Generator:
-        seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
-        return host_generator(seed)
+    def draws(self) -> TokenDraws:
+        """The request's randomness: from its seed, or from a fresh random one."""
+        return TokenDraws(self.seed if self.seed is not None else random.SystemRandom().randrange(2**63))
 
     @property
     def adjusts(self) -> bool:
@@ -142,18 +142,6 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: Seque
         if banned:
             logits[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     return logits
-
-
-def skip_draws(gen: torch.Generator, params: SamplingParams, tokens: int, vocab_size: int) -> torch.Generator:
-    """``gen`` advanced past the draws of ``tokens`` tokens sampled with ``params`` (a request resumed on
-    another replica goes on drawing what it would have drawn). ``next_token`` draws once per token above
-    temperature 0 and never at 0, and one draw uses the generator by the vocabulary's size alone (not by
-    the logits, their adjustments or a mask), so a draw over uniform logits advances it identically."""
-    if params.temperature > 0.0:
-        flat = torch.zeros(vocab_size)
-        for _ in range(tokens):
-            next_token(flat, params.temperature, 0, 1.0, gen)
-    return gen
 
 
 @dataclass

@@ -9,7 +9,7 @@ chunk), which the router records and strips before the client sees the chunk.
 When a replica dies mid-stream (or its engine fails), the router sends the same body to another replica
 with ``x_stalwart_resume``: the stream's ``id`` and ``created``, the weight versions seen so far, and
 for each output its tokens so far and whether it finished. That replica recomputes prompt + tokens,
-advances each output's random generator past the draws those tokens took (``sampling.skip_draws``), its
+draws each later token with its position's own randomness (``generate.TokenDraws``), advances its
 text and structured-output state past them, and streams on under the same id: the client's stream
 goes on with exactly the tokens an undisturbed one would have had.
 
