@@ -72,6 +72,9 @@ class TaskConfig:
                                   "every evaluation; 0 = all held-out instances).", 5, min=0)
     vocab_size: int = option("BPE vocabulary trained on the training instances' prompts and programs.", 512,
                              min=300, max=8192)
+    visible_tests: int = option("Visible test cases per instance (drawn apart from the hidden ones): with "
+                                "rl.turns > 1 each turn's program runs on them and their first failure is fed "
+                                "back to the policy; the reward stays on the hidden tests.", 2, min=1, max=50)
 
     def family_names(self) -> list[str]:
         return [f.strip() for f in self.families.split(",") if f.strip()]
@@ -102,7 +105,14 @@ class GRPOConfig:
     group_size: int = option("Responses per prompt; advantages are relative to the group.", 8, min=2)
     temperature: float = option("Sampling temperature of the rollouts.", 1.0, min=0.05, max=2.0)
     top_k: int = option("Sample among this many most likely tokens (0 = all).", 0, min=0)
-    max_tokens: int = option("Longest response, tokens.", 32, min=1)
+    max_tokens: int = option("Longest response, tokens (per turn).", 32, min=1)
+    turns: int = option("Turns of an episode: the policy writes a program, the sandbox runs it on the visible "
+                        "tests, the first failure is appended, and the policy tries again, up to this many "
+                        "programs (an episode stops early once its program passes the visible tests). The "
+                        "reward is the last program's on the hidden tests; the loss covers the policy's tokens "
+                        "only. 1 = one program per episode.", 1, min=1, max=8)
+    feedback_tokens: int = option("Longest feedback appended after a failed turn, tokens (cut beyond).", 32,
+                                  min=4)
     clip_low: float = option("PPO clip: the ratio is kept above 1 - clip_low for negative advantages.", 0.2,
                              min=0.0, max=1.0)
     clip_high: float | None = option("PPO clip: the ratio is kept below 1 + clip_high for positive advantages "

@@ -45,6 +45,7 @@ from stalwart.errors import UserError
 from stalwart.metrics.records import EventLog, JsonlWriter
 from stalwart.paths import RunPaths
 from stalwart.rl import rollout
+from stalwart.rl.episode import EpisodeSpec, segments
 from stalwart.rl.loop import RunContext, Services, Stepper, sft
 from stalwart.rl.pools import Pool
 from stalwart.rl.progress import RLProgress
@@ -116,7 +117,7 @@ class RLDriver:
         self.eos = eos_id(self.tok)
         self.pad = self.eos
         self.prompt_len = max_prompt_tokens(self.tok, self.task.train + self.task.evaluated)
-        self.length = rollout.row_length(self.prompt_len, cfg.rl.max_tokens)
+        self.length = rollout.row_length(self.prompt_len, cfg.rl.max_tokens, cfg.rl.turns, cfg.rl.feedback_tokens)
         self.args = resolve_args(cfg.model, self.tok.get_vocab_size(), self.length + 1)
         self.store = controller_store(cfg.workers.trainers, SETUP_S)
         if self.point is None:  # the trainers' snapshots and the loop's states: this run's only
@@ -153,9 +154,13 @@ class RLDriver:
         r = cfg.rl
         sampling = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_k": r.top_k}
         gen_pool = Pool(meshes["generators"], "generator", w.generate_timeout_s, self.events, lambda g: None)
+        episode = None if r.turns == 1 else EpisodeSpec(
+            r.turns, r.feedback_tokens, {i.key: [(c.input, c.output) for c in i.visible_cases(
+                cfg.task.visible_tests, cfg.run.seed, cfg.task.tests)] for i in used},
+            (cfg.sandbox, w.reward_threads, w.sandbox_urls, w.sandbox_retry_s))
         generators = Generators(gen_pool, {i.key: self.tok.encode(prompt_text(i)).ids for i in used},
                                 (self.args, self.tok.to_str(), cfg.engine, sampling, r.logprobs == "exact",
-                                 self.length, self.pad, w.device))
+                                 self.length, self.pad, w.device, episode))
         rew_pool = Pool(meshes["rewards"], "reward", w.reward_timeout_s, self.events, lambda g: None)
         rewards = Rewards(rew_pool, {i.key: [(c.input, c.output) for c in i.cases(cfg.task.tests, cfg.run.seed)]
                                      for i in used}, self._program,
@@ -173,7 +178,7 @@ class RLDriver:
 
     def evaluate(self, tag: str) -> dict[str, Any]:
         reqs = rollout.eval_plan(self.cfg.run.seed, self.task.evaluated, self.cfg.rl.eval_samples, tag)
-        groups, _ = self.svc.generators.run(reqs)
+        groups, fig = self.svc.generators.run(reqs)
         self.svc.rewards.score(groups)
         fam: dict[str, list[float]] = {}
         examples: dict[str, dict[str, Any]] = {}
@@ -181,11 +186,22 @@ class RLDriver:
             inst = g.request.instance
             fam.setdefault(inst.family, []).extend(g.rewards)
             if inst.family not in examples:  # one response per family, to read what the policy writes
-                examples[inst.family] = {"prompt": inst.prompt, "program": self._program(g.responses[0]),
+                examples[inst.family] = {"prompt": inst.prompt, "program": self._program(g.programs()[0]),
                                          "reward": g.rewards[0], "verdict": g.verdicts[0]}
+                if g.masks is not None:  # the whole episode: program, feedback, program, ...
+                    examples[inst.family]["conversation"] = [
+                        self._program(part) if policy else self.tok.decode(part)
+                        for policy, part in segments(g.responses[0], g.masks[0])]
         allr = [x for g in groups for x in g.rewards]
-        return {"held_out_reward": float(np.mean(allr)), "per_family": {k: float(np.mean(v)) for k, v in sorted(fam.items())},
-                "held_out_instances": len(groups), "examples": examples}
+        out = {"held_out_reward": float(np.mean(allr)), "per_family": {k: float(np.mean(v)) for k, v in sorted(fam.items())},
+               "held_out_instances": len(groups), "examples": examples}
+        if "turns_mean" in fig:  # several turns: what the first programs alone would have scored
+            first = [rollout.Group(g.request, g.prompt, [rollout.first_turn(r, m) for r, m in zip(g.responses, g.masks)],
+                                   g.logprobs, g.version) for g in groups]
+            self.svc.rewards.score(first)
+            out.update(held_out_reward_turn1=float(np.mean([x for g in first for x in g.rewards])),
+                       turns_mean=fig["turns_mean"])
+        return out
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
@@ -326,6 +342,7 @@ class RLDriver:
     def _eval_record(self, step: int, ev: dict[str, Any]) -> None:
         self.metrics.write({"step": step, "kind": "eval", "held_out_reward": ev["held_out_reward"],
                             "elapsed_s": time.time() - self.t0,
+                            **{k: ev[k] for k in ("held_out_reward_turn1", "turns_mean") if k in ev},
                             **{f"held_out_reward/{k}": v for k, v in ev["per_family"].items()}})
 
     def _summary(self, sft_fig: dict, start: dict, final: dict, curve: dict) -> dict[str, Any]:

@@ -44,8 +44,9 @@ class GeneratorActor(Actor):
 
     @endpoint
     def setup(self, args: Any, tokenizer_json: str, engine_cfg: Any, sampling: dict[str, Any], exact: bool,
-              row_length: int, pad: int, device: str, index: int) -> dict[str, Any]:
-        """The engine (and the re-scoring copy) on the device of the ``index``-th accelerator process."""
+              row_length: int, pad: int, device: str, episode: Any, index: int) -> dict[str, Any]:
+        """The engine (and the re-scoring copy) on the device of the ``index``-th accelerator process;
+        with ``episode`` (``rl.episode.EpisodeSpec``, several turns) the visible tests' sandbox."""
         import torch
         from tokenizers import Tokenizer
 
@@ -62,6 +63,13 @@ class GeneratorActor(Actor):
         self.scorer = Transformer(args).to(self.device).eval() if exact else None
         self.reference = None
         self.sampling, self.row_length, self.pad = sampling, row_length, pad
+        self.turns = 1 if episode is None else episode.turns
+        if episode is not None:
+            from stalwart.rl.episode import VisibleTests
+
+            self.tests = VisibleTests(episode, tok, self.eos)
+        else:
+            self.tests = None
         self.args = args
         return {"pid": os.getpid(), "device": str(self.device)}
 
@@ -126,30 +134,14 @@ class GeneratorActor(Actor):
 
     @endpoint
     def generate(self, requests: list[Any], prompts: list[list[int]]) -> dict[str, Any]:
-        """Every request's group, generated with the current weights; plus timings."""
-        from stalwart.infer.sampling import SamplingParams
-        from stalwart.rl.rollout import Group
+        """Every request's group of episodes (``rl/episode.py``), generated with the current weights; plus
+        timings."""
+        from stalwart.rl.episode import run_episodes
 
         t0 = time.perf_counter()
-        eng = self.engine
-        version = eng.weight_version
-        s = self.sampling
-        for req, prompt in zip(requests, prompts):
-            for j, seed in enumerate(req.seeds):
-                eng.add(f"{req.gid}#{j}", prompt, SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"],
-                                                                top_k=s["top_k"], seed=seed, logprobs=0))
-        tokens: dict[str, list[int]] = {}
-        logps: dict[str, list[float]] = {}
-        while eng.has_work():
-            for out in eng.step():
-                for c in out.choices:
-                    tokens.setdefault(out.rid, []).append(c.token)
-                    logps.setdefault(out.rid, []).append(c.logprob)
-        groups = []
-        for req, prompt in zip(requests, prompts):
-            ids = [f"{req.gid}#{j}" for j in range(len(req.seeds))]
-            groups.append(Group(req, list(prompt), [tokens.get(i, []) for i in ids], [logps.get(i, []) for i in ids],
-                                version))
+        version = self.engine.weight_version
+        groups, episodes = run_episodes(self.engine, requests, prompts, self.sampling, version, self.tests,
+                                        self.turns)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         if self.scorer is not None or self.reference is not None:
@@ -158,7 +150,7 @@ class GeneratorActor(Actor):
         rescore_s = time.perf_counter() - t1
         self.busy_s += gen_s + rescore_s
         return {"groups": groups, "gen_s": gen_s, "rescore_s": rescore_s, "version": version,
-                "tokens": sum(len(r) for g in groups for r in g.responses), "pid": os.getpid()}
+                "tokens": sum(g.policy_tokens() for g in groups), "pid": os.getpid(), **episodes}
 
     def _rescore(self, g: Any) -> None:
         """The trainer's forward on the trainer's micro-batch (this group, padded rows): its log-probabilities

@@ -68,8 +68,10 @@ def sft(run: RunContext, svc: Services, tok: Any, eos: int) -> dict[str, Any]:
     t0 = time.time()
     loss = None
     if run.task.sft and cfg.sft.steps:
-        svc.trainers.build("sft", run.args, run.length, 1, cfg.sft.steps)
-        rows = sft_rows(tok, eos, run.task.sft, run.length, run.pad, n)
+        r = cfg.rl  # one prompt and one program: the rows of a one-turn episode, however many turns RL has
+        length = run.length - (r.turns - 1) * (r.max_tokens + r.feedback_tokens)
+        svc.trainers.build("sft", run.args, length, 1, cfg.sft.steps)
+        rows = sft_rows(tok, eos, run.task.sft, length, run.pad, n)
         for s in range(1, cfg.sft.steps + 1):
             rec = svc.trainers.train(s, [[[rows[r]]] for r in range(n)])
             loss = rec["loss"]
@@ -185,7 +187,7 @@ class Stepper:
         for j in range(u):
             part = range(j * size, (j + 1) * size)
             weight = rollout.aggregation_weights([groups[i] for i in part], r.aggregation, n, size // n,
-                                                 r.max_tokens)
+                                                 r.max_tokens * r.turns)
             for i in part:
                 per_rank[i % n][j].append(rollout.pack_group(groups[i], adv[i], run.length, run.pad, weight, s - 1,
                                                              r.kl_coef > 0))

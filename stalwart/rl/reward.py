@@ -32,14 +32,9 @@ class RewardActor(Actor):
     def setup(self, sandbox_cfg: Any, threads: int, urls: list[str] | None = None, retry_s: float = 60.0) -> int:
         """Run programs in this process's own sandboxes, or send them to the sandbox services ``urls``
         (``sandbox_client.SandboxClient``: the same verdicts, the services' limits)."""
-        if urls:
-            from stalwart.rl.sandbox_client import SandboxClient
+        from stalwart.rl.sandbox_client import open_sandbox
 
-            self.sandbox = SandboxClient(urls, retry_s)
-        else:
-            from stalwart.rl.sandbox import Sandbox
-
-            self.sandbox = Sandbox(sandbox_cfg)
+        self.sandbox = open_sandbox(sandbox_cfg, urls, retry_s)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sandbox")
         return os.getpid()
 

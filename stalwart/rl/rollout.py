@@ -52,10 +52,44 @@ class Group:
     ref_logprobs: list[list[float]] | None = None
     rewards: list[float] | None = None
     verdicts: list[str] = field(default_factory=list)
+    # Multi-turn episodes (``rl.turns`` > 1): a response is the whole conversation after the prompt, the
+    # policy's turns with the sandbox's feedback between them; per token 1 = the policy's, 0 = feedback.
+    # None: every response token is the policy's (one turn).
+    masks: list[list[int]] | None = None
 
     @property
     def gid(self) -> str:
         return self.request.gid
+
+    def mask(self, i: int) -> list[int]:
+        return [1] * len(self.responses[i]) if self.masks is None else self.masks[i]
+
+    def programs(self) -> list[list[int]]:
+        """Each response's last program: the tokens of its last turn (the whole response in one turn)."""
+        if self.masks is None:
+            return self.responses
+        return [last_turn(r, m) for r, m in zip(self.responses, self.masks)]
+
+    def policy_tokens(self) -> int:
+        """The tokens the policy generated (those the loss covers)."""
+        return sum(sum(self.mask(i)) for i in range(len(self.responses)))
+
+
+def first_turn(tokens: list[int], mask: list[int]) -> list[int]:
+    """The first run of policy tokens (mask 1) in a conversation."""
+    end = 0
+    while end < len(mask) and mask[end]:
+        end += 1
+    return tokens[:end]
+
+
+def last_turn(tokens: list[int], mask: list[int]) -> list[int]:
+    """The last run of policy tokens (mask 1) in a conversation."""
+    end = max((i + 1 for i, m in enumerate(mask) if m), default=0)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return tokens[start:end]
 
 
 def plan_step(step: int, seed: int, pool: list[Instance], prompts: int, k: int) -> list[GroupRequest]:
@@ -97,10 +131,11 @@ def admissible(version: int, step: int, bound: int) -> bool:
     return 0 <= staleness(version, step) <= bound
 
 
-def row_length(prompt_len: int, max_tokens: int) -> int:
+def row_length(prompt_len: int, max_tokens: int, turns: int = 1, feedback_tokens: int = 0) -> int:
     """Positions of a packed row: every sequence is padded to the same length, so every micro-batch has
-    one shape whatever its content (the generator's exact re-scoring depends on it)."""
-    return prompt_len + max_tokens - 1
+    one shape whatever its content (the generator's exact re-scoring depends on it). A multi-turn
+    episode holds up to ``turns`` responses and ``turns - 1`` feedbacks between them."""
+    return prompt_len + turns * max_tokens + (turns - 1) * feedback_tokens - 1
 
 
 def pack_group(group: Group, adv: np.ndarray, length: int, pad: int, weight: float, trainer_version: int,
@@ -108,7 +143,8 @@ def pack_group(group: Group, adv: np.ndarray, length: int, pad: int, weight: flo
     """(inputs (k, length) int64, rows (k, length, CHANNELS) float64) of one group: inputs are prompt +
     response shifted by one, padded with ``pad``; each position carries its target token, the old
     log-probability, the advantage, the response mask, the aggregation weight, the reference
-    log-probability and whether the sample is on-policy (its version is the trainer's)."""
+    log-probability and whether the sample is on-policy (its version is the trainer's). The mask is 1 on
+    the policy's own tokens only: never on the prompt, nor on a multi-turn episode's feedback."""
     k = len(group.responses)
     inputs = np.full((k, length), pad, dtype=np.int64)
     rows = np.zeros((k, length, CHANNELS), dtype=np.float64)
@@ -124,7 +160,7 @@ def pack_group(group: Group, adv: np.ndarray, length: int, pad: int, weight: flo
         span = slice(p - 1, p - 1 + len(resp))
         rows[i, span, OLD_LOGP] = lps
         rows[i, span, ADVANTAGE] = adv[i]
-        rows[i, span, MASK] = 1.0
+        rows[i, span, MASK] = group.mask(i)
         rows[i, :, WEIGHT] = weight
         if use_ref and group.ref_logprobs is not None:
             rows[i, span, REF_LOGP] = group.ref_logprobs[i]
@@ -138,7 +174,7 @@ def aggregation_weights(groups: list[Group], how: str, ranks: int, micro_per_ran
     over ranks, so both are multiplied back (seq-mean-token-sum-norm also divides by ``max_tokens``)."""
     scale = ranks * micro_per_rank
     if how == "token-mean":
-        tokens = sum(len(r) for g in groups for r in g.responses)
+        tokens = sum(g.policy_tokens() for g in groups)
         return scale / max(tokens, 1)
     responses = sum(len(g.responses) for g in groups)
     if how == "seq-mean-token-sum-norm":

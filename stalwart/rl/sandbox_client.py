@@ -89,6 +89,16 @@ class SandboxClient:
             return 0.0
 
 
+def open_sandbox(cfg: object, urls: list[str] | None, retry_s: float) -> object:
+    """Where a worker runs programs: the sandbox services ``urls`` (this client) when any are listed, else
+    its own sandboxes under ``cfg`` (a ``SandboxConfig``); both answer ``score(source, cases)``."""
+    if urls:
+        return SandboxClient(urls, retry_s)
+    from stalwart.rl.sandbox import Sandbox
+
+    return Sandbox(cfg)
+
+
 def _message(resp: httpx.Response) -> str:
     try:
         data = resp.json()

@@ -183,6 +183,11 @@ class Generators:
         fig = {"gen_s": max(rep["gen_s"] for rep in replies.values()),
                "rescore_s": max(rep["rescore_s"] for rep in replies.values()),
                "rollout_tokens": sum(rep["tokens"] for rep in replies.values())}
+        if "episodes" in replies[min(replies)]:  # several turns: how many the episodes took, what was fed back
+            total = {k: sum(rep[k] for rep in replies.values()) for k in ("episodes", "episode_turns",
+                                                                         "feedback_tokens", "visible_passed")}
+            fig.update(turns_mean=total["episode_turns"] / max(total["episodes"], 1),
+                       feedback_tokens=total["feedback_tokens"], visible_passed=total["visible_passed"])
         return groups, fig
 
     def run(self, requests: list[rollout.GroupRequest]) -> tuple[list[rollout.Group], dict[str, float]]:
@@ -237,7 +242,7 @@ class Rewards:
         jobs = []
         for g in groups:
             key = g.request.instance.key
-            for resp in g.responses:
+            for resp in g.programs():  # a multi-turn episode is scored on its last program
                 prog = self.program(resp)
                 if (key, prog) not in self.verdicts and (key, prog) not in jobs:
                     jobs.append((key, prog))
@@ -251,7 +256,7 @@ class Rewards:
                     self.verdicts[job] = tuple(verdict)
         for g in groups:
             key = g.request.instance.key
-            vs = [self.verdicts[(key, self.program(resp))] for resp in g.responses]
+            vs = [self.verdicts[(key, self.program(resp))] for resp in g.programs()]
             g.rewards = [v[0] for v in vs]
             g.verdicts = [v[3] for v in vs]
         return {"score_s": time.perf_counter() - t0, "programs_run": len(jobs)}

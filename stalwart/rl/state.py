@@ -36,13 +36,15 @@ def group_record(g: Group) -> dict[str, Any]:
     """A generated (not yet scored) group as JSON (floats round-trip exactly)."""
     q = g.request
     return {"step": q.step, "index": q.index, "instance": q.instance.key, "seeds": list(q.seeds), "prompt": g.prompt,
-            "responses": g.responses, "logprobs": g.logprobs, "version": g.version, "ref_logprobs": g.ref_logprobs}
+            "responses": g.responses, "logprobs": g.logprobs, "version": g.version, "ref_logprobs": g.ref_logprobs,
+            "masks": g.masks}
 
 
 def group_of(rec: dict[str, Any], instances: dict[str, Instance]) -> Group:
     """:func:`group_record` read back; ``instances`` by key (the run's task)."""
     req = GroupRequest(int(rec["step"]), int(rec["index"]), instances[rec["instance"]], tuple(rec["seeds"]))
-    return Group(req, rec["prompt"], rec["responses"], rec["logprobs"], int(rec["version"]), rec["ref_logprobs"])
+    return Group(req, rec["prompt"], rec["responses"], rec["logprobs"], int(rec["version"]), rec["ref_logprobs"],
+                 masks=rec.get("masks"))
 
 
 def state_name(step: int) -> str:

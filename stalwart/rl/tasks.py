@@ -137,16 +137,18 @@ class Instance:
     def solution(self) -> str:
         return BY_NAME[self.family].program(self.params)
 
-    def cases(self, n: int, seed: int) -> list[Case]:
+    def cases(self, n: int, seed: int, tag: str = "", avoid: tuple[Case, ...] = ()) -> list[Case]:
         """n hidden test cases, distinct inputs where the family has enough of them, and at least two
         distinct answers where the instance has them (else a program printing a constant, "no" for
-        "greater than 90", "0" for counting a rare letter, would pass every case)."""
+        "greater than 90", "0" for counting a rare letter, would pass every case). ``tag`` draws another
+        set (the visible tests), whose inputs stay apart from ``avoid``'s where the family has enough."""
         fam = BY_NAME[self.family]
-        rng = random.Random(f"{seed}/{self.key}")
+        rng = random.Random(f"{seed}/{tag}/{self.key}" if tag else f"{seed}/{self.key}")
         inputs: list[str] = []
+        taken = {c.input for c in avoid}
         for _ in range(n * 20):
             s = fam.make_input(rng, self.params)
-            if s not in inputs:
+            if s not in inputs and s not in taken:
                 inputs.append(s)
             if len(inputs) == n:
                 break
@@ -154,10 +156,15 @@ class Instance:
         if n >= 2 and len(set(answers)) == 1:
             for _ in range(n * 200):
                 s = fam.make_input(rng, self.params)
-                if s not in inputs and fam.answer(s, self.params) != answers[0]:
+                if s not in inputs and s not in taken and fam.answer(s, self.params) != answers[0]:
                     inputs[-1], answers[-1] = s, fam.answer(s, self.params)
                     break
         return [Case(s, a) for s, a in zip(inputs, answers)]
+
+    def visible_cases(self, n: int, seed: int, hidden: int) -> list[Case]:
+        """The n test cases a multi-turn episode shows the policy: drawn apart from the ``hidden``
+        (count) cases that score it."""
+        return self.cases(n, seed, "visible", tuple(self.cases(hidden, seed)))
 
 
 def all_instances() -> list[Instance]:
