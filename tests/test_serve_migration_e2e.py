@@ -1,7 +1,7 @@
-"""Requests that survive a replica, through the real CLI: `stalwart serve --replicas 2`, one server for
-every case. kill -9 of a replica mid-stream: every stream (greedy, seeded, a structured output, chat)
-goes on on the other replica and ends with exactly the text, id and usage of an undisturbed one; the
-dead replica is started again and rejoins. With no replica left to resume on, a stream ends with an
+"""Requests that survive a replica, through the real CLI: `stalwart serve --replicas 2` speculating with a
+draft model, one server for every case. kill -9 of a replica mid-stream: every stream (greedy, seeded, a
+structured output, chat) goes on on the other replica and ends with exactly the text, id and usage of an
+undisturbed one; the dead replica is started again and rejoins. With no replica left to resume on, a stream ends with an
 explicit error event, never silently. The resume field is the router's alone."""
 
 from __future__ import annotations
@@ -98,7 +98,10 @@ def kill_when_streaming(server: Server, running: list[Stream], victims: list[int
 def routed(tmp_path_factory):
     root = tmp_path_factory.mktemp("migration")
     train(root / "a", 0)
-    server = Server(root, "--run", str(root / "a"), "--replicas", "2")
+    # Speculating with a draft model (the run itself, reading a short window: its guesses are often
+    # rejected): a resumed seeded stream is token-identical only if its draws follow its tokens, not its steps.
+    server = Server(root, "--run", str(root / "a"), "--replicas", "2", "--engine.speculative", "draft",
+                    "--engine.draft_model", str(root / "a"), "--engine.draft_window", "8")
     server.run = root / "a"
     yield server
     assert server.stop(signal.SIGTERM) == 0, server.output()
@@ -141,6 +144,13 @@ def test_streams_survive_a_killed_replica_token_for_token(routed):
     assert all(r["ok"] for r in health["replicas"]) and versions(routed) == [1, 1], health
     assert "replica" in routed.output() and "starting it again" in routed.output()
     assert [s.result()[0] for s in streams(routed.url)] == [text for text, _, _ in expected]
+    drafts = [0.0, 0.0]  # proposed, kept: the replicas did speculate, with drafts kept and rejected
+    for r in health["replicas"]:
+        for i, kind in enumerate(("proposed", "kept")):
+            found = re.search(rf'^stalwart_serve_speculative_drafts{{kind="{kind}",[^}}]*}} (\S+)$',
+                              httpx.get(r["url"] + "/metrics", timeout=30).text, re.M)
+            drafts[i] += float(found.group(1))
+    assert drafts[0] > drafts[1] > 0, drafts
 
 
 @pytest.mark.e2e
