@@ -41,7 +41,8 @@ def _pieces(name: str, t: torch.Tensor, parts: int) -> list[list]:
     out, start = [], 0
     for chunk in torch.tensor_split(t, parts):
         offset = ",".join(map(str, [start] + [0] * (t.dim() - 1)))
-        out.append([(name, offset, int(int_sum(chunk)))])
+        at = (start,) + (0,) * (t.dim() - 1)
+        out.append([(name, offset, int(int_sum(chunk, tuple(t.shape), at)))])
         start += chunk.shape[0]
     return out
 
@@ -54,6 +55,24 @@ def test_sharded_replicated_and_single_layouts_give_one_value():
     assert single[0] == shards[0] == replicas[0] == {"params/w": int(int_sum(w)) & MASK}
     assert single[1]["params"] == shards[1]["params"] == replicas[1]["params"]
     assert single[1]["rng"] == replicas[1]["rng"]  # identical RNG states on every replica count once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64])
+def test_pieces_at_any_offset_add_up_to_the_whole(dtype):
+    """Words are laid over the whole tensor's flat order, so pieces cut anywhere (rows of odd length,
+    inner-dimension shards out of step with the words, one element) sum to the whole's value."""
+    w = (torch.randn(7, 5, 3, generator=torch.Generator().manual_seed(1)) * 50).to(dtype)
+    want = int(int_sum(w)) & MASK
+    cuts = [((0, 3), (0, 5), (0, 3)), ((3, 7), (0, 5), (0, 3))], \
+           [((0, 7), (0, 2), (0, 3)), ((0, 7), (2, 5), (0, 3))], \
+           [((0, 4), (0, 5), (0, 1)), ((0, 4), (0, 5), (1, 3)), ((4, 7), (0, 5), (0, 3))], \
+           [((i, i + 1), (j, j + 1), (0, 3)) for i in range(7) for j in range(5)]
+    for pieces in cuts:
+        got = 0
+        for ranges in pieces:
+            piece = w[tuple(slice(a, b) for a, b in ranges)]
+            got += int(int_sum(piece, tuple(w.shape), tuple(a for a, _ in ranges)))
+        assert got & MASK == want, (dtype, pieces[:2])
 
 
 def test_each_component_moves_the_whole():

@@ -36,7 +36,7 @@ def first_tensor(run_a: Path, run_b: Path, step: int) -> str:
         if name not in a or name not in b:
             return f"first tensor: {name} (only in {run_a if name in a else run_b})"
         if a[name] != b[name]:
-            return f"first tensor: {name} (sum {a[name]:08x} vs {b[name]:08x})"
+            return f"first tensor: {name} (sum {a[name]:016x} vs {b[name]:016x})"
     return "every tensor's sum agrees (the difference is in the RNG state or the data position)"
 
 

@@ -1,12 +1,16 @@
 """A cheap, bit-exact fingerprint of the whole training state, taken at the metrics cadence.
 
 What it covers: every parameter, every optimizer state tensor (AdamW's moments and step counters),
-every rank's RNG state and the data position. Each tensor is read as integers (its bytes viewed as
-int32 words, or int16 / uint8 for narrower types, never converted) and summed modulo 2**32 on its own
-device: one vectorised pass over memory (an int32 sum that wraps runs at the speed of a float sum; one
-widened to int64 is ~50x slower on CPU), nothing copied to the host but one small vector. Any single
-changed bit changes its word by +-2**k, k < 32, so it changes the tensor's sum and the fingerprint;
-the sums are combined with BLAKE2 in a fixed order (sorted names).
+every rank's RNG state and the data position. Each tensor is read as integers and summed on its own
+device, never converted: its bytes are read as little-endian 64-bit words laid over the *whole*
+tensor's flat order, and the words are summed modulo 2**64 (one vectorised pass over memory: an int64
+sum that wraps runs at memory speed, 2.3x faster than an int32 one on a CPU). Equivalently an element
+at global flat index ``g`` of a ``b``-byte type counts as its unsigned bits times ``2**(8*b*(g mod
+8/b))``, a sum over elements, so the sums of disjoint pieces add up to the whole tensor's whatever the
+layout; a piece whose start is not word-aligned pays a few extra small ops at its ends (or, sharded on
+an inner dimension out of step with the words, a slower exact pass). Nothing is copied to the host but
+one small vector. Any single changed bit changes its word by +-2**k, k < 64, so it changes the
+tensor's sum and the fingerprint; the sums are combined with BLAKE2 in a fixed order (sorted names).
 
 Layout: a rank sums its local shard of each tensor. Integer sums of disjoint shards add up to the
 sum of the whole tensor, so the per-tensor values (and the ``params`` / ``optim`` digests) are the
@@ -16,12 +20,14 @@ piece is identified by the tensor's name and the global offset of its shard; rep
 piece, which is counted once and summed by one of them (in turn: N replicas each do 1/N of the
 work). The ``rng`` component digests the distinct per-rank RNG states and ``data`` the per-rank data
 positions in rank order: both depend on the number of data-parallel ranks (each has its own position).
+Once every rank's list of pieces is known (from the first fingerprint on, until the optimizer's state
+appears or the layout changes), a fingerprint costs one fixed-size int64 ``all_gather``.
 
 The record carries ``fingerprint`` (the whole state, 16 hex digits), ``fingerprint_parts``
 (``params``, ``optim``, ``rng``, ``data``) and ``fingerprint_s`` (what taking it cost); rank 0 also
 appends the per-tensor sums to ``<run>/fingerprints.jsonl`` (a ``names`` line whenever the list of names changes, then one
 ``{"step", "sums"}`` line per fingerprinted step) so that ``stalwart compare --tensors`` can name the
-first tensor that differs. One ``all_gather_object`` per fingerprinted step.
+first tensor that differs.
 
 NOTE: a sum cannot tell two swapped elements apart, or two changes that cancel exactly; it tells
 every single changed bit, which is what a diverging run produces.
@@ -38,62 +44,135 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_INT_VIEW = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # 8 bytes: two int32 words
-MASK = (1 << 32) - 1
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+MASK = (1 << 64) - 1
 PARTS = ("params", "optim", "rng", "data")
+_WORD = 8  # bytes per summed word
 
 
-_OFFSETS: dict[tuple, str] = {}  # (shape, mesh, placements) -> offset key: the same for every step
+_OFFSETS: dict[tuple, tuple[str, tuple[int, ...]]] = {}  # (shape, mesh, placements) -> offset: the same every step
 
 
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """This rank's piece of ``t`` and the piece's global offset, as a key ("0,0" for a plain tensor)."""
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, str, tuple[int, ...]]:
+    """This rank's piece of ``t``, the piece's global offset as a key ("0,0" for a plain tensor) and as
+    numbers."""
     if hasattr(t, "to_local"):  # a DTensor: the shard and where it sits in the whole tensor
         layout = (tuple(t.shape), id(t.device_mesh), tuple(t.placements))
-        offset = _OFFSETS.get(layout)
-        if offset is None:
+        known = _OFFSETS.get(layout)
+        if known is None:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             _, at = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-            offset = _OFFSETS[layout] = ",".join(str(int(o)) for o in at)
-        return t.to_local(), offset
-    return t, ",".join("0" * t.dim())
+            at = tuple(int(o) for o in at)
+            known = _OFFSETS[layout] = (",".join(map(str, at)), at)
+        return t.to_local(), known[0], known[1]
+    return t, ",".join("0" * t.dim()), (0,) * t.dim()
 
 
-def int_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum, modulo 2**32, of ``t``'s bytes read as integers (int32 words; int16 / uint8 for narrower
-    element types), as an int32 0-d tensor on its device. Position-independent, so the sums of disjoint
-    shards add up to the whole tensor's."""
+def _unsigned_sum(ints: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Sum, modulo 2**64, of ``ints`` read as unsigned and shifted left by ``shift`` bits (small pieces)."""
+    bits = ints.element_size() * 8
+    wide = ints.to(torch.int64)
+    if bits < 64:
+        wide = wide & ((1 << bits) - 1)
+    return torch.bitwise_left_shift(wide, shift).sum()
+
+
+def _words(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (a whole number of words) as int64 words; copied if its memory does not start on one."""
+    if (flat.storage_offset() * flat.element_size()) % _WORD:
+        flat = flat.clone()
+    return flat.view(torch.int64)
+
+
+def int_sum(t: torch.Tensor, global_shape: tuple[int, ...] | None = None,
+            offset: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The sum, modulo 2**64, of the 64-bit words that ``t``'s bytes form in the flat order of the
+    whole tensor it is a piece of (``global_shape``, ``t`` at ``offset``; by default ``t`` is the whole
+    tensor), as an int64 0-d tensor on its device. The sums of disjoint pieces add up to the whole's."""
     t = t.detach()
     if t.numel() == 0:
-        return torch.zeros((), dtype=torch.int32, device=t.device)
+        return torch.zeros((), dtype=torch.int64, device=t.device)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    flat = t.contiguous().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    view = _INT_VIEW[flat.element_size()]
-    ints = flat if flat.dtype == view else flat.view(view)
-    return ints.sum(dtype=torch.int32)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+        global_shape = None if global_shape is None else (*global_shape, 2)
+        offset = None if offset is None else (*offset, 0)
+    shape = tuple(t.shape)
+    global_shape = shape if global_shape is None else tuple(global_shape)
+    offset = (0,) * len(shape) if offset is None else tuple(offset)
+    flat = t.contiguous().view(_INT_VIEW[t.element_size()]).reshape(-1)
+    plan = _plans.get((shape, global_shape, offset, flat.element_size(), flat.device))
+    if plan is None:
+        plan = _plans[(shape, global_shape, offset, flat.element_size(), flat.device)] = _plan(
+            shape, global_shape, offset, flat.element_size(), flat.device)
+    head, body, shifts = plan
+    total = _words(flat[head:head + body]).sum()
+    if shifts is not None:  # the elements outside whole words: unsigned, shifted to their place in a word
+        rest = flat if body == 0 else torch.cat([flat[:head], flat[head + body:]])
+        total = total + _unsigned_sum(rest, shifts)
+    return total
+
+
+_plans: dict[tuple, tuple[int, int, torch.Tensor | None]] = {}  # a piece's layout -> how to sum it
+
+
+def _plan(shape, global_shape, offset, size: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """How ``int_sum`` sums a piece: (head, body, shifts): the elements ``head:head+body`` are whole
+    words; every other element (in order: those before, then after) is shifted left by ``shifts`` bits."""
+    per = _WORD // size  # elements per word
+    numel = 1
+    for n in shape:
+        numel *= n
+    if per == 1 or (shape and shape[-1] % per == 0 and offset[-1] % per == 0 and global_shape[-1] % per == 0):
+        return 0, numel, None  # every row starts on a word: the words are the piece's own
+    strides = [1] * len(global_shape)
+    for d in range(len(global_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * global_shape[d + 1]
+    # One run of the global order when the piece spans every dimension after the first it cuts, and
+    # only one index of those before it.
+    cut = next((d for d in range(len(shape)) if shape[d] != global_shape[d]), len(shape))
+    if cut == len(shape) or (all(shape[d] == 1 for d in range(cut))
+                             and all(shape[d] == global_shape[d] for d in range(cut + 1, len(shape)))):
+        start = sum(o * s for o, s in zip(offset, strides))
+        head = min((-start) % per, numel)
+        body = (numel - head) // per * per
+        where = torch.cat([torch.arange(start, start + head), torch.arange(start + head + body, start + numel)])
+    else:  # sharded on an inner dimension, out of step with the words: each element's place from its index
+        head = body = 0
+        where = torch.zeros((), dtype=torch.int64)
+        for d in range(len(shape)):
+            where = where.unsqueeze(-1) + (torch.arange(shape[d]) + offset[d]) * strides[d]
+        where = where.reshape(-1)
+    return head, body, ((where % per) * (8 * size)).to(device) if where.numel() else None
 
 
 def local_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, str, torch.Tensor]]:
     """``(name, offset key, local tensor)`` for this rank's piece of every parameter (``params/NAME``) and
-    optimizer state tensor (``optim/NAME/KEY``), in a fixed order."""
+    optimizer state tensor (``optim/NAME/KEY``), in a fixed order; ``piece_sum`` sums one."""
     out: list[tuple[str, str, torch.Tensor]] = []
     names = {}
     for name, p in model.named_parameters():
         names[id(p)] = name
-        local, offset = _local(p)
-        out.append((f"params/{name}", offset, local))
+        out.append((f"params/{name}", _local(p)[1], p))
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(optimizer.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        local, offset = _local(value)
-                        out.append((f"optim/{names.get(id(p), '?')}/{key}", offset, local))
+                        out.append((f"optim/{names.get(id(p), '?')}/{key}", _local(value)[1], value))
     return out
+
+
+def piece_sum(t: torch.Tensor) -> torch.Tensor:
+    """``int_sum`` of this rank's piece of ``t`` (a plain tensor or a DTensor), placed in the whole."""
+    if (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor) \
+            and t.dim() and t.is_contiguous() and not t.is_complex() and t.dtype != torch.bool \
+            and (t.shape[-1] * t.element_size()) % _WORD == 0 and (t.storage_offset() * t.element_size()) % _WORD == 0:
+        return t.detach().view(torch.int64).sum()  # the common case: a whole tensor of whole words
+    local, _, offset = _local(t)
+    return int_sum(local, tuple(t.shape), offset)
 
 
 def assign_owners(keys: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]]:
@@ -143,6 +222,11 @@ def combine(ranks: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, str]
     return sums, parts
 
 
+def _signed(value: int) -> int:
+    """A 64-bit unsigned value as the int64 that has its bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def whole(parts: dict[str, str]) -> str:
     """The fingerprint of the whole state from its components."""
     return _digest(parts[k] for k in PARTS)
@@ -174,36 +258,60 @@ class Fingerprinter:
     def take(self) -> tuple[str, dict[str, str], dict[str, int]]:
         """(fingerprint, components, per-tensor sums) of the current state (collective).
 
-        A rank sends its pieces' names and offsets (and every piece's sum) only when they changed since
-        its last send (the optimizer's state appears after the first step); otherwise just the sums of
-        the pieces it owns (``assign_owners``)."""
+        Once every rank's pieces are known, a rank sums only the pieces it owns (``assign_owners``) and
+        sends their sums with its RNG and data digests in one fixed-size int64 ``all_gather``, with a
+        flag saying its list of pieces changed (the optimizer's state appears after the first step); if
+        any rank raised it, every rank sends its names, offsets and all its sums as objects instead."""
         pieces = local_pieces(self.model, self.optimizer)
         keys = [(n, o) for n, o, _ in pieces]
-        full = keys != self._sent_keys or self._owned is None
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mine_idx = range(len(pieces)) if full else self._owned[rank]
-        sums = [int_sum(pieces[i][2]) for i in mine_idx]
-        values = torch.stack(sums).cpu().tolist() if sums else []
-        mine = (keys if full else None, values, rng_digest(),
-                json.dumps(self.data_state(), sort_keys=True, default=str))
-        self._sent_keys = keys
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        ranks, any_keys = [], False
-        for r, (rank_keys, rank_values, rng, data) in enumerate(gathered):
-            if rank_keys is not None:
-                self._keys[r], any_keys = rank_keys, True
-                held = rank_keys
-            else:
-                held = [self._keys[r][i] for i in self._owned[r]]
-            ranks.append({"pieces": [(n, o, v) for (n, o), v in zip(held, rank_values)], "rng": rng, "data": data})
-        if any_keys:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        digests = [rng_digest(), _digest([json.dumps(self.data_state(), sort_keys=True, default=str)])]
+        gathered = None
+        if self._owned is not None:
+            gathered = self._gather_owned(pieces, keys != self._sent_keys, digests, world, rank)
+        if gathered is None:  # the first time, or some rank's pieces changed: names and every sum
+            sums = [piece_sum(t) for _, _, t in pieces]
+            mine = (keys, torch.stack(sums).cpu().tolist() if sums else [], *digests)
+            objects: list = [mine]
+            if world > 1:
+                objects = [None] * world
+                dist.all_gather_object(objects, mine)
+            gathered = []
+            for r, (rank_keys, rank_values, rng, data) in enumerate(objects):
+                self._keys[r] = rank_keys
+                gathered.append((rank_keys, rank_values, rng, data))
             self._owned = assign_owners(self._keys)
+        self._sent_keys = keys
+        ranks = [{"pieces": [(n, o, v) for (n, o), v in zip(held, values)], "rng": rng, "data": data}
+                 for held, values, rng, data in gathered]
         sums, parts = combine(ranks)
         return whole(parts), parts, sums
+
+    def _gather_owned(self, pieces, changed: bool, digests: list[str], world: int, rank: int) -> list | None:
+        """Every rank's (held keys, sums of its owned pieces, rng, data) through one int64 all_gather,
+        or None (on every rank) when some rank's pieces changed."""
+        width = max(len(v) for v in self._owned.values())
+        device = pieces[0][2].device if pieces else torch.device("cpu")
+        head = [int(changed)] + [_signed(int(d, 16)) for d in digests]
+        sums = [piece_sum(pieces[i][2]) for i in self._owned[rank]] if not changed else []
+        packed = torch.zeros(len(head) + width, dtype=torch.int64, device=device)
+        packed[:len(head)] = torch.tensor(head, dtype=torch.int64)
+        if sums:
+            packed[len(head):len(head) + len(sums)] = torch.stack(sums)
+        rows = [packed]
+        if world > 1:
+            rows = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(rows, packed)
+        table = torch.stack(rows).cpu().tolist()
+        if any(row[0] for row in table):
+            return None
+        out = []
+        for r, row in enumerate(table):
+            owned = self._owned[r]
+            out.append(([self._keys[r][i] for i in owned], row[len(head):len(head) + len(owned)],
+                         f"{row[1] & MASK:016x}", f"{row[2] & MASK:016x}"))
+        return out
 
     def maybe_stamp(self, step: int, record: dict[str, Any]) -> None:
         """At a fingerprinted step, add ``fingerprint`` and ``fingerprint_parts`` to ``record``."""
@@ -228,7 +336,7 @@ class Fingerprinter:
         if names != self._names:
             lines.append(json.dumps({"names": names}))
             self._names = names
-        lines.append(json.dumps({"step": step, "sums": [f"{v:08x}" for v in sums.values()]}))
+        lines.append(json.dumps({"step": step, "sums": [f"{v:016x}" for v in sums.values()]}))
         with storage_errors(self.tensors_file):
             with self.tensors_file.open("a", encoding="utf-8") as fh:
                 fh.write("\n".join(lines) + "\n")
