@@ -155,3 +155,43 @@ def test_faults_in_training_and_in_start_up_are_blamed_timed_and_not_a_crash_loo
     assert {"imports_s", "group_s", "data_s", "model_s", "restore_s", "first_step_s"} <= set(startups[0]["ranks"]["0"])
     assert "nproc_per_node = 2" in (run / "config.toml").read_text()  # --config <run>/config.toml relaunches 2
     _same_as(clean, run)
+
+
+def test_stalwart_chaos_sends_every_kind_from_outside_and_ends_equal_to_the_clean_run(tmp_path, clean):
+    """`stalwart chaos` through the CLI, one fault of each kind (kill -9, SIGSTOP, a slowed worker, a full
+    disk during a save, a partitioned worker, corrupted memory snapshots), compared with the module's
+    clean run: every fault is detected where the run can see it, and the fingerprints are equal."""
+    from stalwart.chaos.faults import KINDS
+    from stalwart.chaos.job import namespaces_unavailable
+
+    kinds = [k for k in KINDS if not (namespaces_unavailable() and k in ("disk_full", "partition"))]
+    run = tmp_path / "chaos"
+    proc = run_cli("chaos", "--faults", str(len(kinds)), "--kinds", ",".join(kinds), "--seed", "3", "--gap",
+                   "0.2-0.5", "--hold", "20", "--slow", "3", "--timeout", "400", "--reference", str(clean), "--",
+                   *COMMON, "--checkpoint.memory_interval", "1", "--launch.max_restarts", "6", "--run.dir", str(run),
+                   check=False, timeout=450)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert f"identical: {STEPS} common steps" in proc.stdout
+    rows = [json.loads(x) for x in (run / "chaos.jsonl").read_text().splitlines()]
+    faults, result = rows[:-1], rows[-1]
+    assert result["result"] == "equal" and result["exit"] == 0 and not result["problems"], result
+    by_kind = {f["kind"]: f for f in faults}
+    assert sorted(by_kind) == sorted(kinds) and all(f["sent"] for f in faults), faults
+    for kind in ("kill", "stop", "corrupt_snapshot", "partition"):
+        if kind in by_kind:
+            f = by_kind[kind]
+            assert f["detected_as"]["decision"] == "restart" and f["detection_s"] > 0 and f["recovery_s"] > 0, f
+    for kind in ("kill", "stop", "corrupt_snapshot"):
+        assert by_kind[kind]["detected_as"]["rank"] == by_kind[kind]["target"]["rank"], by_kind[kind]
+    # A stop is found by the heartbeat timeout (3 s) and a partition by the progress timeout (6 s), each
+    # counted from the rank's last beat or step, which came a moment before the fault.
+    assert by_kind["kill"]["detection_s"] < 1.5 and 2.5 <= by_kind["stop"]["detection_s"] < 10.0
+    corrupt = by_kind["corrupt_snapshot"]
+    assert corrupt["files_corrupted"] >= 2 and corrupt["resumed"]["source"] == "disk", corrupt  # refused: checksum
+    assert corrupt["resumed"]["step"] < max(corrupt["snapshot_steps"]), corrupt
+    if "disk_full" in by_kind:
+        full = by_kind["disk_full"]
+        assert "no space left" in full["error"] and full["next_save_step"] >= full["target"]["step"], full
+        assert 5.0 <= by_kind["partition"]["detection_s"] < 20.0, by_kind["partition"]
+    assert by_kind["slow"]["stopped_s"] > 0
+    assert not list((run / "checkpoints").glob(".chaos-*")) and (run / "checkpoints" / f"step-{STEPS}").is_dir()

@@ -30,6 +30,7 @@ from stalwart.config.loading import parse_train_argv
 from stalwart.errors import UserError
 from stalwart.observe.fingerprints import compare_runs, read_fingerprints
 from stalwart.paths import RunPaths, checkpoint_step
+from stalwart.procs import die_with_parent
 
 
 @dataclass
@@ -80,7 +81,8 @@ def _train_reference(argv: list[str], ref: Path, steps: int, deadline: float) ->
     t0 = time.time()
     try:
         proc = subprocess.run([sys.executable, "-m", "stalwart", "train", *_with_run_dir(argv, ref)],
-                              capture_output=True, text=True, timeout=max(1.0, deadline - time.time()))
+                              capture_output=True, text=True, timeout=max(1.0, deadline - time.time()),
+                              preexec_fn=die_with_parent)
     except subprocess.TimeoutExpired:
         raise UserError(f"the reference run into {ref} did not finish within --timeout") from None
     if proc.returncode != 0 or not _finished(ref, steps):
@@ -193,7 +195,7 @@ def annotate(sent: list[dict], events: list[dict]) -> list[dict]:
         within = [e for e in events if t <= e.get("detect_time", e.get("time", 0)) < nxt]
         row = {"time": round(t, 3), "t": rec["t"], "kind": rec["kind"],
                "target": {"rank": rec["rank"], "pid": rec["pid"], "step": rec["step"]},
-               **{k: v for k, v in rec.items() if k not in ("time", "t", "kind", "rank", "pid", "step", "until")}}
+               **{k: v for k, v in rec.items() if k not in ("time", "t", "kind", "rank", "pid", "step", "until", "freed")}}
         fail = next((e for e in within if e["event"] == "failure"), None)
         if fail is not None:
             row.update(detected_as={"rank": fail.get("rank"), "kind": fail.get("kind"), "phase": fail.get("phase"),
@@ -216,12 +218,13 @@ def annotate(sent: list[dict], events: list[dict]) -> list[dict]:
                                   "snapshot was not the one restored")
         if rec["kind"] == "disk_full":
             failed = next((e for e in within if e["event"] == "checkpoint_failed"), None)
-            saved = next((e for e in events if e["event"] == "checkpoint_saved" and e["time"] >= until), None)
+            freed = rec.get("freed", until)
+            saved = next((e for e in events if e["event"] == "checkpoint_saved" and e["time"] >= freed), None)
             if failed is not None:
                 row.update(detection_s=round(failed["time"] - t, 3), error=failed.get("error"),
                            outcome=f"save of step {failed.get('step')} failed, training went on")
             if saved is not None:
-                row.update(recovery_s=round(saved["time"] - until, 3), next_save_step=saved.get("step"))
+                row.update(recovery_s=round(saved["time"] - freed, 3), next_save_step=saved.get("step"))
         if rec["kind"] == "slow":
             flagged = next((e for e in events if e["event"] == "straggler" and t <= e["time"] <= until + 10), None)
             row["outcome"] = (f"straggler rank {flagged.get('rank')} reported" if flagged else

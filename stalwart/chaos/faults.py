@@ -5,7 +5,7 @@
 | ``kill`` | SIGKILL to one worker | - |
 | ``stop`` | SIGSTOP to one worker (a hang: the heartbeat timeout finds it) | - |
 | ``slow`` | one worker stopped and continued in a duty cycle (``SLOW_OFF_S`` of every ``SLOW_PERIOD_S``) for ``slow_s`` | - |
-| ``disk_full`` | the tmpfs under ``<run>/checkpoints`` filled to the last block until a save fails (or the hold time), then freed | namespaces |
+| ``disk_full`` | the tmpfs under ``<run>/checkpoints`` filled to the last block until a save fails (or the hold time), then freed; over once the next save is durable (or the hold time) | namespaces |
 | ``partition`` | every TCP connection of one worker dropped (``tc``: its ports to a queue of length 0 on the job's own loopback) until the supervisor reports a failure (or the hold time), then healed | namespaces, 2+ ranks |
 | ``corrupt_snapshot`` | every worker frozen, a byte flipped in every in-memory snapshot file of the run (``/dev/shm``), one worker killed: the restart must refuse the snapshots by their checksums and resume from disk | ``checkpoint.memory_interval`` |
 
@@ -128,7 +128,11 @@ def _disk_full(job: Job, t: float, hold_s: float) -> dict:
             time.sleep(0.05)
     finally:
         filler.unlink(missing_ok=True)
-    return {"sent": True, "filled_mb": round(filled / 2**20, 1)}
+    freed = time.time()
+    end = freed + hold_s  # the next save, on a disk with room again, is the recovery: wait for it
+    while time.time() < end and job.running() and not _event_after(job, "checkpoint_saved", freed):
+        time.sleep(0.05)
+    return {"sent": True, "filled_mb": round(filled / 2**20, 1), "freed": freed}
 
 
 def _sockets(pid: int) -> set[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 from stalwart.ft.records import read_heartbeats
 from stalwart.ft.supervisor import newest_state_step
 from stalwart.paths import RunPaths
-from stalwart.procs import pid_alive
+from stalwart.procs import die_with_parent, pid_alive
 
 # Runs inside the namespaces: the tmpfs, loopback up, the command; then the checkpoints go back to disk.
 _WRAPPER = """
@@ -76,8 +75,9 @@ class Job:
                    str(self.paths.checkpoints), str(disk_mb), *cmd]
         self.log = log_path.open("w")
         self.started = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.command = " ".join(shlex.quote(c) for c in cmd[-len(argv) - 4:])
+        # A session of its own (the drill signals the whole job), stopped with the drill however it ends.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
 
     # ------------------------------------------------------------------ what the job looks like
     def running(self) -> bool:
