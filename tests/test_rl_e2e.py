@@ -141,6 +141,10 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
     assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
     p = run_cli("rl", "--config", "rl_code", "--rl.mode", "sideways", check=False)
     assert p.returncode == 2 and "rl.mode" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("rl", "--config", "rl_code", "--rl.turns", "2", "--rl.feedback_tokens", "12", "--run.dir",
+                str(tmp_path / "fb"), check=False)
+    assert p.returncode == 2 and "rl.feedback_tokens (12) must hold the task's prompt" in p.stderr
+    assert "Traceback" not in p.stderr
     p = run_cli("rl", "--config", "rl_code", "--task.families", "add,subb", "--run.dir", str(tmp_path / "y"),
                 check=False)
     assert p.returncode == 2 and "task.families: unknown family subb; choose from add, sub," in p.stderr
@@ -162,10 +166,12 @@ def test_bad_rl_settings_are_one_line_errors(tmp_path):
 def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_path):
     """Also across a kill -9 of the controller after step 3 was trained: the rerun resumes from the snapshot
     of step 2 with step 3's groups, generated before the kill, kept in the loop's state (pending), and
-    step 3 computed again is compared with the journal (reported, not required: async promises the bound)."""
+    step 3 computed again is compared with the journal (reported, not required: async promises the bound).
+    Its episodes have two turns (program, the sandbox's feedback, program): each is generated whole by one
+    weight version, so a pending episode is kept and trained like a one-turn group."""
     run = tmp_path / "async"
     cmd = ["rl", *TINY, "--rl.mode", "async", "--rl.max_offpolicy_steps", "1", "--rl.logprobs", "engine",
-           "--run.dir", str(run)]
+           "--rl.turns", "2", "--run.dir", str(run)]
     kill_when(start(*cmd), run, lambda j: has(j, "applied", 3), timeout_s=400)
     run_cli(*cmd, timeout=400)
     (resumed,) = [e for e in _events(run) if e["event"] == "rl_resumed"]
@@ -184,6 +190,8 @@ def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_pat
     on_policy = [m["logprob_mismatch_max"] for m in steps.values() if m["logprob_mismatch_max"] is not None]
     assert on_policy and all(0 <= x < 1e-3 for x in on_policy)
     assert json.loads((run / "summary.json").read_text())["groups_trained"] == 16
+    turns = [m["turns_mean"] for m in steps.values() if "turns_mean" in m]  # not for step 3's kept groups
+    assert len(turns) >= 3 and all(1.0 <= t <= 2.0 for t in turns)
 
 
 def test_adaptive_balancing_moves_a_worker_between_meshes_and_trains_every_group(tmp_path):
