@@ -53,6 +53,9 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     os.environ["STALWART_CACHE"] = tempfile.mkdtemp(prefix="stalwart-test-cache-")
+    # Compiled blocks are kept across sessions (Inductor's cache is keyed by the graph, the torch version and
+    # its settings, so an entry is never stale): the tests that compile pay the cold compile once per machine.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "stalwart-tests-inductor"))
     os.environ["STALWART_TEST_CACHE_OWNER"] = str(os.getpid())
 
 
@@ -79,6 +82,10 @@ TINY_RUN = [
     # Multi-process tests exercise FSDP sharding; the automatic choice (replicate when it fits) is tested
     # by name in tests/test_layout_choice.py and tests/test_parallel_parity.py.
     "--parallelism.data_parallel", "shard",
+    # Eager: a compiled block's start-up (seconds even when cached) would dominate a test of seconds, and a
+    # long-running test (a server's trainer) could make 'auto' compile. Compile is tested by name
+    # (tests/test_compile.py, the 'compile' layout of tests/test_parallel_parity.py).
+    "--parallelism.compile", "false",
 ]
 
 

@@ -57,10 +57,12 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     # The training core `stalwart train` runs, fed random tokens: the same model, initialiser, FSDP2
     # wrapping, optimizer, clipping and step.
     elastic = opts.get("elastic", False)
-    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1, data_parallel="replicate" if elastic else "auto"),
+    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1, data_parallel="replicate" if elastic else "auto",
+                                            compile=opts.get("compile", False)),
                     CommConfig(), OptimizerConfig(lr=1e-3), SchedulerConfig(kind="constant", warmup_steps=0),
                     TrainingConfig(steps=total, global_batch=mb * world, micro_batch=mb, dtype="float32",
                                    device=device.type, elastic_exact=elastic), seq, accum_steps=1)
+    started = time.perf_counter()
     core = TrainCore.build(spec, DistEnv.of(rank, world, device))
     gen = torch.Generator().manual_seed(rank)
     tokens = [torch.randint(0, 256, (mb, seq + 1), generator=gen).to(device) for _ in range(4)]
@@ -73,6 +75,8 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
         time_all_reduce(core.pm.stages[0])
     for i in range(opts["warmup"]):
         core.train_step(batches[i % len(batches)])
+        if i == 0:  # start-up: building the core and its first step (a compiled block's compile, cached or not)
+            first_step_s = time.perf_counter() - started
     if world > 1:
         dist.barrier()
     synchronize(device)
@@ -90,7 +94,8 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "step_s": elapsed / opts["steps"], "elastic_exact": elastic,
+              "step_s": elapsed / opts["steps"], "elastic_exact": elastic, "compiled": core.compiled,
+              "startup_s": first_step_s,
               "layout": ("replicated, elastic-exact tree sum" if elastic and world > 1 else
                          "replicated (DDP)" if replicated else "sharded (FSDP)" if world > 1 else "one process")
               + (" (elastic-exact)" if elastic and world == 1 else "")}
@@ -167,6 +172,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--elastic", choices=("off", "on", "both"), default="off",
                    help="training.elastic_exact: off, on, or both interleaved (the default layout and the "
                         "world-size independent gradient sum, alternately, with the cost per step printed)")
+    p.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                   help="parallelism.compile: eager, compiled blocks, or both interleaved (start-up = building "
+                        "the core plus its first step, which includes the compile)")
     p.add_argument("--repeats", type=int, default=1, help="measure every configuration this many times")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -181,16 +189,19 @@ def main(argv: list[str]) -> int:
     print(f"{'procs':>5} {'thr/proc':>8} {'tokens/s':>10} {'GFLOP/s':>9} {'% of peak':>9} {'step s':>7} {'mem MiB':>8}  "
           "layout (gradient all-reduce ms/step: span, exposed after backward's compute)")
     modes = {"off": [False], "on": [True], "both": [False, True]}[a.elastic]
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
     for _ in range(a.repeats):
         for world in procs:
             threads = a.threads or max(1, cores // world)
-            for elastic in modes:
+            for elastic, compiled in [(e, c) for e in modes for c in compiles]:
                 r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch,
-                                "threads": threads, "profile": a.profile, "device": kind, "elastic": elastic})
+                                "threads": threads, "profile": a.profile, "device": kind, "elastic": elastic,
+                                "compile": compiled})
                 frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
                 r["fraction_of_peak"] = frac
                 results.append(r)
                 comm = f" ({r['all_reduce_ms']:.0f}, {r['exposed_ms']:.0f} exposed)" if "exposed_ms" in r else ""
+                comm += f", compiled (start-up {r['startup_s']:.1f} s)" if compiled else ""
                 print(f"{world:>5} {threads:>8} {r['tokens_per_s']:>10.0f} {r['gflops_per_s']:>9.1f} "
                       f"{100 * frac:>8.1f}% {r['step_s']:>7.3f} {r['mem_mib']:>8.0f}  {r['layout']}{comm}", flush=True)
     if a.elastic == "both":

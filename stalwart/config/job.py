@@ -213,7 +213,13 @@ class ParallelismConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = option(
         "Recompute activations in backward: per block ('full') or all but matmul/attention outputs "
         "('selective').", "none")
-    compile: bool = option("torch.compile each transformer block.", False)
+    compile: bool | Literal["auto"] = option(
+        "torch.compile each transformer block (regional: one compiled graph shared by every block; compiled code "
+        "kept on disk under the machine's cache, <cache>/compile): 'auto' = compile where one block of the run's "
+        "shape, timed eager and compiled on this machine (once, cached with the matmul peaks), is >= 1.05x "
+        "faster and the time saved over the run's steps repays the start-up; a run too short to repay any "
+        "compile stays eager without measuring it; tp/cp/ep/pp layouts stay eager. The banner says which ran "
+        "and why.", "auto")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from stalwart.parallel.elastic import TreeAccumulator, check_elastic_layout
 from stalwart.parallel.replicate import start_replicas
 from stalwart.runtime.device import is_accelerator
 from stalwart.runtime.env import DistEnv
+from stalwart.train.compile_choice import resolve_compile, use_compile_cache
 from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
@@ -73,6 +74,9 @@ class CoreSpec:
     # The resolved compute dtype (``training.dtype = auto`` resolved from the measured peaks); None:
     # bfloat16 when configured, or auto on a GPU, float32 otherwise.
     compute_dtype: torch.dtype | None = None
+    # The machine's cache folder setting (``data.cache``; '' = $STALWART_CACHE or ~/.cache/stalwart):
+    # compiled blocks are kept under its ``compile/`` (train/compile_choice.py).
+    cache_dir: str = ""
 
     @property
     def flops_per_token(self) -> float:
@@ -105,6 +109,11 @@ class TrainCore:
         dims.check_model(a.n_heads, a.n_kv_heads, a.n_layers, spec.seq_len, virtual_stages(spec.parallelism, dims),
                          a.moe.n_experts if a.moe else 0)
         self.mesh = build_mesh(dims, self.device) if env.is_distributed else None
+        # parallelism.compile = auto | true | false, resolved (measured and cached per machine) before building.
+        if spec.parallelism.compile is not False:
+            use_compile_cache(spec.cache_dir)
+        self.compiled, self.compile_reason = resolve_compile(spec.parallelism.compile, spec, dims, self.param_dtype,
+                                                             env)
         # Build on meta, parallelize, then materialize and initialise from the seed: every layout starts
         # from the same bits.
         with torch.device("meta"):
@@ -112,7 +121,8 @@ class TrainCore:
         elastic = bool(getattr(spec.training, "elastic_exact", False))
         if elastic:
             check_elastic_layout(dims)
-        self.pm = parallelize(model, dims, self.mesh, spec.parallelism, self.param_dtype, spec.comm, env.rank,
+        self.pm = parallelize(model, dims, self.mesh, replace(spec.parallelism, compile=self.compiled),
+                              self.param_dtype, spec.comm, env.rank,
                               elastic=elastic)
         self.model = self.pm.container  # every parameter this rank owns, under its original name
         materialize_and_init(self.model, self.device, spec.seed, stages=self.pm.stages)

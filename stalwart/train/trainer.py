@@ -86,7 +86,8 @@ class Trainer:
         dtype, self.dtype_reason, peak = _resolve_precision(cfg.training.dtype, cfg.metrics.peak_tflops, env)
         self.peak_source = peak.describe()
         spec = CoreSpec(model_args, cfg.parallelism, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
-                        cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic, compute_dtype=dtype)
+                        cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic, compute_dtype=dtype,
+                        cache_dir=cfg.data.cache)
         self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
                                  peak.tflops * 1e12, spec.tokens_per_step, config_dict=to_dict(cfg),
                                  profile_cfg=cfg.profile)
@@ -190,6 +191,7 @@ class Trainer:
             "mfu": self.observer.mfu(tps) if tps else None,
             "peak_tflops_per_device": self.observer.peak_flops / 1e12, "peak_source": self.peak_source,
             "world_size": self.env.world_size, "layout": self.core.dims.describe(),
+            "compiled": self.core.compiled, "compile_reason": self.core.compile_reason,
             "elapsed_s": max(session_s, time.time() - run["started"]) if run["started"] else session_s,
             "session_elapsed_s": session_s, "attempts": max(run["attempts"], 1),
             "checkpoint": str(ckpt) if ckpt else None,
@@ -214,8 +216,8 @@ class Trainer:
                f"initialised from Hugging Face {hf}" if hf else "fresh start")
         return (f"stalwart {__version__}: {count_params(a) / 1e6:.2f}M params (dim {a.dim}, {a.n_layers} layers, "
                 f"vocab {a.vocab_size}), {env.world_size} process(es) [{self.core.dims.describe()}] on "
-                f"{env.device}, {self.dtype_reason}; data: {self.data.source}; {src}; peak "
-                f"{self.observer.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
+                f"{env.device}, {self.dtype_reason}, {self.core.compile_reason}; data: {self.data.source}; {src}; "
+                f"peak {self.observer.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})")
 
     def _sample(self) -> str | None:
         from stalwart.train.sample import sample_from_sharded

@@ -1,0 +1,183 @@
+"""Whether a run compiles its blocks: ``parallelism.compile = auto | true | false``.
+
+Compilation is regional (``parallel/activation_checkpoint.apply_compile``): each transformer block is
+``torch.compile``d in place, and because every block runs the same code on parameters of the same
+shapes, Dynamo traces it once and every block reuses the one compiled graph. Start-up is one block's
+compile, whatever the depth.
+
+Inductor keeps what it compiled (FX graphs, AOT autograd graphs, the C++/Triton kernels) on disk under
+``<cache>/compile`` (the machine's Stalwart cache: ``data.cache``, ``$STALWART_CACHE``,
+``$XDG_CACHE_HOME/stalwart`` or ``~/.cache/stalwart``; ``$TORCHINDUCTOR_CACHE_DIR`` wins when set), so
+only the first run of a shape pays the full compile; later runs load it.
+
+``auto`` decides the way ``training.dtype = auto`` does, from a measurement cached per machine in the
+same file as the matmul peaks (``metrics/mfu.py: PeakCache``): one block of the run's shape, in the
+run's precision and activation checkpointing, timed forward + backward eager and compiled, and the
+compiled block's start-up with the cache cold (or as it was) and warm. It compiles when the block is at
+least ``AUTO_COMPILE_MIN_SPEEDUP`` faster and the time saved over the run's steps exceeds the warm
+start-up. A run whose blocks take less than ``MEASURE_MIN_S`` eager in all is decided from the eager
+timing alone, without compiling anything: the measurement's own first compile (30-270 s on a loaded
+2-core CPU) would cost more than such a run could save, and tiny runs and the test suite stay eager
+at no cost. Layouts that split the block across ranks (tp, cp, ep, pp)
+run eager under ``auto`` (the block cannot be timed alone); ``true`` compiles them anyway. Rank 0
+decides, every rank runs what it decided.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stalwart.data.cache import cache_root
+from stalwart.metrics.mfu import PeakCache, cache_key
+from stalwart.models.llama import TransformerBlock, rope_tables
+from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
+from stalwart.runtime.device import synchronize
+
+# `compile = auto` compiles only where a compiled block is at least this much faster than eager: below
+# it, the measurement's noise could decide, and a compiled run is harder to debug.
+AUTO_COMPILE_MIN_SPEEDUP = 1.05
+# NOTE: below this many seconds of eager block compute in the whole run, `auto` does not measure a
+# compiled block: that measurement compiles one (30-270 s cold on a loaded 2-core CPU, once per machine
+# and shape) and even a 1.3x faster block would save a run this short less than that.
+MEASURE_MIN_S = 60.0
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """One block's forward + backward (seconds) eager and compiled, and the compiled block's start-up:
+    its first call with the cache as it was (``first_s``) and again after a reset (``warm_s``)."""
+
+    eager_s: float
+    compiled_s: float = 0.0
+    first_s: float = 0.0
+    warm_s: float = 0.0
+
+
+def use_compile_cache(setting: str = "") -> Path:
+    """Point Inductor's on-disk caches at ``<cache>/compile`` (unless ``$TORCHINDUCTOR_CACHE_DIR`` is
+    set); worker processes inherit it."""
+    if not os.environ.get(INDUCTOR_CACHE_ENV):
+        os.environ[INDUCTOR_CACHE_ENV] = str(cache_root(setting) / "compile")
+    return Path(os.environ[INDUCTOR_CACHE_ENV])
+
+
+def choose_compile(t: BlockTimes, blocks_per_step: int, steps: int) -> tuple[bool, str]:
+    """Whether ``compile = auto`` compiles, from one block's timings, the blocks a step runs on this
+    rank and the run's steps, and why (pure)."""
+    eager_run = t.eager_s * blocks_per_step * steps
+    if not t.compiled_s:
+        return False, (f"eager (auto: the run's blocks take ~{eager_run:.1f} s eager over {steps} steps, under "
+                       f"the {MEASURE_MIN_S:.0f} s it takes for a compile to pay)")
+    ratio = t.eager_s / t.compiled_s
+    saved = (t.eager_s - t.compiled_s) * blocks_per_step * steps
+    measured = (f"a block's forward+backward {1e3 * t.eager_s:.1f} ms eager, {1e3 * t.compiled_s:.1f} ms "
+                f"compiled ({ratio:.2f}x); start-up {t.warm_s:.1f} s cached, {t.first_s:.1f} s first")
+    if ratio < AUTO_COMPILE_MIN_SPEEDUP:
+        return False, f"eager (auto: {measured}; compiling needs >= {AUTO_COMPILE_MIN_SPEEDUP}x)"
+    if saved <= t.warm_s:
+        return False, f"eager (auto: {measured}; {saved:.1f} s saved over {steps} steps does not repay it)"
+    return True, f"compiled (auto: {measured}; ~{saved:.0f} s saved over {steps} steps)"
+
+
+def _time(run, budget_s: float, least: int = 3) -> float:
+    """Best time of ``run()`` over at least ``least`` calls and about ``budget_s`` seconds."""
+    best, deadline, n = float("inf"), time.perf_counter() + budget_s, 0
+    while n < least or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def measure_block(args, micro_batch: int, seq_len: int, dtype: torch.dtype, checkpointing: str,
+                  device: torch.device, compiled: bool) -> BlockTimes:
+    """Time one freshly built block of ``args`` (layer 0) on a (micro_batch, seq_len, dim) input,
+    eager and, with ``compiled``, compiled (its start-up cold-or-as-cached, then warm after a reset).
+    The global RNG is left as it was: the run's own init and data do not see this."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
+        torch.manual_seed(0)
+        holder = nn.Module()
+        holder.layers = nn.ModuleDict({"0": TransformerBlock(args, 0).to(device=device, dtype=dtype)})
+        apply_activation_checkpointing(holder, checkpointing)
+        x = torch.randn(micro_batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        rope = rope_tables(args.head_dim, seq_len, args.rope_theta, device=device)
+
+        def step() -> None:
+            holder.layers["0"](x, rope, None).backward(grad)
+            synchronize(device)
+
+        step()
+        eager = _time(step, 0.3)
+        if not compiled:
+            return BlockTimes(eager)
+        first_warm = []
+        for _ in range(2):
+            torch._dynamo.reset()  # the second round loads from the on-disk caches the first filled
+            apply_compile(holder)
+            t0 = time.perf_counter()
+            step()
+            first_warm.append(time.perf_counter() - t0)
+        compiled_s = _time(step, 0.3)
+        torch._dynamo.reset()
+        return BlockTimes(eager, compiled_s, first_warm[0], first_warm[1])
+
+
+def _block_key(device: torch.device, dtype: torch.dtype, args, micro_batch: int, seq_len: int,
+               checkpointing: str) -> str:
+    moe = f"moe {args.moe.n_experts}x{args.moe.hidden}" if args.is_moe_layer(0) else f"ffn {args.ffn_hidden}"
+    return (f"{cache_key(device, dtype)}|compile block dim {args.dim} heads {args.n_heads}/{args.n_kv_heads} "
+            f"{moe}|{micro_batch}x{seq_len}|ac {checkpointing}")
+
+
+def block_times(args, micro_batch: int, seq_len: int, dtype: torch.dtype, checkpointing: str, device: torch.device,
+                blocks_per_step: int, steps: int, cache: PeakCache | None = None) -> BlockTimes:
+    """The block's timings from the cache, else measured now (compiled only if the run is long enough
+    for a compile to pay) and cached."""
+    cache = cache if cache is not None else PeakCache()
+    key = _block_key(device, dtype, args, micro_batch, seq_len, checkpointing)
+    known = cache.load()
+    names = ("eager_s", "compiled_s", "first_s", "warm_s")
+    if f"{key}|compiled_s" in known:
+        return BlockTimes(*(known[f"{key}|{n}"] for n in names))
+    eager = known.get(f"{key}|eager_s") or measure_block(args, micro_batch, seq_len, dtype, checkpointing, device,
+                                                          False).eager_s
+    if eager * blocks_per_step * steps < MEASURE_MIN_S:
+        cache.store(f"{key}|eager_s", eager)
+        return BlockTimes(eager)
+    t = measure_block(args, micro_batch, seq_len, dtype, checkpointing, device, True)
+    for n in names:
+        cache.store(f"{key}|{n}", getattr(t, n))
+    return t
+
+
+def resolve_compile(requested, spec, dims, dtype: torch.dtype, env) -> tuple[bool, str]:
+    """(compile the blocks?, why) for ``parallelism.compile``; rank 0 measures and decides (alone, so
+    the figure is not shared with other ranks' work), every rank gets its answer."""
+    if requested is True or requested is False:
+        return requested, "compiled (configured)" if requested else "eager (configured)"
+    box: list = [None]
+    if env.is_main:
+        if dims.tp > 1 or dims.cp > 1 or dims.ep > 1 or dims.pp > 1:
+            box[0] = (False, "eager (auto: a block split over tp/cp/ep/pp ranks is not timed; set "
+                             "parallelism.compile = true to compile it)")
+        else:
+            a = spec.model_args
+            blocks = a.n_layers * spec.accum_steps
+            t = block_times(a, spec.training.micro_batch, spec.seq_len, dtype, spec.parallelism.activation_checkpoint,
+                            env.device, blocks, spec.training.steps)
+            box[0] = choose_compile(t, blocks, spec.training.steps)
+    if env.is_distributed:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
