@@ -3,7 +3,9 @@ algorithm trains through the same actors and objective as GRPO (whose own runs a
 The first step's samples do not depend on the algorithm (same seeds, same fine-tuned weights), so
 rloo and dr_grpo see the same rewards and differ in their loss; dapo's dynamic sampling trains only
 groups past the planned ones when the planned ones scored alike, each once. dr_grpo's reward workers
-use a sandbox service (`stalwart rl sandbox --serve`, `--workers.sandbox_urls`)."""
+use a sandbox service (`stalwart rl sandbox --serve`, `--workers.sandbox_urls`). dapo's policy is a
+mixture of experts with routing replay and exact log-probabilities: the trainer routes every position
+to the experts the generator recorded, and its log-probabilities are the generator's re-scored ones."""
 
 import json
 import math
@@ -33,6 +35,7 @@ def test_dapo_rloo_and_dr_grpo_each_train_two_steps(tmp_path):
         _check_trained(runs, algorithm)
     _check_rloo_and_dr_grpo(runs)
     _check_dapo_refills(runs)
+    _check_routing_replay(runs)
 
 
 def _run_all(root):
@@ -46,6 +49,8 @@ def _run_all(root):
         url = line.split()[5]
         for algorithm in ("dapo", "rloo", "dr_grpo"):
             via = ["--workers.sandbox_urls", url] if algorithm == "dr_grpo" else []
+            if algorithm == "dapo":  # a mixture-of-experts policy, its routing replayed (the default)
+                via = ["--model.moe_experts", "8", "--rl.logprobs", "exact"]
             run_cli("rl", *QUICK, "--rl.algorithm", algorithm, *via, "--run.dir", str(root / algorithm), timeout=400)
         (root / "service_metrics.txt").write_text(httpx.get(f"{url}/metrics").text)
     finally:
@@ -90,3 +95,15 @@ def _check_dapo_refills(runs):
         assert len(refilled) <= m["sampled_groups"] - 4
         if m["zero_variance_groups"] == 0 and m["sampled_groups"] > 4:
             assert refilled  # a planned group that scored alike was replaced
+
+
+def _check_routing_replay(runs):
+    """Every position a trained token depends on had the generator's recorded experts, both sparse layers
+    took them, and the trainer's log-probabilities equal the re-scored ones exactly (both replay); the
+    trainer's own top-k agrees with the records (a record misplaced by one position would not), and the
+    sampler's log-probabilities are the re-scored ones up to rounding. A dense policy replays nothing."""
+    for m in _steps(runs / "dapo").values():
+        assert m["routing_layers"] == 2 and m["routing_unrecorded"] == 0 and m["routing_replayed"] > 0, m
+        assert m["logprob_mismatch_max"] == 0.0 and m["routing_flip_frac"] <= 0.01, m
+        assert 0.0 <= m["sampler_mismatch_max"] < 1e-3, m
+    assert "routing_replayed" not in _steps(runs / "rloo")[1]

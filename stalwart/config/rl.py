@@ -151,6 +151,12 @@ class GRPOConfig:
         "the generator re-scores each response with the trainer's forward on the trainer's micro-batch shape, so "
         "the mismatch is exactly zero on CPU (costs one forward pass per response, reported as rescore_s).",
         "exact")
+    routing_replay: bool = option(
+        "Mixture-of-experts policy: the generator records every token's experts (top-k per sparse layer) and the "
+        "trainers' forward routes each token to them instead of its own top-k (the gate's probabilities of those "
+        "experts are still the trainer's, so the router keeps learning); sampler and learner then use the same "
+        "experts (reported as routing_flip_frac: the share the trainer would have routed elsewhere). A dense "
+        "policy has nothing to replay.", True)
     eval_interval: int = option("Measure the mean reward on the held-out instances every this many steps "
                                 "(and at the start and end).", 10, min=1)
     eval_samples: int = option("Samples per held-out instance in an evaluation (at rl.temperature).", 4, min=1)

@@ -26,6 +26,7 @@ from stalwart.data.prepared import TokenArray
 class Batch:
     inputs: torch.Tensor  # (micro_batch, seq) int64
     targets: torch.Tensor  # (micro_batch, seq) int64
+    routing: object | None = None  # models.moe.Routing the forward replays (RL: the generator's experts)
 
 
 def _batches(seqs: np.ndarray, micro_batch: int) -> list[Batch]:

@@ -4,6 +4,12 @@
 model computes them in one flat stream, the sequences that completed get their next token sampled,
 and finished requests leave. Requests are added and aborted between steps.
 
+With ``record_routing`` (a mixture-of-experts model), every computed token's experts are kept beside its
+keys and values, per cache slot: a prefix reused from the cache brings the experts that computed it. A
+finished request leaves them in ``Engine.routed`` (request id -> (positions, sparse layers, k)) for every
+position it fed through the model (all its tokens but the last), what a trainer replays
+(``models.moe.Routing``); the caller takes them from there.
+
 Over several processes every rank holds the cache of its layers and heads; rank 0 owns the scheduler
 and sends each step's batch to the other ranks (``infer/group.py``), which run their part of it.
 """
@@ -28,6 +34,7 @@ from stalwart.infer.speculative import Drafts, build_speculator
 from stalwart.infer.structured import GrammarState, Grammars
 from stalwart.infer.text import TextTail
 from stalwart.models.llama import pack_fused_weights
+from stalwart.models.moe import Routing, route_dtype
 from stalwart.runtime.device import HOST
 
 
@@ -84,8 +91,10 @@ class Batch:
 
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, eos_id: int | None, cfg: EngineConfig, tp_size: int = 1,
-                 link=None, pipe=None, weight_version: int = 0, draft: nn.Module | None = None) -> None:
-        """``draft``: the draft model, for ``cfg.speculative = 'draft'`` (rank 0 only: it schedules)."""
+                 link=None, pipe=None, weight_version: int = 0, draft: nn.Module | None = None,
+                 record_routing: bool = False) -> None:
+        """``draft``: the draft model, for ``cfg.speculative = 'draft'`` (rank 0 only: it schedules).
+        ``record_routing``: keep every token's experts (a mixture-of-experts model on one pipeline stage)."""
         self.model = model.eval()
         pack_fused_weights(model)  # the fused projections then read their weights in place
         self.args = model.args
@@ -117,6 +126,15 @@ class Engine:
         self.tokens_generated = 0
         self.grammars = Grammars(tokenizer, eos_id, self.args.vocab_size)  # structured outputs' compiler
         self.speculator = build_speculator(cfg, self.scheduler, self.args.max_seq_len, draft)
+        self.routes = None  # (cache slots, sparse layers, k): the experts that computed each slot
+        self.routed: dict[str, torch.Tensor] = {}  # finished request id -> its experts (the caller takes them)
+        if record_routing:
+            moe = self.args.moe
+            if moe is None or pipe is not None:
+                raise UserError("recording expert routing needs a mixture-of-experts model on one pipeline stage")
+            slots = (num_blocks + 1) * cfg.block_size
+            self.routes = torch.full((slots, self.args.n_layers - moe.n_dense_layers, moe.top_k), -1,
+                                     dtype=route_dtype(moe.n_experts), device=self.device)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -230,8 +248,11 @@ class Engine:
         # Grouping sequences is faster but gives attention batch-dependent shapes: off in bitwise mode.
         layout = batch.layout(self.cfg.block_size, self.pool.num_blocks * self.cfg.block_size, self.cfg.pad_rows == 1,
                               self.device)
+        routing = Routing(record=True) if self.routes is not None else None
         with self.step_ctx.use(layout):
-            h = m.hidden(x, positions)  # the model's own layers; attention reads and writes the paged cache
+            h = m.hidden(x, positions, routing)  # the model's own layers; attention reads and writes the paged cache
+        if routing is not None:  # beside the keys and values: the experts that computed them
+            self.routes[layout.slots] = routing.stacked().to(self.routes.dtype)  # (tokens, sparse layers, k)
         logits = None
         if m.output is not None:
             logits = m.head(h[:, batch.rows])[0]  # the norm and head over the sampled rows only
@@ -294,6 +315,14 @@ class Engine:
             batch.positions += range(extra)
         batch.rows += batch.rows[-1:] * (-len(batch.rows) % k)
 
+    def routing_of(self, seq: Sequence) -> torch.Tensor:
+        """The experts that computed each of ``seq``'s positions fed so far (all its tokens but the last):
+        (positions, sparse layers, k) on the host, read through its block table."""
+        bs, n = self.cfg.block_size, len(seq.tokens) - 1
+        pos = torch.arange(n)
+        slots = torch.tensor(seq.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
+        return self.routes[slots.to(self.device)].to(HOST)
+
     def _advance(self, state: RequestState, logits: torch.Tensor | None, choice: Choice | None = None) -> Output:
         """Sample the request's next token from ``logits`` (or take ``choice``, a token speculative
         decoding verified), append it, and decide whether the request is finished."""
@@ -328,6 +357,8 @@ class Engine:
             reason = "stop"
         out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version, prompt)
         if reason is not None:
+            if self.routes is not None:
+                self.routed[seq.rid] = self.routing_of(seq)
             self.scheduler.finish(seq)
             del self.requests[seq.rid]
         return out

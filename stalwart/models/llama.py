@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart.models.flavors import TransformerArgs
-from stalwart.models.moe import MoE
+from stalwart.models.moe import MoE, Routing
 
 
 class RMSNorm(nn.Module):
@@ -182,12 +182,15 @@ class TransformerBlock(nn.Module):
         if args.is_moe_layer(layer):
             m = args.moe
             shared = FeedForward(args.dim, m.hidden * m.n_shared) if m.n_shared else None
-            self.moe = MoE(args.dim, m, shared)
+            self.moe = MoE(args.dim, m, shared, layer)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None,
+                routing: Routing | None = None) -> torch.Tensor:
         ffn = self.feed_forward if self.moe is None else self.moe
+        if routing is not None and self.moe is not None:  # a keyword: tensor-parallel input hooks see x only
+            ffn = lambda h: self.moe(h, routing=routing)  # noqa: E731
         if self.parallel:
             h = self.attention_norm(x)
             return x + self.attention(h, rope, positions) + ffn(h)
@@ -217,19 +220,22 @@ class Transformer(nn.Module):
             if block.moe is not None:
                 block.moe.reset_buffers()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                routing: Routing | None = None) -> torch.Tensor:
         """tokens: (batch, seq) token ids — or (batch, seq, dim) activations on a later pipeline stage.
+        ``routing``: the sparse layers record and/or replay each token's experts (``moe.Routing``).
 
         Returns logits (batch, seq, vocab) if this model has an output head, else activations.
         """
-        return self.head(self.hidden(tokens, positions))
+        return self.head(self.hidden(tokens, positions, routing))
 
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+               routing: Routing | None = None) -> torch.Tensor:
         """The embedding (where present) and the layers: (batch, seq) ids or (batch, seq, dim) activations
         -> (batch, seq, dim) activations. The inference engine runs this over its flat token stream."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope, positions)
+            h = layer(h, self.rope, positions) if routing is None else layer(h, self.rope, positions, routing=routing)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,13 @@ input (dispatch the tokens to the ranks that own their experts with an all-to-al
 results back) without this file knowing about ranks. Expert weights are stacked ``(experts, ...)``
 tensors, so a rank's experts are a ``Shard(0)`` slice of the full tensor.
 
+Routing replay: a forward pass may be handed a :class:`Routing`, which records the experts every sparse
+layer chose for every token and/or imposes given ones (``replay``) instead of the layer's own top-k. The
+combine weights are still the layer's own gate probabilities of the imposed experts (the same formula:
+scores, gather, optional renormalisation), so the router keeps its gradient; with ``route_norm`` this is
+the softmax over the imposed experts' logits, as in rollout routing replay (R3). RL uses it so the trainer
+routes each token exactly as the generator that sampled it did.
+
 Optional auxiliary balance loss: DeepSeek-V3's sequence-wise loss
 ``coef * sum_e f_e * P_e`` averaged over sequences, where ``f_e`` is the (scaled) fraction of a
 sequence's tokens routed to ``e`` and ``P_e`` the sequence's mean routing probability. It is computed per
@@ -55,6 +62,50 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def route_dtype(n_experts: int) -> torch.dtype:
+    """The compact integer type that holds an expert index or -1 (nothing to replay)."""
+    return torch.int8 if n_experts <= 127 else torch.int16
+
+
+class Routing:
+    """The experts of one forward pass's sparse layers, per token: recorded, replayed, or both.
+
+    ``replay``: (batch, seq, sparse layers, k) expert indices in the order the layer chose them (the
+    order fixes the order of the weighted sum), one column per sparse layer in layer order (a layer's
+    column is its index minus ``moe.n_dense_layers``); a token whose first entry is -1 is routed as
+    usual (padding). ``record``: keep each layer's chosen experts in ``chosen`` (column -> (tokens, k)).
+    ``replayed`` / ``differed`` count the (token, layer) pairs replayed and those among them whose own
+    top-k (as a set) was not the replayed one; ``layers`` counts the sparse layers that took part.
+    """
+
+    def __init__(self, replay: torch.Tensor | None = None, record: bool = False) -> None:
+        self.replay, self.record = replay, record
+        self.chosen: dict[int, torch.Tensor] = {}
+        self.replayed = self.differed = self.layers = 0
+
+    def select(self, column: int, own: torch.Tensor) -> torch.Tensor:
+        """The experts layer ``column`` uses: ``own`` (tokens, k), its top-k, or the replayed ones."""
+        counting = not _in_backward()  # activation checkpointing recomputes the forward: counted once
+        selected = own
+        if self.replay is not None:
+            given = self.replay[:, :, column].reshape(own.shape).to(own.device, torch.long)  # (tokens, k)
+            use = given[:, 0] >= 0  # (tokens,)
+            selected = torch.where(use[:, None], given, own)
+            if counting:  # tensors: no host sync per layer (read once, after the pass)
+                other = (given.sort(-1).values != own.sort(-1).values).any(-1) & use
+                self.replayed = self.replayed + use.sum()
+                self.differed = self.differed + other.sum()
+        if counting:
+            self.layers += 1
+        if self.record and counting:
+            self.chosen[column] = selected.detach()
+        return selected
+
+    def stacked(self) -> torch.Tensor:
+        """The recorded experts as (tokens, sparse layers, k), columns in order."""
+        return torch.stack([self.chosen[c] for c in sorted(self.chosen)], 1)
+
+
 class TopKRouter(nn.Module):
     """Scores, top-k selection and combine weights. ``expert_bias`` shifts selection only."""
 
@@ -65,11 +116,15 @@ class TopKRouter(nn.Module):
         # Updated outside the gradient step by the balancer; saved with the model.
         self.register_buffer("expert_bias", torch.zeros(moe.n_experts), persistent=True)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (tokens, dim) -> scores (tokens, experts), selected (tokens, k), weights (tokens, k)."""
+    def forward(self, x: torch.Tensor, routing: Routing | None = None, column: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (tokens, dim) -> scores (tokens, experts), selected (tokens, k), weights (tokens, k).
+        ``routing``: records and/or replays the selection (this layer's ``column`` of it)."""
         logits = F.linear(x, _local(self.gate.weight)).float()
         scores = torch.softmax(logits, -1) if self.moe.score_func == "softmax" else torch.sigmoid(logits)
         selected = torch.topk(scores.detach() + self.expert_bias, self.moe.top_k, dim=-1).indices
+        if routing is not None:
+            selected = routing.select(column, selected)
         weights = scores.gather(-1, selected)
         if self.moe.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -104,9 +159,10 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts (+ shared experts). Keeps per-step routing statistics for telemetry and balancing."""
 
-    def __init__(self, dim: int, moe: MoEArgs, shared_ffn: nn.Module | None) -> None:
+    def __init__(self, dim: int, moe: MoEArgs, shared_ffn: nn.Module | None, layer: int | None = None) -> None:
         super().__init__()
         self.moe = moe
+        self.layer = moe.n_dense_layers if layer is None else layer  # its column in a Routing
         self.router = TopKRouter(dim, moe)
         self.experts = GroupedExperts(moe.n_experts, dim, moe.hidden, moe.grouped_mm)
         self.shared_experts = shared_ffn
@@ -127,10 +183,12 @@ class MoE(nn.Module):
         self.router.expert_bias.zero_()
         self.reset_stats()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+        """x: (batch, seq, dim); ``routing``: records and/or replays each token's experts."""
         bs, seq, dim = x.shape  # (batch, seq, dim)
         flat = x.reshape(-1, dim)
-        scores, selected, weights = self.router(flat)  # (N, E), (N, k), (N, k)
+        column = self.layer - self.moe.n_dense_layers
+        scores, selected, weights = self.router(flat, routing, column)  # (N, E), (N, k), (N, k)
         n_exp, k = self.moe.n_experts, self.moe.top_k
         counts = torch.bincount(selected.flatten(), minlength=n_exp)  # (E,)
         aux = self._aux_loss(scores, selected, bs, seq)

@@ -156,7 +156,8 @@ class RLDriver:
         trainers = Trainers(meshes["trainers"], cfg, self.store.port, str(self.paths.snapshots()), timeouts,
                             lambda attempt: abandon_attempt(self.store, attempt))
         r = cfg.rl
-        sampling = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_k": r.top_k}
+        sampling = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_k": r.top_k,
+                    "record_routing": r.routing_replay and self.args.moe is not None}
         gen_pool = Pool(meshes["generators"], "generator", w.generate_timeout_s, self.events, lambda g: None)
         episode = None if r.turns == 1 else EpisodeSpec(
             r.turns, r.feedback_tokens, {i.key: [(c.input, c.output) for c in i.visible_cases(

@@ -15,6 +15,11 @@ neighbours.
 With ``exact`` log-probabilities, each finished group is re-scored by a plain copy of the model with
 the trainer's forward on the trainer's micro-batch shape (one group, rows padded to one length): the
 old log-probabilities the trainer reads are then the very numbers its own forward computes.
+
+With routing replay (``sampling["record_routing"]``, a mixture-of-experts policy) the engine records
+every token's experts and each trained group carries them (``Group.routing``, ``rl/routing.py``); the
+re-scoring copy replays them, as the trainer does. In exact mode the reply also measures how far the
+sampler's own log-probabilities are from the re-scored ones (``sampler_gap``).
 """
 
 from __future__ import annotations
@@ -59,7 +64,11 @@ class GeneratorActor(Actor):
         self.device = shared_device(device, index, "--device")
         tok = Tokenizer.from_str(tokenizer_json)
         self.eos = eos_id(tok)
-        self.engine = Engine(Transformer(args).to(self.device), tok, self.eos, engine_cfg, weight_version=-1)
+        # The engine computes in engine.dtype (its weights cast as they arrive); the trainers and the exact
+        # re-scoring copy in float32.
+        policy = Transformer(args).to(self.device, getattr(torch, engine_cfg.dtype))
+        self.engine = Engine(policy, tok, self.eos, engine_cfg, weight_version=-1,
+                             record_routing=bool(sampling.get("record_routing")))
         self.scorer = Transformer(args).to(self.device).eval() if exact else None
         self.reference = None
         self.sampling, self.row_length, self.pad = sampling, row_length, pad
@@ -142,32 +151,62 @@ class GeneratorActor(Actor):
         version = self.engine.weight_version
         groups, episodes = run_episodes(self.engine, requests, prompts, self.sampling, version, self.tests,
                                         self.turns)
+        if self.engine.routes is not None:
+            self._attach_routing(groups)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        gap = [0.0, 0.0, 0]  # sampler vs re-scored log-probabilities: sum, max, tokens
         if self.scorer is not None or self.reference is not None:
             for g in groups:
-                self._rescore(g)
+                self._rescore(g, gap)
         rescore_s = time.perf_counter() - t1
         self.busy_s += gen_s + rescore_s
-        return {"groups": groups, "gen_s": gen_s, "rescore_s": rescore_s, "version": version,
+        extra = {"sampler_gap": gap} if self.scorer is not None else {}
+        return {"groups": groups, "gen_s": gen_s, "rescore_s": rescore_s, "version": version, **extra,
                 "tokens": sum(g.policy_tokens() for g in groups), "pid": os.getpid(), **episodes}
 
-    def _rescore(self, g: Any) -> None:
-        """The trainer's forward on the trainer's micro-batch (this group, padded rows): its log-probabilities
-        replace the engine's (exact mode), and the reference's are attached (KL penalty)."""
+    def _attach_routing(self, groups: list[Any]) -> None:
+        """Each trained group's recorded experts, per response (``Group.routing``): those of the request
+        that produced the response's last tokens (in a multi-turn episode, the last turn's request, whose
+        prompt holds the turns before it). Evaluation groups (step < 0) carry none."""
+        routed, self.engine.routed = self.engine.routed, {}
+        for g in groups:
+            if g.request.step < 0:
+                continue
+            g.routing = []
+            for j, resp in enumerate(g.responses):
+                base = f"{g.gid}#{j}"
+                rids = [rid for rid in routed if rid == base or rid.startswith(base + "@")]
+                rec = max((routed[rid] for rid in rids), key=len).numpy()
+                if len(rec) != len(g.prompt) + len(resp) - 1:
+                    raise RuntimeError(f"response {base}: experts recorded for {len(rec)} positions, "
+                                       f"{len(g.prompt) + len(resp) - 1} fed")
+                g.routing.append(rec)
+
+    def _rescore(self, g: Any, gap: list) -> None:
+        """The trainer's forward on the trainer's micro-batch (this group, padded rows; replaying the
+        recorded experts where the group has them): its log-probabilities replace the engine's (exact
+        mode), and the reference's are attached (KL penalty). ``gap`` sums how far the engine's were."""
         import torch
 
+        from stalwart.models.moe import Routing
+        from stalwart.rl import routing
         from stalwart.rl.objective import token_logprobs
         from stalwart.rl.rollout import TOKEN, pack_group
 
         inputs, rows = pack_group(g, np.zeros(len(g.responses)), self.row_length, self.pad, 0.0, g.version, False)
         x = torch.from_numpy(inputs).to(self.device)
         tokens = torch.from_numpy(rows[..., TOKEN]).long().to(self.device)
+        replay = None if g.routing is None else Routing(torch.from_numpy(routing.pack(g.routing, self.row_length)))
         p = len(g.prompt)
         with torch.no_grad():
             if self.scorer is not None:
-                lp = token_logprobs(self.scorer(x), tokens)
-                g.logprobs = [lp[i, p - 1:p - 1 + len(r)].tolist() for i, r in enumerate(g.responses)]
+                lp = token_logprobs(self.scorer(x, routing=replay), tokens)
+                scored = [lp[i, p - 1:p - 1 + len(r)].tolist() for i, r in enumerate(g.responses)]
+                for i, (was, now) in enumerate(zip(g.logprobs, scored)):
+                    d = [abs(a - b) for a, b, m in zip(was, now, g.mask(i)) if m]
+                    gap[0], gap[1], gap[2] = gap[0] + sum(d), max([gap[1], *d]), gap[2] + len(d)
+                g.logprobs = scored
             if self.reference is not None:
                 ref = token_logprobs(self.reference(x), tokens)
                 g.ref_logprobs = [ref[i, p - 1:p - 1 + len(r)].tolist() for i, r in enumerate(g.responses)]

@@ -23,7 +23,7 @@ import numpy as np
 
 from stalwart.controller.mesh import ActorsFailed
 from stalwart.controller.replay import Recovery, RecoveryRole, Restored
-from stalwart.rl import rollout
+from stalwart.rl import rollout, routing
 from stalwart.rl.balance import Layout, decide
 from stalwart.rl.grpo import group_advantages, informative
 from stalwart.rl.services import Generators, Rewards, Trainers
@@ -189,8 +189,10 @@ class Stepper:
             weight = rollout.aggregation_weights([groups[i] for i in part], r.aggregation, n, size // n,
                                                  r.max_tokens * r.turns)
             for i in part:
-                per_rank[i % n][j].append(rollout.pack_group(groups[i], adv[i], run.length, run.pad, weight, s - 1,
-                                                             r.kl_coef > 0))
+                packed = rollout.pack_group(groups[i], adv[i], run.length, run.pad, weight, s - 1, r.kl_coef > 0)
+                if groups[i].routing is not None:  # routing replay: the generator's experts ride along
+                    packed = (*packed, routing.pack(groups[i].routing, run.length))
+                per_rank[i % n][j].append(packed)
         return per_rank
 
     def step(self, s: int) -> dict[str, Any]:
@@ -236,6 +238,8 @@ class Stepper:
                 "loss": rec["loss"], "grad_norm": rec["grad_norm"],
                 **{k: rec[k] for k in ("kl", "clip_fraction", "entropy", "logprob_mismatch_mean",
                                        "logprob_mismatch_max", "ratio_max", "policy_loss", "train_tokens")},
+                **{k: rec[k] for k in ("routing_replayed", "routing_flip_frac", "routing_unrecorded", "routing_layers")
+                   if k in rec},
                 "staleness_mean": float(np.mean(stale)), "staleness_max": max(stale),
                 "weight_version": s, **gfig, **sfig,
                 "rollout_tokens_per_s": gfig["rollout_tokens"] / max(gfig["gen_s"], 1e-9),

@@ -56,6 +56,9 @@ class Group:
     # policy's turns with the sandbox's feedback between them; per token 1 = the policy's, 0 = feedback.
     # None: every response token is the policy's (one turn).
     masks: list[list[int]] | None = None
+    # Routing replay (a mixture-of-experts policy): per response, the experts the generator chose at every
+    # position fed through it, (positions, sparse layers, k) int8/int16 (``rl/routing.py``); None: none.
+    routing: list[np.ndarray] | None = None
 
     @property
     def gid(self) -> str:

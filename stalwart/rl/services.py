@@ -188,6 +188,10 @@ class Generators:
                                                                          "feedback_tokens", "visible_passed")}
             fig.update(turns_mean=total["episode_turns"] / max(total["episodes"], 1),
                        feedback_tokens=total["feedback_tokens"], visible_passed=total["visible_passed"])
+        gaps = [rep["sampler_gap"] for rep in replies.values() if "sampler_gap" in rep]
+        if gaps and sum(g[2] for g in gaps):  # exact mode: the sampler's log-probabilities against the re-scored
+            fig.update(sampler_mismatch_mean=sum(g[0] for g in gaps) / sum(g[2] for g in gaps),
+                       sampler_mismatch_max=max(g[1] for g in gaps))
         return groups, fig
 
     def run(self, requests: list[rollout.GroupRequest]) -> tuple[list[rollout.Group], dict[str, float]]:

@@ -9,7 +9,8 @@ trainers' snapshot of ``s`` is taken, so every trainer snapshot that exists has 
 - ``step``: the RL steps done; the sampler needs nothing more (``rollout.plan_step`` is a pure
   function of the run's seed and the step, so the task order and every sampling seed follow);
 - ``pending``: in async mode, the groups already generated for later steps (with the weight version
-  that generated each, so their staleness is known), collected before the state is written;
+  that generated each, so their staleness is known, and with routing replay the experts recorded for
+  them, compactly: ``rl/routing.py``), collected before the state is written;
 - ``verdicts``: the reward cache (a program already judged is never run again, so its verdict is part
   of the run's history);
 - ``figures``: the counters the summary reports (groups trained, the largest staleness, steps to a
@@ -26,6 +27,7 @@ from typing import Any
 
 from stalwart.atomic import write_json_atomic
 from stalwart.controller.replay import ReplayDiverged, divergence
+from stalwart.rl import routing
 from stalwart.rl.rollout import Group, GroupRequest
 from stalwart.rl.tasks import Instance
 
@@ -37,14 +39,14 @@ def group_record(g: Group) -> dict[str, Any]:
     q = g.request
     return {"step": q.step, "index": q.index, "instance": q.instance.key, "seeds": list(q.seeds), "prompt": g.prompt,
             "responses": g.responses, "logprobs": g.logprobs, "version": g.version, "ref_logprobs": g.ref_logprobs,
-            "masks": g.masks}
+            "masks": g.masks, "routing": routing.to_json(g.routing)}
 
 
 def group_of(rec: dict[str, Any], instances: dict[str, Instance]) -> Group:
     """:func:`group_record` read back; ``instances`` by key (the run's task)."""
     req = GroupRequest(int(rec["step"]), int(rec["index"]), instances[rec["instance"]], tuple(rec["seeds"]))
     return Group(req, rec["prompt"], rec["responses"], rec["logprobs"], int(rec["version"]), rec["ref_logprobs"],
-                 masks=rec.get("masks"))
+                 masks=rec.get("masks"), routing=routing.from_json(rec.get("routing")))
 
 
 def state_name(step: int) -> str:

@@ -30,6 +30,47 @@ from monarch.actor import Actor, endpoint
 from stalwart.config.rl import RLConfig
 
 
+def _batch(inputs: np.ndarray, rows: np.ndarray, experts: np.ndarray | None = None) -> Any:
+    """One micro-batch (``loop.Stepper.pack``): inputs, packed rows and, with routing replay, the
+    generator's experts per position (``rl/routing.py``), replayed by the forward."""
+    import torch
+
+    from stalwart.data.loader import Batch
+    from stalwart.models.moe import Routing
+
+    return Batch(torch.from_numpy(inputs), torch.from_numpy(rows),
+                 None if experts is None else Routing(torch.from_numpy(experts)))
+
+
+def _unrecorded(inputs: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> int:
+    """Positions a trained token's log-probability depends on (every one up to its own) that carry no
+    recorded experts: 0 when the generator's records cover what the trainer computes."""
+    from stalwart.rl.rollout import MASK
+
+    trained = rows[..., MASK] > 0  # (responses, length)
+    needed = np.flip(np.maximum.accumulate(np.flip(trained, 1), 1), 1)  # at or before a trained position
+    return int((needed & (experts[..., 0, 0] < 0)).sum())
+
+
+def _replay_figures(replays: list[Any], missing: int, core: Any) -> dict[str, float]:
+    """How the replays went, over the data-parallel ranks: the (token, sparse layer) pairs replayed, the
+    share of them whose own top-k would have picked other experts, the positions a trained token needs
+    that had no record, and the sparse layers per forward that took the replay (every one, or some
+    layer was not handed it)."""
+    import torch
+    import torch.distributed as dist
+
+    sums = torch.tensor([float(sum(int(x.replayed) for x in replays)), float(sum(int(x.differed) for x in replays)),
+                         float(missing)], dtype=torch.float64)
+    layers = torch.tensor([float(min(x.layers for x in replays))], dtype=torch.float64)
+    if core.mesh is not None and core.dims.dp > 1:
+        group = core.mesh.dp.get_group()
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(layers, op=dist.ReduceOp.MIN, group=group)
+    return {"routing_replayed": int(sums[0]), "routing_flip_frac": float(sums[1] / max(float(sums[0]), 1.0)),
+            "routing_unrecorded": int(sums[2]), "routing_layers": int(layers[0])}
+
+
 class PolicyTrainerActor(Actor):
     def __init__(self) -> None:
         self.core = None
@@ -95,7 +136,6 @@ class PolicyTrainerActor(Actor):
         import torch
         import torch.distributed as dist
 
-        from stalwart.data.loader import Batch
         from stalwart.rl.objective import STATS, GRPOObjective, masked_cross_entropy, summarize
         from stalwart.runtime.device import HOST
 
@@ -105,8 +145,12 @@ class PolicyTrainerActor(Actor):
             raise RuntimeError(f"trainer {self.rank} has done step {self.done}; step {step} cannot follow it")
         r = self.cfg.rl
         records, stats = [], torch.zeros(len(STATS), dtype=torch.float64)
+        replays, missing = [], 0  # the first update's routing replays (their counts are the step's figures)
         for j, micro in enumerate(updates):
-            batches = [Batch(torch.from_numpy(x), torch.from_numpy(rows)) for x, rows in micro]
+            batches = [_batch(*packed) for packed in micro]
+            if j == 0:
+                replays += [b.routing for b in batches if b.routing is not None]
+                missing += sum(_unrecorded(*packed) for packed in micro if len(packed) > 2)
             if self.phase != "rl":
                 records.append(core.train_step(batches, loss_fn=masked_cross_entropy))
                 continue
@@ -125,6 +169,8 @@ class PolicyTrainerActor(Actor):
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
                 stats[[4, 6]] = maxima
             record.update(summarize(stats))
+        if replays:
+            record.update(_replay_figures(replays, missing, core))
         self.done = step
         record["trainer_s"] = time.perf_counter() - t0
         return record

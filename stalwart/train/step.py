@@ -35,6 +35,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _forward(model: torch.nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None,
+             batch: Batch) -> torch.Tensor:
+    """The model on one micro-batch, replaying the experts the batch carries (``Batch.routing``)."""
+    if batch.routing is None:
+        return model(inputs, positions)
+    return model(inputs, positions, routing=batch.routing)
+
+
 class StepRunner:
     def __init__(self, pm: ParallelModel, dims: ParallelDims, meshes: Meshes | None, device: torch.device,
                  rank: int, n_microbatches: int, schedule_name: str, timer=None) -> None:
@@ -85,6 +93,8 @@ class StepRunner:
         """Run forward and backward over this rank's micro-batches; return the mean loss, or None
         on a pipeline rank that does not hold the last stage."""
         self._loss_fn = loss_fn
+        if (self.schedule is not None or self.dims.cp > 1) and any(b.routing is not None for b in micro):
+            raise ValueError("routing replay runs without pipeline or context parallelism (pp = cp = 1)")
         if self.schedule is not None:
             return self._pipeline_step(micro)
         if self.elastic is not None:
@@ -96,7 +106,7 @@ class StepRunner:
             inputs, targets, positions = self._prepare(batch)
             with self._loss_context():
                 with self.timer.phase("forward"):
-                    loss = loss_fn(model(inputs, positions), targets)
+                    loss = loss_fn(_forward(model, inputs, positions, batch), targets)
                 with self.timer.phase("backward"):
                     (loss / len(micro)).backward()
             total += _local(loss.detach())
@@ -112,7 +122,7 @@ class StepRunner:
         for batch in micro:
             inputs, targets, positions = self._prepare(batch)
             with self.timer.phase("forward"):
-                loss = loss_fn(model(inputs, positions), targets)
+                loss = loss_fn(_forward(model, inputs, positions, batch), targets)
             with self.timer.phase("backward"):
                 loss.backward()
             self.elastic.push(flat_grads(self.params, _local(loss.detach())))
