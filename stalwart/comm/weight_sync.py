@@ -9,7 +9,9 @@ tensors. Nothing is gathered on one rank and nothing passes through the controll
 the version.
 
 What a trainer rank owns: the local tensor of each DTensor (``_local_tensor``) with its global
-offsets, unless it is a replica (a ``Replicate`` mesh dimension where this rank's coordinate is not 0);
+offsets, unless it is a replica (a ``Replicate`` mesh dimension where this rank's coordinate is not 0,
+or a DTensor on a slice of the trainers' mesh that other slices hold too, as the ep-sharded experts
+are held by every tp rank: only the slice with trainer rank 0 sends);
 plain tensors (a replicated layout, or buffers beside FSDP's shards) are owned by trainer rank 0.
 
 One sync, per link, per sender: a header (magic, version, reference flag, manifest size, buckets, bytes),
@@ -85,6 +87,8 @@ def owned_pieces(state: Mapping[str, torch.Tensor], rank: int) -> list[Piece]:
             coord = mesh.get_coordinate()
             if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
                 continue  # another rank sends this replica
+            if int(mesh.mesh.min()) != 0:
+                continue  # a copy of a mesh slice (ep-sharded experts under tp): the slice holding rank 0 sends
             local_shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
             local = t._local_tensor
             if tuple(local.shape) != tuple(local_shape):  # a padded shard: the real rows come first

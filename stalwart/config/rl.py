@@ -149,7 +149,9 @@ class GRPOConfig:
         "Where the old log-probabilities come from: 'engine' = those the generator sampled with (KV-cached "
         "decoding; they differ from the trainer's recompute by rounding, reported as logprob_mismatch); 'exact' = "
         "the generator re-scores each response with the trainer's forward on the trainer's micro-batch shape, so "
-        "the mismatch is exactly zero on CPU (costs one forward pass per response, reported as rescore_s).",
+        "the mismatch is exactly zero on CPU (costs one forward pass per response, reported as rescore_s); with "
+        "parallelism.tp or ep > 1 the trainers score them with their own forward before updating instead (sync "
+        "mode only; reported as exact_score_s).",
         "exact")
     routing_replay: bool = option(
         "Mixture-of-experts policy: the generator records every token's experts (top-k per sparse layer) and the "
@@ -245,23 +247,46 @@ class RLConfig:
     workers: WorkersConfig = section(WorkersConfig, "How many actors each mesh has.")
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
 
+    def exact_on_trainers(self) -> bool:
+        """Whether the trainer mesh computes the exact old log-probabilities itself (a no-grad pass of its own
+        forward before the step's first update) instead of the generators' re-scoring copy: a plain
+        single-process forward reproduces a replicated or FSDP trainer's numbers bit for bit (the same
+        matrix products on gathered weights), but not a tensor-parallel split (partial products summed
+        across ranks) or expert parallelism (an expert's rows batched across the ep ranks' micro-batches)."""
+        p = self.parallelism
+        return self.rl.logprobs == "exact" and max(p.tp, p.ep) > 1
+
     def __post_init__(self) -> None:
         for url in self.workers.sandbox_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"workers.sandbox_urls: {url!r} is not an http:// or https:// address of a "
                                   "sandbox service (`stalwart rl sandbox --serve` prints it)")
-        n = self.workers.trainers
-        if self.rl.prompts_per_step % n:
-            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of workers.trainers "
-                              f"({n}): every trainer rank trains the same number of groups")
-        if self.rl.prompts_per_step % (n * self.rl.updates_per_step):
-            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of "
-                              f"workers.trainers x rl.updates_per_step ({n} x {self.rl.updates_per_step}): every "
-                              "update gives every trainer rank the same number of groups")
         p = self.parallelism
-        if max(p.tp, p.pp, p.cp, p.ep) > 1:
-            raise ConfigError("the RL trainer mesh runs data parallel layouts (FSDP or replicated) only: set "
-                              "parallelism.tp, pp, cp and ep to 1")
+        if max(p.pp, p.cp) > 1:
+            raise ConfigError("the RL trainer mesh runs replicated, FSDP (parallelism.dp_shard), tensor-parallel "
+                              "(parallelism.tp) and expert-parallel (parallelism.ep) layouts: set parallelism.pp "
+                              "and cp to 1")
+        n = self.workers.trainers
+        if n % p.tp:
+            raise ConfigError(f"parallelism.tp ({p.tp}) must divide workers.trainers ({n})")
+        dp = n // p.tp  # data-parallel ranks (pp = cp = 1): the trainers a step's groups are dealt to
+        what = f"workers.trainers / parallelism.tp ({n} / {p.tp})" if p.tp > 1 else f"workers.trainers ({n})"
+        if self.rl.prompts_per_step % dp:
+            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of {what}: every "
+                              "data-parallel trainer rank trains the same number of groups")
+        if self.rl.prompts_per_step % (dp * self.rl.updates_per_step):
+            raise ConfigError(f"rl.prompts_per_step ({self.rl.prompts_per_step}) must be a multiple of "
+                              f"{what} x rl.updates_per_step ({dp} x {self.rl.updates_per_step}): every "
+                              "update gives every data-parallel trainer rank the same number of groups")
+        if self.exact_on_trainers() and self.rl.mode == "async":
+            raise ConfigError("rl.logprobs = exact with parallelism.tp or ep > 1 needs rl.mode = sync: under these "
+                              "layouts the trainers compute the old log-probabilities with their own forward before "
+                              "updating, and an async sample's generating weights are gone by then; use rl.mode "
+                              "sync or rl.logprobs engine")
+        if max(p.tp, p.ep) > 1 and self.workers.balance == "adaptive":
+            raise ConfigError("workers.balance = adaptive moves one trainer at a time, which a tensor- or "
+                              "expert-parallel layout cannot take; set parallelism.tp and ep to 1 or "
+                              "workers.balance fixed")
         need = self.rl.prompts_per_step * max(self.rl.group_size, self.rl.eval_samples)
         if self.engine.max_seqs < self.rl.group_size:
             raise ConfigError(f"engine.max_seqs ({self.engine.max_seqs}) must hold at least one group "

@@ -43,6 +43,7 @@ from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
 from stalwart.controller.replay import RecoveriesExhausted, ReplayDiverged
 from stalwart.errors import UserError
 from stalwart.metrics.records import EventLog, JsonlWriter
+from stalwart.parallel.dims import ParallelDims
 from stalwart.paths import RunPaths
 from stalwart.rl import rollout
 from stalwart.rl.episode import EpisodeSpec, segments
@@ -122,7 +123,11 @@ class RLDriver:
                             f"each feedback again ({self.prompt_len} tokens at most), and 8 tokens of the failure: "
                             f"set it to {self.prompt_len + 8} or more")
         self.length = rollout.row_length(self.prompt_len, cfg.rl.max_tokens, cfg.rl.turns, cfg.rl.feedback_tokens)
+        self.length += -self.length % cfg.parallelism.tp  # sequence parallelism cuts rows into tp equal shards
         self.args = resolve_args(cfg.model, self.tok.get_vocab_size(), self.length + 1)
+        a = self.args  # the trainers' layout against the model, before any actor starts (one line, exit 2)
+        ParallelDims.resolve(cfg.parallelism, cfg.workers.trainers).check_model(
+            a.n_heads, a.n_kv_heads, a.n_layers, self.length, 1, a.moe.n_experts if a.moe else 0)
         self.store = controller_store(cfg.workers.trainers, SETUP_S)
         if self.point is None:  # the trainers' snapshots and the loop's states: this run's only
             shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
@@ -164,7 +169,8 @@ class RLDriver:
                 cfg.task.visible_tests, cfg.run.seed, cfg.task.tests)] for i in used},
             (cfg.sandbox, w.reward_threads, w.sandbox_urls, w.sandbox_retry_s))
         generators = Generators(gen_pool, {i.key: self.tok.encode(prompt_text(i)).ids for i in used},
-                                (self.args, self.tok.to_str(), cfg.engine, sampling, r.logprobs == "exact",
+                                (self.args, self.tok.to_str(), cfg.engine, sampling,
+                                 r.logprobs == "exact" and not cfg.exact_on_trainers(),
                                  self.length, self.pad, w.device, episode))
         rew_pool = Pool(meshes["rewards"], "reward", w.reward_timeout_s, self.events, lambda g: None)
         rewards = Rewards(rew_pool, {i.key: [(c.input, c.output) for c in i.cases(cfg.task.tests, cfg.run.seed)]
@@ -299,7 +305,7 @@ class RLDriver:
         cfg, svc = self.cfg, self.svc
         source, step = self.point
         state = self.states.read(step)
-        info = svc.trainers.build("rl", self.args, self.length, cfg.rl.prompts_per_step // svc.trainers.n,
+        info = svc.trainers.build("rl", self.args, self.length, cfg.rl.prompts_per_step // svc.trainers.dp,
                                   cfg.rl.steps)
         self.events("rl_trainers", layout=info["layout"], params=info["params"], sft_examples=len(self.task.sft))
         got = (svc.trainers.restore(step) if source == "memory" else

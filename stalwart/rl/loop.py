@@ -64,7 +64,7 @@ class RunContext:
 def sft(run: RunContext, svc: Services, tok: Any, eos: int) -> dict[str, Any]:
     """Supervised warm-up on the trainer mesh: full-batch steps on the fine-tuning examples."""
     cfg = run.cfg
-    n = svc.trainers.n
+    n = svc.trainers.dp  # data-parallel ranks, each with its share of the examples
     t0 = time.time()
     loss = None
     if run.task.sft and cfg.sft.steps:
@@ -176,10 +176,10 @@ class Stepper:
         return groups, fig
 
     def pack(self, s: int, groups: list[rollout.Group]) -> list[list[list[tuple[np.ndarray, np.ndarray]]]]:
-        """Per trainer rank, per update (``rl.updates_per_step`` mini-batches of whole groups), the packed
+        """Per data-parallel trainer rank, per update (``rl.updates_per_step`` mini-batches of whole groups), the packed
         micro-batches (one group each); each update's weights make its own aggregate."""
         r, run = self.r, self.ctx
-        n = self.svc.trainers.n
+        n = self.svc.trainers.dp
         adv = group_advantages([g.rewards for g in groups], r.algorithm, r.scale_advantages)
         u = r.updates_per_step
         per_rank: list[list[list]] = [[[] for _ in range(u)] for _ in range(n)]
@@ -250,7 +250,8 @@ class Stepper:
                 "generator_idle_frac": max(0.0, 1 - gen_busy / (wall * gen.n)),
                 "reward_idle_frac": max(0.0, 1 - rew_busy / (wall * rew.n)),
                 "trainer_idle_frac": max(0.0, 1 - trainer_busy / wall),
-                "generators": gen.n, "trainers": svc.trainers.n, **dfig}
+                "generators": gen.n, "trainers": svc.trainers.n, **dfig,
+                **{k: rec[k] for k in ("exact_score_s",) if k in rec}}
 
     def refill(self, s: int, groups: list[rollout.Group], gfig: dict[str, float], sfig: dict[str, float]
                ) -> tuple[list[rollout.Group], list[rollout.Group], dict[str, Any]]:
@@ -359,7 +360,7 @@ class Stepper:
         """Every trainer joins a new group (of the mesh's size) and builds its RL core."""
         cfg, tr = self.ctx.cfg, self.svc.trainers
         tr.regroup()
-        tr.build("rl", self.ctx.args, self.ctx.length, cfg.rl.prompts_per_step // tr.n, cfg.rl.steps)
+        tr.build("rl", self.ctx.args, self.ctx.length, cfg.rl.prompts_per_step // tr.dp, cfg.rl.steps)
 
     def take_snapshot(self, s: int) -> None:
         """The loop's own state of step ``s`` (its pending groups collected first), then the trainers'

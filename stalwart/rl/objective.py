@@ -36,9 +36,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 class GRPOObjective:
     def __init__(self, clip_low: float, clip_high: float, how: str, kl_coef: float,
-                 track_mismatch: bool = True) -> None:
+                 track_mismatch: bool = True, own_old: bool = False) -> None:
         self.clip_low, self.clip_high, self.how, self.kl_coef = clip_low, clip_high, how, kl_coef
         self.track_mismatch = track_mismatch
+        # The old log-probability of an on-policy token is this very forward's (detached): the trainers'
+        # exact mode on the step's first update, which runs on the weights that generated the samples.
+        self.own_old = own_old
         self.reset()
 
     def reset(self) -> None:
@@ -51,6 +54,8 @@ class GRPOObjective:
         mask = rows[..., MASK].float()
         logp = token_logprobs(logits, tokens)
         old = rows[..., OLD_LOGP].float()
+        if self.own_old:
+            old = torch.where((mask > 0) & (rows[..., ON_POLICY] > 0), logp.detach(), old)
         adv = rows[..., ADVANTAGE].float()
         weight = rows[..., WEIGHT].float()
         per_token, ratio, clipped, unclipped = clipped_surrogate(logp, old, adv, self.clip_low, self.clip_high)

@@ -1,6 +1,6 @@
 """RL's services as the controller's loop sees them: typed objects over the actor meshes.
 
-    trainers.train(step, rows_per_rank) -> record          the trainer mesh (one process group)
+    trainers.train(step, rows_per_dp_rank) -> record       the trainer mesh (one process group)
     generators.generate(requests) -> Generation            the generator pool (dealt groups)
     generators.collect(generation) -> (groups, figures)
     rewards.score(groups) -> figures                       the reward pool (verdicts kept per program)
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.controller.mesh import ActorMesh
+from stalwart.parallel.dims import ParallelDims
 from stalwart.rl import rollout
 from stalwart.rl.pools import Pending, Pool, deal
 
@@ -47,6 +48,16 @@ class Trainers:
     @property
     def n(self) -> int:
         return self.mesh.n
+
+    @property
+    def layout(self) -> ParallelDims:
+        """The trainers' parallel layout at their current count (the one ``TrainCore`` builds)."""
+        return ParallelDims.resolve(self.cfg.parallelism, self.n)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: a step's groups are dealt to these; the tensor-parallel ranks of one share them."""
+        return self.layout.dp
 
     @property
     def pids(self) -> dict[int, int]:
@@ -80,10 +91,13 @@ class Trainers:
         return info
 
     def train(self, step: int, per_rank: list) -> dict[str, Any]:
-        """One training step on every rank (rows per rank); rank 0's record. Raises ``ActorsFailed``."""
+        """One training step on every rank (rows per data-parallel rank: the tensor-parallel ranks of one take
+        the same); rank 0's record. Raises ``ActorsFailed``."""
         from stalwart.rl.trainer import PolicyTrainerActor
 
-        rec = self._all(PolicyTrainerActor.train, lambda rank: (step, per_rank[rank]), self.timeouts.step_s)[0]
+        dims = self.layout
+        rec = self._all(PolicyTrainerActor.train, lambda rank: (step, per_rank[dims.dp_rank(rank)]),
+                        self.timeouts.step_s)[0]
         self.version = step
         return rec
 

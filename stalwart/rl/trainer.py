@@ -110,14 +110,19 @@ class PolicyTrainerActor(Actor):
     def build(self, phase: str, args: Any, row_length: int, micro_per_rank: int, steps: int) -> dict[str, Any]:
         """The core of ``phase`` ("sft" or "rl"); the current core's weights carry over."""
         from stalwart.config.job import SchedulerConfig, TrainingConfig
+        from stalwart.parallel.dims import ParallelDims
         from stalwart.runtime.env import DistEnv
         from stalwart.train.core import CoreSpec, TrainCore
 
         c = self.cfg
         opt = c.optimizer if phase == "rl" else dataclasses.replace(c.optimizer, lr=c.sft.lr, weight_decay=0.0)
-        training = TrainingConfig(steps=max(steps, 1), global_batch=micro_per_rank * self.world, micro_batch=1,
+        # NOTE: the objectives read whole logits (entropy, log-probabilities per token), so a tensor-parallel
+        # head gathers the vocabulary instead of keeping it sharded for a loss-parallel cross-entropy.
+        layout = dataclasses.replace(c.parallelism, loss_parallel=False)
+        dp = ParallelDims.resolve(layout, self.world).dp
+        training = TrainingConfig(steps=max(steps, 1), global_batch=micro_per_rank * dp, micro_batch=1,
                                   grad_clip=c.rl.grad_clip, dtype="float32", device=self.device.type)
-        spec = CoreSpec(args, c.parallelism, c.comm, opt, SchedulerConfig(kind="constant", warmup_steps=0), training,
+        spec = CoreSpec(args, layout, c.comm, opt, SchedulerConfig(kind="constant", warmup_steps=0), training,
                         row_length, micro_per_rank, seed=c.run.seed, deterministic=c.run.deterministic)
         previous = self.core
         self.core = TrainCore.build(spec, DistEnv.of(self.rank, self.world, self.device))
@@ -145,6 +150,7 @@ class PolicyTrainerActor(Actor):
             raise RuntimeError(f"trainer {self.rank} has done step {self.done}; step {step} cannot follow it")
         r = self.cfg.rl
         records, stats = [], torch.zeros(len(STATS), dtype=torch.float64)
+        score_s = self._score_exact(updates[1:]) if self.phase == "rl" and self.cfg.exact_on_trainers() else None
         replays, missing = [], 0  # the first update's routing replays (their counts are the step's figures)
         for j, micro in enumerate(updates):
             batches = [_batch(*packed) for packed in micro]
@@ -154,7 +160,8 @@ class PolicyTrainerActor(Actor):
             if self.phase != "rl":
                 records.append(core.train_step(batches, loss_fn=masked_cross_entropy))
                 continue
-            objective = GRPOObjective(r.clip_low, r.clip_high, r.aggregation, r.kl_coef, track_mismatch=j == 0)
+            objective = GRPOObjective(r.clip_low, r.clip_high, r.aggregation, r.kl_coef, track_mismatch=j == 0,
+                                      own_old=j == 0 and score_s is not None)
             records.append(core.train_step(batches, loss_fn=objective))
             got = objective.stats.to(HOST)
             stats[[0, 1, 2, 3, 5, 7, 8]] += got[[0, 1, 2, 3, 5, 7, 8]]
@@ -163,17 +170,46 @@ class PolicyTrainerActor(Actor):
                   "grad_norm": sum(x["grad_norm"] for x in records) / len(records),
                   "lr": records[-1]["lr"], "optimizer_steps": core.state.step, "updates": len(records)}
         if self.phase == "rl":
-            if dist.is_initialized():
+            if core.mesh is not None and core.dims.dp > 1:  # over the data-parallel ranks (tp ranks agree)
+                group = core.mesh.dp.get_group()
                 maxima = stats[[4, 6]].clone()
-                dist.all_reduce(stats)
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+                dist.all_reduce(stats, group=group)
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
                 stats[[4, 6]] = maxima
             record.update(summarize(stats))
+            if score_s is not None:
+                record["exact_score_s"] = score_s
         if replays:
             record.update(_replay_figures(replays, missing, core))
         self.done = step
         record["trainer_s"] = time.perf_counter() - t0
         return record
+
+    def _score_exact(self, updates: list[list[tuple[np.ndarray, ...]]]) -> float:
+        """Exact old log-probabilities from this layout's own forward (``RLConfig.exact_on_trainers``). The
+        step's first update takes them from its own forward (``GRPOObjective(own_old=True)``: it runs on the
+        weights that generated the samples); the later updates' micro-batches (``updates``) are scored here,
+        before the first update, by a no-grad pass of the same forward that writes each on-policy response
+        token's log-probability into the rows, in place."""
+        import torch
+
+        from stalwart.rl.objective import token_logprobs
+        from stalwart.rl.rollout import MASK, OLD_LOGP, ON_POLICY, TOKEN
+        from stalwart.runtime.device import HOST
+
+        t0 = time.perf_counter()
+        model = self.core.pm.stages[0]
+        with torch.no_grad():
+            for micro in updates:
+                for packed in micro:
+                    batch, rows = _batch(*packed), packed[1]  # with routing replay, its experts replayed here too
+                    x = batch.inputs.to(self.device)
+                    logits = model(x) if batch.routing is None else model(x, None, routing=batch.routing)
+                    tokens = torch.from_numpy(rows[..., TOKEN]).long().to(self.device)
+                    logp = token_logprobs(logits, tokens).double().to(HOST).numpy()
+                    mine = (rows[..., MASK] > 0) & (rows[..., ON_POLICY] > 0)
+                    rows[..., OLD_LOGP] = np.where(mine, logp, rows[..., OLD_LOGP])
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ weights to the generators
     @endpoint

@@ -1,0 +1,75 @@
+"""`stalwart rl` with a sharded, split and sparse trainer mesh: a mixture-of-experts policy trained by four
+trainer ranks laid out dp_shard=2 x tp=2 x ep=2 (FSDP, tensor parallel and expert parallel at once,
+through the pre-training parallelism code), against the same policy on two FSDP ranks (the data-parallel
+layout, same data-parallel degree). Exact log-probabilities hold in both: the FSDP run's generator
+re-scores with a plain copy of the model, the split run's trainers score with their own forward (two
+updates per step: the first from its own forward, the second's rows in a pass before it); the mismatch
+is exactly 0.0 in every step of each. The weights reach the generator from the
+split layout's shards (the experts, held by both tp ranks, sent once). Layouts that cannot be exact are
+refused in one line."""
+
+import json
+import math
+import shutil
+
+import pytest
+from conftest import read_metrics, run_cli
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
+
+QUICK = ["--config", "rl_code", "--model.flavor", "debug-moe", "--rl.mode", "sync", "--rl.logprobs", "exact",
+         "--rl.steps", "2", "--rl.updates_per_step", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_tokens", "24",
+         "--rl.eval_interval", "100", "--rl.eval_samples", "1", "--task.tests", "2", "--task.families",
+         "add,sub,mul,length", "--task.eval_per_family", "1", "--workers.trainers", "2", "--parallelism.dp_shard", "2",
+         "--controller.supervision_poll_s", "0.2"]
+SPLIT = ["--workers.trainers", "4", "--parallelism.tp", "2", "--parallelism.ep", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl-layouts")
+    run_cli("rl", *QUICK, "--run.dir", str(root / "fsdp"), timeout=600)
+    run_cli("rl", *QUICK, *SPLIT, "--run.dir", str(root / "split"), timeout=600)
+    return root
+
+
+def _metrics(run, kind):
+    return {m["step"]: m for m in read_metrics(run) if m.get("kind") == kind}
+
+
+def test_every_layout_trains_with_exact_logprobs_and_matches_the_data_parallel_run(runs):
+    fsdp, split = runs / "fsdp", runs / "split"
+    layouts = {r.name: [json.loads(x) for x in (r / "events.jsonl").read_text().splitlines() if '"rl_trainers"' in x]
+               for r in (fsdp, split)}
+    assert layouts["fsdp"][0]["layout"] == "dp_shard=2" and layouts["split"][0]["layout"] == "dp_shard=2 x tp=2 x ep=2"
+    a, b = _metrics(fsdp, "rl"), _metrics(split, "rl")
+    assert sorted(a) == sorted(b) == [1, 2]
+    for s in (1, 2):
+        for m in (a[s], b[s]):
+            assert m["logprob_mismatch_max"] == 0.0 and m["logprob_mismatch_mean"] == 0.0, (s, m)
+        assert a[s]["rescore_s"] > 0 and "exact_score_s" not in a[s]  # the generator re-scored
+        # The trainers scored: the first update from its own forward, the second's rows in a pass before it.
+        assert b[s]["exact_score_s"] > 0 and b[s]["rescore_s"] < a[s]["rescore_s"]
+        # The same samples (weights equal to rounding), so the same rewards; the losses and gradients go
+        # through other summation orders (tp's partial products, ep's expert batches): equal to rounding.
+        assert a[s]["reward_mean"] == b[s]["reward_mean"] and a[s]["train_tokens"] == b[s]["train_tokens"]
+        assert math.isclose(a[s]["loss"], b[s]["loss"], rel_tol=1e-5, abs_tol=1e-9)
+        assert math.isclose(a[s]["grad_norm"], b[s]["grad_norm"], rel_tol=1e-4, abs_tol=1e-7)
+    sa, sb = _metrics(fsdp, "sft"), _metrics(split, "sft")
+    assert sa[1]["loss"] == sb[1]["loss"]  # the same initial weights in every layout (seeded per parameter name)
+    assert math.isclose(sa[max(sa)]["loss"], sb[max(sb)]["loss"], rel_tol=1e-4)
+    # The generator holds the weights the split trainers sent (each element once): its evaluation ran on them.
+    assert 0.0 <= json.loads((split / "summary.json").read_text())["final_reward_mean"] <= 1.0
+
+
+def test_a_layout_that_cannot_be_exact_is_one_line_through_the_cli(tmp_path):
+    """The other refusals are config checks (tests/test_rl_layouts.py); this one and the model check go
+    through the command."""
+    p = run_cli("rl", "--config", "rl_code", "--workers.trainers", "2", "--parallelism.tp", "2", "--rl.mode", "async",
+                "--rl.logprobs", "exact", "--run.dir", str(tmp_path / "x"), check=False, timeout=120)
+    assert p.returncode == 2 and "needs rl.mode = sync" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    p = run_cli("rl", "--config", "rl_code", "--workers.trainers", "2", "--parallelism.dp_shard", "2", "--parallelism.ep",
+                "2", "--run.dir", str(tmp_path / "y"), check=False, timeout=120)
+    assert p.returncode == 2 and "needs a mixture-of-experts model" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
