@@ -25,7 +25,7 @@ decides, every rank runs what it decided.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import os
 import time
 from dataclasses import dataclass
@@ -88,13 +88,15 @@ def choose_compile(t: BlockTimes, blocks_per_step: int, steps: int) -> tuple[boo
     return True, f"compiled (auto: {measured}; ~{saved:.0f} s saved over {steps} steps)"
 
 
-def _time(run, budget_s: float, least: int = 3) -> float:
-    """Best time of ``run()`` over at least ``least`` calls and about ``budget_s`` seconds."""
-    best, deadline, n = float("inf"), time.perf_counter() + budget_s, 0
+def _best_times(runs, budget_s: float, least: int = 3) -> list[float]:
+    """Each of ``runs``' best time, calling them in turn (so a change of load hits all alike) for at
+    least ``least`` rounds and about ``budget_s`` seconds."""
+    best, deadline, n = [float("inf")] * len(runs), time.perf_counter() + budget_s, 0
     while n < least or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - t0)
         n += 1
     return best
 
@@ -102,36 +104,42 @@ def _time(run, budget_s: float, least: int = 3) -> float:
 def measure_block(args, micro_batch: int, seq_len: int, dtype: torch.dtype, checkpointing: str,
                   device: torch.device, compiled: bool) -> BlockTimes:
     """Time one freshly built block of ``args`` (layer 0) on a (micro_batch, seq_len, dim) input,
-    eager and, with ``compiled``, compiled (its start-up cold-or-as-cached, then warm after a reset).
-    The global RNG is left as it was: the run's own init and data do not see this."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
+    eager and, with ``compiled``, compiled too (its start-up cold-or-as-cached, then warm after a reset;
+    then both forms alternately). The global RNG is left as it was: the run's own init and data do not
+    see this."""
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
         torch.manual_seed(0)
-        holder = nn.Module()
-        holder.layers = nn.ModuleDict({"0": TransformerBlock(args, 0).to(device=device, dtype=dtype)})
-        apply_activation_checkpointing(holder, checkpointing)
+        block = TransformerBlock(args, 0).to(device=device, dtype=dtype)
+        holders = []
+        for b in [block, copy.deepcopy(block)][:2 if compiled else 1]:  # eager, and one to compile
+            holder = nn.Module()
+            holder.layers = nn.ModuleDict({"0": b})
+            apply_activation_checkpointing(holder, checkpointing)
+            holders.append(holder)
         x = torch.randn(micro_batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
         rope = rope_tables(args.head_dim, seq_len, args.rope_theta, device=device)
 
-        def step() -> None:
-            holder.layers["0"](x, rope, None).backward(grad)
-            synchronize(device)
+        def step(holder: nn.Module):
+            def run() -> None:
+                holder.layers["0"](x, rope, None).backward(grad)
+                synchronize(device)
+            return run
 
-        step()
-        eager = _time(step, 0.3)
+        eager = step(holders[0])
+        eager()
         if not compiled:
-            return BlockTimes(eager)
+            return BlockTimes(*_best_times([eager], 0.3))
         first_warm = []
         for _ in range(2):
             torch._dynamo.reset()  # the second round loads from the on-disk caches the first filled
-            apply_compile(holder)
+            apply_compile(holders[1])
             t0 = time.perf_counter()
-            step()
+            step(holders[1])()
             first_warm.append(time.perf_counter() - t0)
-        compiled_s = _time(step, 0.3)
+        eager_s, compiled_s = _best_times([eager, step(holders[1])], 0.6)
         torch._dynamo.reset()
-        return BlockTimes(eager, compiled_s, first_warm[0], first_warm[1])
+        return BlockTimes(eager_s, compiled_s, first_warm[0], first_warm[1])
 
 
 def _block_key(device: torch.device, dtype: torch.dtype, args, micro_batch: int, seq_len: int,
