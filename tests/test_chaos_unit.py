@@ -28,13 +28,14 @@ def test_run_dir_is_replaced_for_the_reference():
 def test_a_kind_that_cannot_run_says_why():
     assert unavailable("partition", 1, 0, 10, None).startswith("a partition needs 2")
     assert "memory_interval" in unavailable("corrupt_snapshot", 2, 0, 10, None)
+    assert "checkpoint.interval" in unavailable("corrupt_snapshot", 2, 2, 0, None)
     assert "checkpoint.interval" in unavailable("disk_full", 2, 0, 0, None)
     assert unavailable("disk_full", 2, 0, 10, "needs root") == "needs root"
     assert unavailable("kill", 1, 0, 0, "needs root") is None
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--kinds", "corrupt_snapshot"], "--kinds corrupt_snapshot: a corrupted memory snapshot needs snapshots"),
+    (["--kinds", "corrupt_snapshot"], "--kinds corrupt_snapshot: a corrupted memory snapshot needs snapshots and"),
     (["--kinds", "kil"], "unknown fault kind 'kil'"),
     (["--gap", "3"], "--gap '3': give seconds as LO-HI"),
     (["--faults", "12"], "launch.max_restarts is 3: the schedule has"),
@@ -72,3 +73,5 @@ def test_the_fault_log_reads_detection_and_recovery_from_the_runs_records():
     assert full["detection_s"] == pytest.approx(0.5) and full["recovery_s"] == pytest.approx(2.0)
     assert full["next_save_step"] == 12 and "detected_as" not in full
     assert corrupt["resumed"] == {"source": "disk", "step": 10} and "refused by its checksum" in corrupt["outcome"]
+    events[6] = {"event": "resumed", "time": 122.0, "step": 12, "source": "memory"}  # the corrupted one: a failure
+    assert annotate(sent, events)[2]["outcome"] == "restored the corrupted snapshot of step 12"

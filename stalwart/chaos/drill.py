@@ -132,10 +132,10 @@ class _Drill:
         self.margin = max(2, self.steps // 10)
 
     # ------------------------------------------------------------------ when a fault may land
-    def _ready(self, job: Job, kind: str, last_progress: int) -> dict[int, dict] | None:
+    def _ready(self, job: Job, kind: str, last_progress: int, restarted_after: int) -> dict[int, dict] | None:
         beats = job.training(self.nproc)
-        if beats is None:
-            return None
+        if beats is None or min(b["attempt"] for b in beats.values()) <= restarted_after:
+            return None  # the previous fault's restart has not happened yet (a stopped rank looks alive)
         step = max(b.get("step", 0) for b in beats.values())
         margin = max(self.margin, 2 * self.cfg.checkpoint.interval) if kind == "disk_full" else self.margin
         if step > self.steps - margin:
@@ -145,8 +145,8 @@ class _Drill:
         if kind == "corrupt_snapshot":
             snaps = SnapshotStore.common_steps(self.snapshot_dir) if self.snapshot_dir else set()
             disk = newest_complete_checkpoint(job.checkpoints)
-            if not snaps or max(snaps) <= (checkpoint_step(disk) if disk else 0):
-                return None  # the restart would take the disk checkpoint anyway
+            if not snaps or disk is None or max(snaps) <= checkpoint_step(disk):
+                return None  # no disk checkpoint to fall back to yet, or the restart would take it anyway
         return beats
 
     def run_chaos(self, deadline: float) -> tuple[Job, list[dict], int | None]:
@@ -155,14 +155,14 @@ class _Drill:
         print(f"chaos: run {self.run} ({self.nproc} processes{', own mount + network namespace' if self.isolated else ''}); "
               f"{len(self.schedule)} faults: {', '.join(self.schedule)}", flush=True)
         sent: list[dict] = []
-        last_progress, lo, hi = -1, *self.opts.gap_s
+        last_progress, restarted_after, lo, hi = -1, -1, *self.opts.gap_s
         try:
             for kind in self.schedule:
                 victim = self.rng.randrange(self.nproc)
                 wake = time.time() + self.rng.uniform(lo, hi)
                 beats = None
                 while job.running() and time.time() < deadline:
-                    if time.time() >= wake and (beats := self._ready(job, kind, last_progress)):
+                    if time.time() >= wake and (beats := self._ready(job, kind, last_progress, restarted_after)):
                         break
                     time.sleep(0.02)
                 if not beats or not job.running():
@@ -171,6 +171,9 @@ class _Drill:
                 rec = fire(kind, job, beats, victim, self.opts.hold_s, self.opts.slow_s)
                 if kind in RESTARTING:
                     last_progress = progress
+                    if rec.get("sent") and (kind != "partition" or any(
+                            e.get("event") == "failure" and e.get("detect_time", 0) >= rec["time"] for e in job.events())):
+                        restarted_after = min(b["attempt"] for b in beats.values())  # wait for the restart
                 rec["t"] = round(rec["time"] - job.started, 2)
                 sent.append(rec)
                 print(f"chaos: {len(sent):3d} t={rec['t']:7.2f} s  {kind:<16} rank {victim} (pid {rec['pid']}) at "
@@ -184,6 +187,23 @@ class _Drill:
 def _p50_max(xs: list[float]) -> str:
     xs = [x for x in xs if x is not None]
     return f"{statistics.median(xs):.2f} / {max(xs):.2f}" if xs else "-"
+
+
+def _restored(rec: dict, events: list[dict], detected: float, recovered: float) -> dict:
+    """What the restart after corrupting the snapshots restored (its ``resumed`` event, or none: a fresh start)."""
+    resumed = next((e for e in events if e["event"] == "resumed" and detected <= e["time"] <= recovered), None)
+    newest = max(rec.get("snapshot_steps") or [0])
+    if resumed is None:
+        return {"resumed": None, "outcome": f"snapshot step {newest} refused by its checksum; no disk checkpoint "
+                                            "yet: started again from the seeded initialisation"}
+    out = {"resumed": {"source": resumed.get("source"), "step": resumed.get("step")}}
+    if resumed.get("source") != "memory":
+        out["outcome"] = f"snapshot step {newest} refused by its checksum; resumed from disk step {resumed['step']}"
+    elif resumed.get("step") in (rec.get("snapshot_steps") or []):
+        out["outcome"] = f"restored the corrupted snapshot of step {resumed['step']}"
+    else:
+        out["outcome"] = f"restored a newer snapshot (step {resumed.get('step')}) than the corrupted ones"
+    return out
 
 
 def annotate(sent: list[dict], events: list[dict]) -> list[dict]:
@@ -207,15 +227,8 @@ def annotate(sent: list[dict], events: list[dict]) -> list[dict]:
                 row.update(recovery_s=rec_ev.get("recovery_s"),
                            fault_to_step_s=round(fail["detect_time"] + rec_ev.get("recovery_s", 0) - t, 3),
                            steps_recomputed=rec_ev.get("steps_recomputed"))
-            resumed = next((e for e in events if e["event"] == "resumed" and e["time"] >= fail["detect_time"]), None)
-            if rec["kind"] == "corrupt_snapshot" and resumed is not None:
-                refused = bool(rec.get("snapshot_steps")) and resumed.get("source") == "disk" and \
-                    resumed["step"] < max(rec["snapshot_steps"])
-                row["resumed"] = {"source": resumed.get("source"), "step": resumed.get("step")}
-                row["outcome"] = (f"snapshot step {max(rec['snapshot_steps'])} refused by its checksum; resumed from "
-                                  f"disk step {resumed['step']}" if refused else
-                                  f"resumed from {resumed.get('source')} step {resumed.get('step')}: the corrupted "
-                                  "snapshot was not the one restored")
+            if rec["kind"] == "corrupt_snapshot":
+                row.update(_restored(rec, events, fail["detect_time"], rec_ev["time"] if rec_ev else float("inf")))
         if rec["kind"] == "disk_full":
             failed = next((e for e in within if e["event"] == "checkpoint_failed"), None)
             freed = rec.get("freed", until)

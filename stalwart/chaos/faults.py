@@ -7,7 +7,7 @@
 | ``slow`` | one worker stopped and continued in a duty cycle (``SLOW_OFF_S`` of every ``SLOW_PERIOD_S``) for ``slow_s`` | - |
 | ``disk_full`` | the tmpfs under ``<run>/checkpoints`` filled to the last block until a save fails (or the hold time), then freed; over once the next save is durable (or the hold time) | namespaces |
 | ``partition`` | every TCP connection of one worker dropped (``tc``: its ports to a queue of length 0 on the job's own loopback) until the supervisor reports a failure (or the hold time), then healed | namespaces, 2+ ranks |
-| ``corrupt_snapshot`` | every worker frozen, a byte flipped in every in-memory snapshot file of the run (``/dev/shm``), one worker killed: the restart must refuse the snapshots by their checksums and resume from disk | ``checkpoint.memory_interval`` |
+| ``corrupt_snapshot`` | once a disk checkpoint older than the newest snapshot exists: every worker frozen, a byte flipped in every in-memory snapshot file of the run (``/dev/shm``), one worker killed: the restart must refuse the snapshots by their checksums and resume from disk | ``checkpoint.memory_interval``, ``checkpoint.interval`` |
 
 Each ``fire`` returns when the fault's own action is over (a kill at once; a disk freed or a partition
 healed after at most the hold time, a slowdown after its own) with the record of what was done.
@@ -39,8 +39,9 @@ def unavailable(kind: str, nproc: int, memory_interval: int, checkpoint_interval
         return "a partition needs 2 or more processes (--nproc-per-node)"
     if kind == "disk_full" and checkpoint_interval <= 0:
         return "a full disk during a save needs periodic saves (--checkpoint.interval > 0)"
-    if kind == "corrupt_snapshot" and memory_interval <= 0:
-        return "a corrupted memory snapshot needs snapshots (--checkpoint.memory_interval > 0)"
+    if kind == "corrupt_snapshot" and (memory_interval <= 0 or checkpoint_interval <= 0):
+        return ("a corrupted memory snapshot needs snapshots and disk checkpoints to fall back to "
+                "(--checkpoint.memory_interval > 0, --checkpoint.interval > 0)")
     return None
 
 
