@@ -62,13 +62,46 @@ def _plain(*weights: torch.Tensor) -> bool:
 def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
     """``tuple(lin(x) for lin in linears)`` as one matmul over the concatenated weights when they are
     plain tensors: the input is read once and one larger GEMM runs faster than several small ones.
-    Without gradients, weights that ``pack_fused_weights`` laid back to back are used as they lie (the
-    same values as their concatenation, without copying them every call)."""
+    Weights that ``pack_fused_weights`` laid back to back are used as they lie (the same values as
+    their concatenation, without copying them every call), with or without gradients."""
     weights = [lin.weight for lin in linears]
     if not _plain(*weights):
         return tuple(lin(x) for lin in linears)
-    packed = None if torch.is_grad_enabled() else _back_to_back(weights)
-    return F.linear(x, torch.cat(weights) if packed is None else packed).split([w.shape[0] for w in weights], dim=-1)
+    rows = [w.shape[0] for w in weights]
+    if torch.compiler.is_compiling():  # the compiler sees through the concatenation (and not storage pointers)
+        return F.linear(x, torch.cat(weights)).split(rows, dim=-1)
+    if not torch.is_grad_enabled():
+        packed = _back_to_back(weights)
+        return F.linear(x, torch.cat(weights) if packed is None else packed).split(rows, dim=-1)
+    return _PackedLinear.apply(x, *weights).split(rows, dim=-1)
+
+
+class _PackedLinear(torch.autograd.Function):
+    """``F.linear(x, torch.cat(weights))`` with its autograd, reading back-to-back weights in place.
+
+    The backward runs the very matmuls autograd runs for ``linear`` of a concatenation (``mm`` of the
+    output's gradient with the weights; the weights' gradient as one ``mm``, split into each weight's
+    rows), so the values are the same bits; only the copy of the weights is gone (weights that do not
+    lie back to back are concatenated here, as before)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        packed = _back_to_back(list(weights))
+        if packed is None:
+            packed = torch.cat(weights)
+        ctx.rows = [w.shape[0] for w in weights]
+        ctx.save_for_backward(x, packed)
+        return F.linear(x, packed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, packed = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1])  # (tokens, sum of rows)
+        grad_x = grad2d.mm(packed).view(x.shape) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return (grad_x,) + (None,) * len(ctx.rows)
+        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1]))  # (sum of rows, in)
+        return (grad_x, *grad_w.split(ctx.rows))
 
 
 def _back_to_back(weights: list[torch.Tensor]) -> torch.Tensor | None:

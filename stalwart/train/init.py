@@ -12,6 +12,7 @@ import zlib
 import torch
 from torch import nn
 
+from stalwart.models.llama import pack_fused_weights
 from stalwart.runtime.device import host_generator
 
 
@@ -71,6 +72,10 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int,
         kind, std = spec[name]
         full = _full_value(kind, std, param.shape, seed, name)
         param.copy_(_local_shard(param, full))
+    # The fused projections (q/k/v, gate/up) then read their weights in place instead of concatenating
+    # them every forward; names, values and the checkpoint are unchanged.
+    for module in stages or [model]:
+        pack_fused_weights(module)
 
 
 def _local_shard(param: torch.Tensor, full: torch.Tensor):
