@@ -128,3 +128,49 @@ def test_flops_per_token_formula():
 def test_bad_shapes_are_rejected():
     with pytest.raises(ModelShapeError, match="divisible by model.n_heads"):
         Transformer(dataclasses.replace(ARGS, n_heads=3))
+
+
+def test_packed_projections_train_bit_for_bit_like_the_concatenation():
+    """The fused q/k/v and gate/up projections read their back-to-back weights in place: loss, gradients and
+    AdamW updates are the bits of the concatenating forward (``torch.cat`` of the weights every call)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import stalwart.models.llama as llama
+
+    packed = build()
+    attention = packed.layers["0"].attention
+    assert llama._back_to_back([attention.wq.weight, attention.wk.weight, attention.wv.weight]) is not None
+    plain = copy.deepcopy(packed)
+    for block in plain.layers.values():  # each weight its own storage again: the concatenating path
+        for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
+                    block.feed_forward.w3):
+            lin.weight.data = lin.weight.detach().clone()
+    concat = llama.fused_linear
+
+    def concatenating(x, linears):
+        weights = [lin.weight for lin in linears]
+        return F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, packed)]
+    for _ in range(2):
+        losses = []
+        for model, fused in ((plain, concatenating), (packed, concat)):
+            llama.fused_linear = fused
+            try:
+                loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            finally:
+                llama.fused_linear = concat
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(*losses)
+        for (name, a), b in zip(plain.named_parameters(), packed.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(plain.parameters(), packed.parameters()):
+        assert torch.equal(a, b)
+    assert llama._back_to_back([attention.wq.weight, attention.wk.weight, attention.wv.weight]) is not None
