@@ -2,11 +2,13 @@
 
 import pytest
 import torch
-from conftest import TINY_RUN, run_cli, step_losses
+from conftest import TINY_RUN, assert_same_states, read_metrics, run_cli
 
 from stalwart.checkpoint.inspect import digest
 from stalwart.errors import UserError
-from stalwart.parallel.elastic import TreeAccumulator, blocks, check_elastic_layout, tree_sum
+from stalwart.metrics.records import read_jsonl
+from stalwart.parallel.elastic import TreeAccumulator, blocks, check_elastic_layout, tree_grad_norm, tree_sum
+from stalwart.paths import RunPaths
 
 
 @pytest.mark.unit
@@ -46,15 +48,34 @@ def test_every_world_size_gives_the_same_bits(leaves):
 
 
 @pytest.mark.unit
-def test_uneven_split_and_sharded_layouts_are_refused_with_a_line():
+def test_uneven_split_and_split_models_are_refused_with_a_line():
     with pytest.raises(UserError, match="divide evenly"):
         TreeAccumulator(6, 0, 4)
 
     class Dims:
         dp_shard, tp, pp, cp, ep = 2, 1, 1, 1, 1
 
-    with pytest.raises(UserError, match="dp_shard=2"):
+    check_elastic_layout(Dims())  # FSDP: every rank computes with the whole (gathered) model
+    with pytest.raises(UserError, match="optimizer.name adamw"):
+        check_elastic_layout(Dims(), "lamb")
+    Dims.tp = 2
+    with pytest.raises(UserError, match="tp=2"):
         check_elastic_layout(Dims())
+
+
+@pytest.mark.unit
+def test_gradient_norm_adds_in_the_same_order_whatever_the_split():
+    """The elastic norm sums each dim-0 row, then each parameter's rows, then the parameters: rows are
+    never split by FSDP, so its value is the whole tensors' (here: whole vs rows taken apart)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.empty(shape)) for shape in [(37, 19), (19,), (5, 3)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 10 ** torch.randint(-4, 4, p.shape, generator=gen)
+    whole = tree_grad_norm(params)
+    rows = [p.grad.float().square() for p in params]
+    by_hand = torch.stack([torch.cat([r[i:i + 7].sum(dim=-1) if r.ndim > 1 else r[i:i + 7]
+                                      for i in range(0, r.shape[0], 7)]).sum() for r in rows]).sum().sqrt()
+    assert torch.equal(whole, by_hand)
 
 
 ELASTIC = [*TINY_RUN, "--parallelism.data_parallel", "replicate", "--training.elastic_exact", "true",
@@ -67,21 +88,56 @@ def _train(run_dir, nproc, *extra):
                    timeout=400)
 
 
+SHARD = ("--parallelism.data_parallel", "shard")
+HSDP = ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
+
+
+def _model_states(run) -> dict[int, tuple]:
+    """step -> (loss, weights' and optimizer state's fingerprints): what must not depend on the number of
+    processes (the RNG and data-position components do: each rank has its own)."""
+    return {m["step"]: (m["loss"], m["fingerprint_parts"]["params"], m["fingerprint_parts"]["optim"])
+            for m in read_metrics(run) if "loss" in m}
+
+
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # 7 launches, 8 sessions of 4 steps (about 4 minutes on 2 idle cores)
 def test_world_size_changes_keep_every_bit(tmp_path):
-    """4 processes straight; 4 stopped at step 2 and resumed with 2; 2 stopped and resumed with 4; and one
-    process: the same losses every step and the same final weights and optimizer state."""
-    runs = {"4": tmp_path / "p4", "4->2": tmp_path / "p4to2", "2->4": tmp_path / "p2to4", "1": tmp_path / "p1"}
+    """4 replicated processes straight (the reference); 4 FSDP processes stopped at step 2 and resumed with
+    2; 2 FSDP processes resumed as 4 in HSDP (2 replicas x 2 shards); one process; and 4 FSDP processes
+    that lose a host and are shrunk to 2 by the supervisor: the same losses and weight and optimizer
+    fingerprints every step, and the same final checkpoint."""
+    runs = {"4": tmp_path / "p4", "fsdp 4->2": tmp_path / "s4to2", "fsdp 2->hsdp 4": tmp_path / "s2to4",
+            "1": tmp_path / "p1", "host lost": tmp_path / "lost"}
+    # The supervisor shrinks the job: two "hosts" of 2 processes; host 1 is lost at its first failure
+    # (rank 3 killed in step 3) and no spare is left, so the job goes on with 2 processes from step 2.
+    _train(runs["host lost"], 4, *SHARD, "--launch.max_restarts", "2", "--fault.exclude_after", "1",
+           "--fault.host_size", "2", "--checkpoint.async_save", "false", "--fault.inject", "kill:rank=3,step=3")
     _train(runs["4"], 4)
-    _train(runs["4->2"], 4, "--training.stop_at_step", "2")
-    _train(runs["4->2"], 2)
-    _train(runs["2->4"], 2, "--training.stop_at_step", "2")
-    _train(runs["2->4"], 4)
+    _train(runs["fsdp 4->2"], 4, *SHARD, "--training.stop_at_step", "2")
+    _train(runs["fsdp 4->2"], 2, *SHARD)
+    _train(runs["fsdp 2->hsdp 4"], 2, *SHARD, "--training.stop_at_step", "2")
+    _train(runs["fsdp 2->hsdp 4"], 4, *HSDP)
     _train(runs["1"], 1)
-    ref = step_losses(runs["4"])
+    ref = _model_states(runs["4"])
     assert sorted(ref) == [1, 2, 3, 4]
     final = runs["4"] / "checkpoints" / "step-4"
     for name, run in runs.items():
-        assert step_losses(run) == ref, name
+        assert _model_states(run) == ref, name
         for part in ("model.", "optim."):
             assert digest(run / "checkpoints" / "step-4", part) == digest(final, part), (name, part)
+    for name in ("fsdp 4->2", "fsdp 2->hsdp 4", "host lost"):
+        assert any(e["event"] == "resumed" and e["step"] == 2 for e in read_jsonl(RunPaths(runs[name]).events)), name
+    lost = read_jsonl(RunPaths(runs["host lost"]).events)
+    assert [(e["kind"], e["rank"], e["host"], e["decision"]) for e in lost if e["event"] == "failure"] == [
+        ("signal", 3, 1, "exclude")]
+    shrunk = [e for e in lost if e["event"] == "excluded"]
+    assert [(e["host"], e["shrunk_from"], e["nproc_per_node"], e["micro_batches_per_rank"], e["bitwise"])
+            for e in shrunk] == [(1, 4, 2, [1, 2], True)]
+    assert [e["world_size"] for e in lost if e["event"] == "start"] == [4, 2]
+    # Once the resumed run has 4 processes again, the whole fingerprint (each rank's RNG state and data
+    # position included) agrees too; `stalwart compare` puts the only difference where the runs had
+    # different numbers of processes, in the per-rank data positions.
+    assert_same_states(runs["fsdp 2->hsdp 4"], runs["4"], skip=(1, 2))
+    compared = run_cli("compare", str(runs["fsdp 2->hsdp 4"]), str(runs["4"]), check=False)
+    assert compared.returncode == 1 and compared.stdout.startswith(
+        "differ: first at step 1 (data; the same loss)"), compared.stdout

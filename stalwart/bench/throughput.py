@@ -56,8 +56,9 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     total = opts["warmup"] + opts["steps"]
     # The training core `stalwart train` runs, fed random tokens: the same model, initialiser, FSDP2
     # wrapping, optimizer, clipping and step.
-    elastic = opts.get("elastic", False)
-    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1, data_parallel="replicate" if elastic else "auto",
+    elastic, layout = opts.get("elastic", False), opts.get("data_parallel", "auto")
+    spec = CoreSpec(args, ParallelismConfig(dp_shard=-1, data_parallel="replicate" if elastic and layout == "auto"
+                                            else layout,
                                             compile=opts.get("compile", False)),
                     CommConfig(), OptimizerConfig(lr=1e-3), SchedulerConfig(kind="constant", warmup_steps=0),
                     TrainingConfig(steps=total, global_batch=mb * world, micro_batch=mb, dtype="float32",
@@ -80,13 +81,13 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     if world > 1:
         dist.barrier()
     synchronize(device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i in range(opts["steps"]):
         core.train_step(batches[i % len(batches)])
     synchronize(device)
     if world > 1:
         dist.barrier()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     if opts.get("profile"):  # every rank steps (the collectives need them all); rank 0 records and prints
         _profile(core, batches, opts["profile"], record=rank == 0)
     n_tokens = opts["steps"] * mb * seq * world
@@ -94,9 +95,11 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
     result = {"world": world, "threads_per_proc": opts["threads"], "tokens_per_s": n_tokens / elapsed,
               "gflops_per_s": n_tokens / elapsed * core.flops_per_token / 1e9,
               "peak_gflops_per_proc": peak / 1e9, "mem_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "step_s": elapsed / opts["steps"], "elastic_exact": elastic, "compiled": core.compiled,
+              "step_s": elapsed / opts["steps"], "cpu_step_s": cpu_s / opts["steps"], "elastic_exact": elastic, "compiled": core.compiled,
               "startup_s": first_step_s,
-              "layout": ("replicated, elastic-exact tree sum" if elastic and world > 1 else
+              "layout": ("sharded (FSDP), elastic-exact tree reduce-scatter" if elastic and world > 1 and not replicated
+                         and core.dims.dp_shard > 1 else
+                         "replicated, elastic-exact tree sum" if elastic and world > 1 else
                          "replicated (DDP)" if replicated else "sharded (FSDP)" if world > 1 else "one process")
               + (" (elastic-exact)" if elastic and world == 1 else "")}
     if replicated:
@@ -146,17 +149,19 @@ def run(world: int, opts: dict) -> dict:
 
 
 def elastic_cost(results: list[dict]) -> str:
-    """Per process count: the elastic-exact step time over the default's, every pair and the median."""
+    """Per process count: the elastic-exact step time over the default's, every pair and the median, in wall
+    time and in rank 0's CPU seconds (the steadier figure on a loaded machine)."""
     import statistics
 
-    lines = ["elastic-exact cost per step (elastic step time / default step time):"]
+    lines = ["elastic-exact cost per step (elastic / default; wall time, then rank 0's CPU seconds):"]
     for world in sorted({r["world"] for r in results}):
-        base = [r["step_s"] for r in results if r["world"] == world and not r["elastic_exact"]]
-        exact = [r["step_s"] for r in results if r["world"] == world and r["elastic_exact"]]
-        ratios = [e / b for b, e in zip(base, exact)]
-        if ratios:
-            lines.append(f"  {world} process{'es' if world > 1 else ''}: median {statistics.median(ratios):.3f}x "
-                         f"({', '.join(f'{x:.3f}' for x in ratios)})")
+        for key, what in (("step_s", "wall"), ("cpu_step_s", "cpu")):
+            base = [r[key] for r in results if r["world"] == world and not r["elastic_exact"]]
+            exact = [r[key] for r in results if r["world"] == world and r["elastic_exact"]]
+            ratios = [e / b for b, e in zip(base, exact)]
+            if ratios:
+                lines.append(f"  {world} process{'es' if world > 1 else ''}, {what}: median "
+                             f"{statistics.median(ratios):.3f}x ({', '.join(f'{x:.3f}' for x in ratios)})")
     return "\n".join(lines)
 
 
@@ -172,6 +177,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--elastic", choices=("off", "on", "both"), default="off",
                    help="training.elastic_exact: off, on, or both interleaved (the default layout and the "
                         "world-size independent gradient sum, alternately, with the cost per step printed)")
+    p.add_argument("--data-parallel", choices=("auto", "shard", "replicate"), default="auto",
+                   help="parallelism.data_parallel of both variants (auto: the default picks, and elastic "
+                        "replicates): 'shard' compares FSDP with and without elastic_exact")
     p.add_argument("--compile", choices=("off", "on", "both"), default="off",
                    help="parallelism.compile: eager, compiled blocks, or both interleaved (start-up = building "
                         "the core plus its first step, which includes the compile)")
@@ -196,6 +204,7 @@ def main(argv: list[str]) -> int:
             for elastic, compiled in [(e, c) for e in modes for c in compiles]:
                 r = run(world, {"steps": a.steps, "warmup": a.warmup, "micro_batch": a.micro_batch,
                                 "threads": threads, "profile": a.profile, "device": kind, "elastic": elastic,
+                                "data_parallel": a.data_parallel,
                                 "compile": compiled})
                 frac = r["gflops_per_s"] / (r["peak_gflops_per_proc"] * world)
                 r["fraction_of_peak"] = frac

@@ -179,8 +179,9 @@ class TrainingConfig:
     elastic_exact: bool = option(
         "Sum each step's micro-batch gradients (and losses) in one fixed tree over the global batch, whatever "
         "ranks hold them, so 1, 2, 4... processes give the same bits and a run can change its number of "
-        "processes on resume and stay bit for bit (parallel/elastic.py). Replicated data parallel only; "
-        "costs an all-gather in place of DDP's overlapped all-reduce.", False)
+        "processes on resume and stay bit for bit (parallel/elastic.py). Data parallelism only (dp_replicate "
+        "and/or dp_shard, no tp/pp/cp/ep); uses the foreach AdamW and a row-wise gradient norm; costs an "
+        "all-gather (replicated) or an all-to-all (FSDP) of each step's gradient blocks after backward.", False)
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where to train ('auto' = cuda if available; a device this machine lacks is refused before any worker "
         "starts). `--device` sets it too.", "auto")

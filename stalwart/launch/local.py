@@ -4,6 +4,7 @@ process starts, then run the workers under the supervisor; relaunch without an e
 from __future__ import annotations
 
 import os
+import sys
 
 from stalwart.config.job import JobConfig
 from stalwart.ft.detect import EXIT_EXCLUDE
@@ -50,6 +51,26 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
             f"{dims.dp * cfg.training.micro_batch}")
 
 
+def shrink_record(cfg: JobConfig, before: int, after: int) -> dict:
+    """What a shrink from ``before`` to ``after`` processes keeps and changes, for the ``excluded`` event (and
+    one line on stderr): the global batch is kept, each data-parallel rank accumulates more micro-batches,
+    and with ``training.elastic_exact`` the run goes on bit for bit (parallel/elastic.py)."""
+    import sys
+
+    leaves = cfg.training.global_batch // cfg.training.micro_batch
+    dp = {n: ParallelDims.resolve(cfg.parallelism, n).dp for n in (before, after)}
+    rec = {"shrunk_from": before, "global_batch": cfg.training.global_batch,
+           "micro_batches_per_rank": [leaves // dp[before], leaves // dp[after]],
+           "elastic_exact": cfg.training.elastic_exact, "bitwise": cfg.training.elastic_exact}
+    how = ("bit for bit (training.elastic_exact)" if cfg.training.elastic_exact else
+           "NOT bit for bit: the gradient sum's order changes with the number of ranks (set "
+           "training.elastic_exact to keep every bit)")
+    print(f"stalwart supervisor: no spare host left: shrinking {before} -> {after} processes, global batch "
+          f"{cfg.training.global_batch} kept ({rec['micro_batches_per_rank'][1]} micro-batches per rank); {how}",
+          file=sys.stderr, flush=True)
+    return rec
+
+
 def supervised(cfg: JobConfig) -> bool:
     """Whether one process runs under the supervisor (several always do)."""
     return cfg.launch.max_restarts > 0 or bool(cfg.fault.inject) or cfg.fault.chaos_mtbf_s > 0
@@ -88,6 +109,7 @@ def _launch_loop(argv: list[str], nproc: int, cfg: JobConfig, paths: RunPaths, s
             if nproc < 1:
                 raise LayoutError("fault.exclude_after: every host has been excluded; nothing left to train on")
             preflight(cfg, nproc)  # the global batch must still split into the smaller data-parallel degree
-            log("excluded", host=ex["host"], ranks=ex["ranks"], nproc_per_node=nproc, remaining_restarts=budget)
+            log("excluded", host=ex["host"], ranks=ex["ranks"], nproc_per_node=nproc, remaining_restarts=budget,
+                **shrink_record(cfg, nproc + ex["size"], nproc))
         finally:
             log.close()

@@ -27,8 +27,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
                 comm_cfg, rank: int = 0, elastic: bool = False) -> ParallelModel:
     """Apply the configured techniques to ``model`` (on the meta device). ``cfg``: parallelism section;
     ``comm_cfg``: the comm section (DDP's bucket size; which algorithms the gradient collectives use).
-    ``elastic``: the ranks replicate the model but the step reduces the gradients itself
-    (``parallel/elastic.py``), so no DDP wrapper is applied."""
+    ``elastic``: the step reduces the gradients itself (``parallel/elastic.py``), so no DDP wrapper is
+    applied to replicas; an FSDP-sharded model (``dp_shard > 1``) is still sharded, and the caller
+    replaces its reduce-scatters (``apply_tree_reduce_scatter``)."""
     # 1. Pipeline split.
     if dims.pp > 1:
         from stalwart.parallel.pipeline import split_model
@@ -43,6 +44,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
     else:
         pm = ParallelModel(model, [model])
     replicated = meshes is not None and replicates_whole_model(dims) and not elastic
+    whole = elastic and dims.dp_shard == 1  # elastic replicas: each rank holds the whole, unwrapped model
     for stage in pm.stages:
         # 2. Tensor + sequence parallel.
         if dims.tp > 1:
@@ -72,10 +74,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, cfg
 
             apply_replicate(stage, meshes.dp.get_group(), comm_cfg.bucket_mb)
             pm.replicated = True
-        elif meshes is not None and not elastic and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
+        elif meshes is not None and not whole and (meshes.fsdp.size() > 1 or param_dtype != torch.float32):
             apply_fsdp(stage, meshes.fsdp, param_dtype, cfg.reshard_after_forward and dims.pp == 1,
                        meshes.expert_fsdp, dims.dp)
-    if (meshes is None or replicated or elastic) and param_dtype != torch.float32:
+    if (meshes is None or replicated or whole) and param_dtype != torch.float32:
         # No FSDP to cast: parallel/precision.py casts each unit's parameters as it runs, same policy.
         from stalwart.parallel.precision import apply_cast
 

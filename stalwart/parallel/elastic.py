@@ -91,19 +91,21 @@ class TreeAccumulator:
                 break
             self._stack[-2:] = [(lo1, 2 * s1, a + b)]
 
-    def total(self, group=None) -> torch.Tensor:
+    def total(self, group=None, shards: int = 1) -> torch.Tensor:
         """The root of the tree on every rank: this rank's blocks exchanged with the others' (``group``:
-        the data-parallel group; None on one process)."""
+        the data-parallel group; None on one process). With ``shards > 1`` every value is a
+        ``(shards, n)`` stack of slices (FSDP's reduce-scatter layout) and a rank receives and sums only
+        slice ``rank % shards`` of every block (one all-to-all): the root of its own slice."""
         if self._next != self.hi:
             raise RuntimeError(f"rank {self.rank} summed {self._next - self.lo} of its {self.hi - self.lo} "
                                "micro-batches")
         nodes = {(lo, size): v for lo, size, v in self._stack}
-        if self.world > 1:
+        if shards > 1:
+            nodes = self._exchange_slices(group, shards)
+        elif self.world > 1:
             import torch.distributed as dist
 
-            per = self.leaves // self.world
-            layout = [blocks(r * per, (r + 1) * per) for r in range(self.world)]
-            width = max(len(b) for b in layout)
+            layout, width = self._layout()
             first = self._stack[0][2]
             mine = torch.zeros(width, first.numel(), dtype=first.dtype, device=first.device)
             for i, (_, _, v) in enumerate(self._stack):
@@ -114,6 +116,26 @@ class TreeAccumulator:
                      for i, blk in enumerate(rank_blocks)}
         self._stack, self._next = [], self.lo
         return tree_sum(self.leaves, nodes)
+
+    def _layout(self) -> tuple[list[list[tuple[int, int]]], int]:
+        """Every rank's blocks, and the most any rank has (the exchange's width)."""
+        per = self.leaves // self.world
+        layout = [blocks(r * per, (r + 1) * per) for r in range(self.world)]
+        return layout, max(len(b) for b in layout)
+
+    def _exchange_slices(self, group, shards: int) -> dict[tuple[int, int], torch.Tensor]:
+        """Every rank's blocks, slice ``rank % shards`` of each, by one all-to-all over ``group``."""
+        import torch.distributed as dist
+
+        layout, width = self._layout()
+        first = self._stack[0][2].reshape(shards, -1)
+        # (to rank, block, slice): rank q gets slice q % shards of each of this rank's blocks
+        send = torch.zeros(self.world, width, first.shape[1], dtype=first.dtype, device=first.device)
+        for i, (_, _, v) in enumerate(self._stack):
+            send[:, i] = v.reshape(shards, -1).repeat(self.world // shards, 1)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return {blk: recv[r, i] for r, rank_blocks in enumerate(layout) for i, blk in enumerate(rank_blocks)}
 
 
 def flat_grads(params: list[torch.nn.Parameter], extra: torch.Tensor) -> torch.Tensor:
@@ -138,11 +160,94 @@ def assign_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> torch.
     return flat[off:]
 
 
-def check_elastic_layout(dims) -> None:
-    """``training.elastic_exact`` sums whole gradients: every data-parallel rank must hold the whole model."""
-    split = {k: getattr(dims, k) for k in ("dp_shard", "tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
+class TreeReduceScatter:
+    """FSDP2's gradient reduce-scatter of one module, replaced by the canonical tree (``dp_shard`` under
+    ``training.elastic_exact``; installed by :func:`apply_tree_reduce_scatter`).
+
+    FSDP calls it once per micro-batch with the module's unsharded gradients laid out as one
+    ``(dp_shard, n)`` stack of padded shards. Each call's input joins this rank's blocks of the tree;
+    the output of every micro-batch but the step's last is ``-0.0``, the one value whose addition changes
+    no bit (``x + -0.0 == x`` for every ``x``, signed zeros included), so FSDP's accumulation of the
+    outputs into the sharded gradients is exact. At the last micro-batch the ranks exchange their
+    blocks' slices (one all-to-all over the data-parallel group) and each writes the root of its own
+    slice, divided by the number of micro-batches: element for element the replicated path's value.
+    Under HSDP the replicas of a shard all hold that root, and only the first writes it (the others
+    write ``-0.0``), so FSDP's all-reduce over the replicas changes no bit either."""
+
+    def __init__(self, leaves: int, dp_rank: int, dp: int, dp_shard: int, group, last: list[bool]) -> None:
+        self.acc = TreeAccumulator(leaves, dp_rank, dp)
+        self.shards, self.group, self.last = dp_shard, group, last
+        self.writes = dp_rank < dp_shard  # the first replica of its shard
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.acc.push(input_tensor)
+        if not self.last[0]:
+            output_tensor.fill_(-0.0)
+            return None
+        root = self.acc.total(self.group, self.shards)
+        if self.writes:
+            output_tensor.copy_(root.div_(self.acc.leaves).view_as(output_tensor))
+        else:
+            output_tensor.fill_(-0.0)
+        return None
+
+
+def apply_tree_reduce_scatter(stages: list[torch.nn.Module], leaves: int, dp_rank: int, dp: int, dp_shard: int,
+                              group) -> list[bool]:
+    """Give every FSDP module in ``stages`` its :class:`TreeReduceScatter` (exchanging over ``group``, the
+    data-parallel group), reducing by plain sums. Returns the flag the step sets to True before its
+    last micro-batch's backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    last = [False]
+    for stage in stages:
+        for m in stage.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(TreeReduceScatter(leaves, dp_rank, dp, dp_shard, group, last))
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+    return last
+
+
+def tree_grad_norm(params: list[torch.nn.Parameter], shard_group=None, shards: int = 1) -> torch.Tensor:
+    """The 2-norm of all gradients with additions that do not depend on the layout: each row's sum of
+    squares (a row along dim 0 is never split by FSDP), the rows of each parameter gathered whole
+    (``shard_group``: the FSDP shard group of ``shards`` ranks; None when nothing is sharded) and summed,
+    then the parameters' sums in parameter order."""
+    rows = []
+    for p in params:
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        sq = g.float().square()
+        rows.append(sq.sum(dim=tuple(range(1, sq.ndim))) if sq.ndim > 1 else sq.reshape(-1))
+    if shards > 1:
+        import torch.distributed as dist
+
+        sizes = [p.shape[0] if p.ndim else 1 for p in params]
+        chunk = [-(-n // shards) for n in sizes]
+        mine = torch.cat([torch.nn.functional.pad(r, (0, c - r.numel())) for r, c in zip(rows, chunk)])
+        gathered = torch.empty(shards * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_single(gathered, mine, group=shard_group)
+        gathered = gathered.view(shards, -1)
+        rows, off = [], 0
+        for n, c in zip(sizes, chunk):
+            rows.append(gathered[:, off:off + c].reshape(-1)[:n])  # FSDP's chunks: c rows each, the last short
+            off += c
+    return torch.stack([r.sum() for r in rows]).sum().sqrt()
+
+
+def check_elastic_layout(dims, optimizer: str = "adamw") -> None:
+    """``training.elastic_exact`` sums whole micro-batch gradients: every data-parallel rank computes with
+    the whole model (replicated, or FSDP-sharded and gathered), and the update must not depend on how
+    the parameters are split."""
+    split = {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
     if split:
         what = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise UserError(f"training.elastic_exact needs every data-parallel rank to hold the whole model "
-                        f"(replicated data parallel); this layout splits it ({what}): set "
-                        "--parallelism.data_parallel replicate and no tp/pp/cp/ep, or turn elastic_exact off")
+        raise UserError(f"training.elastic_exact needs every data-parallel rank to compute with the whole model "
+                        f"(replicated or FSDP data parallel); this layout splits it ({what}): use only "
+                        "dp_replicate/dp_shard, or turn elastic_exact off")
+    if dims.dp_shard > 1 and optimizer != "adamw":
+        raise UserError(f"training.elastic_exact with dp_shard > 1 needs --optimizer.name adamw ({optimizer} takes "
+                        "norms over whole sharded tensors, whose sums depend on the number of shards)")

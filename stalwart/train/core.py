@@ -28,7 +28,8 @@ from stalwart.data.loader import Batch
 from stalwart.models.llama import Transformer, TransformerArgs, count_params, flops_per_token
 from stalwart.parallel.apply import parallelize
 from stalwart.parallel.dims import ParallelDims, build_mesh, virtual_stages
-from stalwart.parallel.elastic import TreeAccumulator, check_elastic_layout
+from stalwart.parallel.elastic import (TreeAccumulator, apply_tree_reduce_scatter, check_elastic_layout,
+                                       tree_grad_norm)
 from stalwart.parallel.replicate import start_replicas
 from stalwart.runtime.device import is_accelerator
 from stalwart.runtime.env import DistEnv
@@ -120,7 +121,7 @@ class TrainCore:
             model = Transformer(a)
         elastic = bool(getattr(spec.training, "elastic_exact", False))
         if elastic:
-            check_elastic_layout(dims)
+            check_elastic_layout(dims, spec.optimizer.name)
         self.pm = parallelize(model, dims, self.mesh, replace(spec.parallelism, compile=self.compiled),
                               self.param_dtype, spec.comm, env.rank,
                               elastic=elastic)
@@ -129,16 +130,24 @@ class TrainCore:
         if self.pm.replicated:
             start_replicas(self.pm.stages)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(spec.optimizer, self.model)
+        self.optimizer = build_optimizer(spec.optimizer, self.model, elementwise=elastic)
         self.opt = GatedOptimizer(self.optimizer)
         self.schedule = LRSchedule(spec.scheduler, spec.optimizer.lr, spec.training.steps)
         self.runner = StepRunner(self.pm, dims, self.mesh, self.device, env.rank, spec.accum_steps,
                                  spec.parallelism.pp_schedule, timer)
         self.timer = self.runner.timer
+        self.elastic_norm = None  # the layout-independent gradient norm under training.elastic_exact
         if elastic:
             leaves = spec.training.global_batch // spec.training.micro_batch
-            self.runner.use_elastic(TreeAccumulator(leaves, dims.dp_rank(env.rank), dims.dp),
-                                    self.mesh.dp.get_group() if dims.dp > 1 else None, self.params)
+            dp_group = self.mesh.dp.get_group() if dims.dp > 1 else None
+            last, shard_group = None, None
+            if dims.dp_shard > 1:
+                shard_group = self.mesh.fsdp.get_group(self.mesh.fsdp.ndim - 1)
+                last = apply_tree_reduce_scatter(self.pm.stages, leaves, dims.dp_rank(env.rank), dims.dp,
+                                                 dims.dp_shard, dp_group)
+            self.runner.use_elastic(TreeAccumulator(leaves, dims.dp_rank(env.rank), dims.dp), dp_group,
+                                    self.params, last)
+            self.elastic_norm = lambda: tree_grad_norm(self.params, shard_group, dims.dp_shard)
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.state = TrainState()
         self.backward_hooks: list[BackwardHook] = []
@@ -163,7 +172,8 @@ class TrainCore:
             local_loss = hook(step, local_loss)
         compute_s = time.perf_counter() - t0
         with self.timer.phase("optimizer"):
-            grad_norm = clip_grad_norm(self.params, self.spec.training.grad_clip, self.pp_group)
+            grad_norm = clip_grad_norm(self.params, self.spec.training.grad_clip, self.pp_group,
+                                       self.elastic_norm() if self.elastic_norm is not None else None)
             decision = self.opt.step(step, local_loss, grad_norm, compute_s)
             self.opt.zero_grad()
         self.schedule.advance()

@@ -66,14 +66,17 @@ def _full_norm(t: torch.Tensor) -> float:
     return float(n)
 
 
-def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
-    """``cfg`` is the ``optimizer`` config section."""
+def build_optimizer(cfg, model: nn.Module, elementwise: bool = False) -> torch.optim.Optimizer:
+    """``cfg`` is the ``optimizer`` config section. ``elementwise``: every element's update must not depend
+    on how the parameter is split (``training.elastic_exact``): the foreach AdamW, whose bits are the
+    same on a whole tensor and on its shards; the fused CPU kernel's are not (measured: it rounds the
+    elements of a vector's tail another way)."""
     groups = _param_groups(model, cfg.weight_decay)
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     # fused: one kernel for the whole update (about 4x faster than foreach on CPU, same math).
-    kwargs = {"fused": True} if cfg.fused else {"foreach": False}
+    kwargs = {"foreach": True} if elementwise else {"fused": True} if cfg.fused else {"foreach": False}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kwargs)
 
 
@@ -136,10 +139,13 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> float:
-    """Global gradient norm over all shards and pipeline stages (clipped in place when max_norm > 0)."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None,
+                   total: torch.Tensor | None = None) -> float:
+    """Global gradient norm over all shards and pipeline stages (clipped in place when max_norm > 0).
+    ``total``: the norm, computed by the caller (``training.elastic_exact``'s layout-independent one)."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = _total_norm(grads) if grads else torch.zeros(())
+    if total is None:
+        total = _total_norm(grads) if grads else torch.zeros(())
     if pp_group is not None:
         import torch.distributed as dist
 

@@ -65,12 +65,16 @@ class StepRunner:
         self._loss_fn: LossFn = cross_entropy
         self.elastic = None  # a parallel.elastic.TreeAccumulator when training.elastic_exact is on
         self.elastic_group = None
+        self.elastic_last: list[bool] | None = None  # FSDP's tree reduce-scatters: True for the last micro-batch
         self.params: list[torch.nn.Parameter] = []
 
-    def use_elastic(self, accumulator, group, params: list[torch.nn.Parameter]) -> None:
+    def use_elastic(self, accumulator, group, params: list[torch.nn.Parameter],
+                    last: list[bool] | None = None) -> None:
         """Sum the micro-batches' gradients in the canonical tree of ``accumulator`` and exchange them over
-        ``group`` (the data-parallel group; None on one process) instead of leaving it to DDP."""
-        self.elastic, self.elastic_group, self.params = accumulator, group, params
+        ``group`` (the data-parallel group; None on one process) instead of leaving it to DDP. ``last``:
+        the model is FSDP-sharded and its reduce-scatters sum the gradients in the tree themselves
+        (``parallel.elastic.apply_tree_reduce_scatter``); ``accumulator`` then sums only the losses."""
+        self.elastic, self.elastic_group, self.params, self.elastic_last = accumulator, group, params, last
 
     def _loss_context(self):
         if self.pm.loss_parallel:
@@ -119,13 +123,23 @@ class StepRunner:
 
         model = self.pm.stages[0]
         set_aux_grad_scale(model, 1.0)
-        for batch in micro:
+        for i, batch in enumerate(micro):
             inputs, targets, positions = self._prepare(batch)
             with self.timer.phase("forward"):
                 loss = loss_fn(_forward(model, inputs, positions, batch), targets)
+            if self.elastic_last is not None:
+                self.elastic_last[0] = i == len(micro) - 1
+                with self.timer.phase("backward"):
+                    loss.backward()
+                self.elastic.push(_local(loss.detach()).reshape(1).float())
+                continue
             with self.timer.phase("backward"):
                 loss.backward()
             self.elastic.push(flat_grads(self.params, _local(loss.detach())))
+        if self.elastic_last is not None:
+            self.elastic_last[0] = False
+            with self.timer.phase("reduce"):
+                return self.elastic.total(self.elastic_group).div_(self.elastic.leaves)[0]
         with self.timer.phase("reduce"):
             total = self.elastic.total(self.elastic_group).div_(self.elastic.leaves)
         return assign_grads(self.params, total)[0]
