@@ -283,16 +283,18 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         assert same_scores(scored(pp), expected_scores)
         assert pp.update(b)["weight_version"] == 1
         assert pp.greedy(prompts[:8]) == expected_b[:8]
-        # kill -9 of one rank: the launcher stops the group, and `stalwart serve` starts it again (with
-        # the weights its command line names).
+        # kill -9 of one rank: the launcher stops the group, and `stalwart serve` starts it again, with the
+        # weights it last applied (run b, version 1), not those its command line names.
         pp.port_file.unlink()
         ranks = [p for p in process_tree(pp.proc.pid)
                  if b"stalwart.serve.replica" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(ranks) == 2, ranks
         os.kill(max(ranks), signal.SIGKILL)
         pp.wait_serving()
-        assert pp.greedy(prompts[:8]) == expected[:8]
+        assert pp.greedy(prompts[:8]) == expected_b[:8]
+        assert httpx.get(pp.url + "/health").json()["weight_version"] == 1
         assert "the replica exited with code 1; starting it again" in pp.output()
+        assert "started again with the weights last applied (version 1, " in pp.output()
     finally:
         # SIGTERM to the command: the group stops in order, quietly.
         assert pp.stop(signal.SIGTERM) == 0, pp.output()

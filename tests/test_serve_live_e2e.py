@@ -1,6 +1,8 @@
-"""Live weights through the real CLI: `stalwart serve` takes the weights of a `stalwart train` run that is
-still training (two FSDP ranks, each sending its own shards), in memory, with no checkpoint read. The
-served greedy tokens then equal `stalwart generate` from the checkpoint saved at the same step; a live
+"""Live weights through the real CLI: `stalwart serve` (a router over one replica, `--layout.router`)
+takes the weights of a `stalwart train` run that is still training (two FSDP ranks, each sending its own
+shards), in memory, with no checkpoint read. The served greedy tokens then equal `stalwart generate` from
+the checkpoint saved at the same step; killed mid-stream, the replica is started again with those live
+weights (its snapshot), and the stream resumes on it token for token; a live
 update from a run that publishes nothing within the timeout answers 504 naming ``timeout`` and the
 server keeps its weights; a run that does not publish at all is a 400 naming ``source``."""
 
@@ -19,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import REPO, TINY_RUN, cli_env, run_cli
-from test_serve_e2e import Server
+from test_serve_e2e import Server, process_tree
 
 pytestmark = pytest.mark.e2e
 
@@ -53,9 +55,10 @@ def logprobs(server: Server) -> list[float]:
 
 def test_live_weights_from_a_running_train(tmp_path):
     run, idle = tmp_path / "live", tmp_path / "idle"
+    # (context 256, trained on 32-token pieces: room for a stream long enough to be cut mid-way)
     trainer = start_train(run, tmp_path / "live.log", "--training.steps", "100000", "--publish.interval", "2",
                           "--checkpoint.interval", "2", "--checkpoint.keep_last", "0",
-                          "--launch.nproc_per_node", "2")
+                          "--launch.nproc_per_node", "2", "--model.max_seq_len", "256")
     # A run that publishes, but not within any test's patience.
     quiet = start_train(idle, tmp_path / "idle.log", "--training.steps", "100000", "--publish.interval", "100000",
                         "--launch.nproc_per_node", "1")
@@ -63,26 +66,40 @@ def test_live_weights_from_a_running_train(tmp_path):
     try:
         wait_for("a first checkpoint", lambda: (run / "checkpoints" / "latest").is_file(), trainer,
                  tmp_path / "live.log")
-        server = Server(tmp_path, "--run", str(run))
+        server = Server(tmp_path, "--run", str(run), "--layout.router", "true")
         before, old = server.greedy(PROMPTS), logprobs(server)
 
         r = live(server, run)
         assert r.status_code == 200, r.text
         version = r.json()["weight_version"]
         assert version > 0 and version % 2 == 0 and r.json()["live"] is True
-        assert httpx.get(server.url + "/health").json()["weight_version"] == version
+        assert served_version(server) == version
         served = server.greedy(PROMPTS)
         assert logprobs(server) != old  # trained weights, not the checkpoint the server started from
         step = run / "checkpoints" / f"step-{version}"
         wait_for(f"checkpoint step-{version}", step.is_dir, trainer, tmp_path / "live.log")
-        assert served == [generate_from(run, step, p) for p in PROMPTS], before
+        # (`stalwart generate` prints its text and a newline; the comparison drops trailing newlines alike)
+        assert [t.rstrip("\n") for t in served] == [generate_from(run, step, p) for p in PROMPTS], before
+
+        # kill -9 of the replica mid-stream: started again with the live weights, the stream resumes.
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 1.0, "seed": 5, "ignore_eos": True,
+                "stream": True}
+        undisturbed = stream(server, body)
+        assert len(undisturbed) > 50 and stream(server, body, kill_after=1) == undisturbed
+        deadline = time.monotonic() + 120
+        while (health := httpx.get(server.url + "/health", timeout=30).json())["status"] != "ok" or \
+                health["replicas"][0]["restarts"] != 1:
+            assert time.monotonic() < deadline, (health, server.output()[-3000:])
+            time.sleep(0.5)
+        assert served_version(server) == version
+        assert server.greedy(PROMPTS) == served and "started again with the weights last applied" in server.output()
 
         # Nothing published within the timeout: 504 naming the field, and the weights served stay.
         wait_for("the idle run's store", (idle / "publish.json").is_file, quiet, tmp_path / "idle.log")
         r = live(server, idle, timeout=2)
         assert r.status_code == 504 and r.json()["error"]["param"] == "timeout", r.text
         assert "within timeout = 2 s" in r.json()["error"]["message"]
-        assert httpx.get(server.url + "/health").json()["weight_version"] == version
+        assert served_version(server) == version
         assert server.greedy(PROMPTS) == served
         # A directory that publishes nothing at all; a live update is one process's only.
         r = live(server, step)
@@ -112,6 +129,30 @@ def test_live_weights_from_a_running_train(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
+
+
+def served_version(server: Server) -> int:
+    """The weight version the router's one replica serves."""
+    replica = httpx.get(server.url + "/health", timeout=30).json()["replicas"][0]["url"]
+    return httpx.get(replica + "/health", timeout=30).json()["weight_version"]
+
+
+def stream(server: Server, body: dict, kill_after: int | None = None) -> str:
+    """A streamed completion's text; with ``kill_after``, kill -9 the replica after that many chunks."""
+    text, chunks = "", 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=240) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += "".join(c["text"] for c in event["choices"])
+                chunks += 1
+                if chunks == kill_after:
+                    replica = [p for p in process_tree(server.proc.pid)
+                               if b"stalwart.serve.replica" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                    os.kill(replica[0], signal.SIGKILL)
+    return text
 
 
 def generate_from(run: Path, checkpoint: Path, prompt: str) -> str:

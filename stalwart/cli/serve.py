@@ -19,10 +19,11 @@ from stalwart.serve.http import bind
 from stalwart.serve.options import device_setting, parse, usage
 
 
-def replica_command(argv: list[str], procs: int, port_file: Path | None) -> list[str]:
-    """The command line of one replica: itself if it is one process, else the group launcher."""
+def replica_command(argv: list[str], procs: int, port_file: Path | None, weights_file: Path) -> list[str]:
+    """The command line of one replica: itself if it is one process, else the group launcher.
+    ``weights_file``: where it records the weights it applies, to start again with them (serve/applied.py)."""
     args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file and "--port-file" not in argv
-                                         else [])
+                                         else []) + ["--weights-file", str(weights_file)]
     if procs == 1:
         return [sys.executable, "-m", "stalwart.serve.replica", *args]
     # "--" ends the launcher's (torchrun's) own options (it would take --run for its --run-path).
@@ -37,7 +38,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
-    cfg, source, port_file = parse(argv)
+    cfg, source, port_file, weights_file = parse(argv)
     layout = cfg.layout
     from stalwart.infer.load import check_layout, read_args
 
@@ -59,39 +60,49 @@ def main(argv: list[str]) -> int:
         check_device(kind, procs * layout.replicas, device_setting(argv))
     # A bad host or a taken port is one line now, not a failed group of processes.
     bind(cfg.server.host, cfg.server.port).close()
-    if layout.replicas == 1 and procs == 1:
+    if layout.replicas == 1 and procs == 1 and not layout.router:
         from stalwart.serve.replica import run_replica
 
-        return run_replica(cfg, source, port_file, device_setting(argv))
+        return run_replica(cfg, source, port_file, device_setting(argv), weights_file)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if layout.replicas == 1:
-        return _run_until_stopped(replica_command(argv, procs, port_file), env)
+    with tempfile.TemporaryDirectory(prefix="stalwart-serve-") as tmp:
+        if layout.replicas == 1 and not layout.router:
+            inner = _without(argv, ("--weights-file",))
+            return _run_until_stopped(replica_command(inner, procs, port_file, Path(tmp) / "weights.json"), env)
+        return _run_replicas(argv, cfg, source, procs, kind, env, port_file, Path(tmp))
+
+
+def _run_replicas(argv: list[str], cfg, source, procs: int, kind: str, env: dict[str, str], port_file: Path | None,
+                  tmp: Path) -> int:
+    """Replicas behind the router, each on a loopback port, started again when they fail."""
     from stalwart.serve.resume import SECRET_ENV, new_secret
     from stalwart.serve.router import Fleet, run_router
 
-    with tempfile.TemporaryDirectory(prefix="stalwart-serve-") as tmp:
-        inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
-                                "--layout.replicas")) + ["--port", "0", "--host", "127.0.0.1"]
-        files = [Path(tmp) / f"replica-{i}.port" for i in range(layout.replicas)]
-        # The replicas take the router's resume extension from the router alone (serve/resume.py).
-        secret = new_secret()
-        routed_env = dict(env, **{SECRET_ENV: secret})
+    layout = cfg.layout
+    inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
+                            "--layout.replicas", "--layout.router", "--weights-file")) + ["--port", "0", "--host",
+                                                                                         "127.0.0.1"]
+    files = [tmp / f"replica-{i}.port" for i in range(layout.replicas)]
+    weights = [tmp / f"replica-{i}.weights.json" for i in range(layout.replicas)]
+    # The replicas take the router's resume extension from the router alone (serve/resume.py).
+    secret = new_secret()
+    routed_env = dict(env, **{SECRET_ENV: secret})
 
-        def start(i: int) -> subprocess.Popen:
-            return _start(replica_command(inner, procs, files[i]), replica_env(routed_env, kind, i, procs))
+    def start(i: int) -> subprocess.Popen:
+        return _start(replica_command(inner, procs, files[i], weights[i]), replica_env(routed_env, kind, i, procs))
 
-        children = [start(i) for i in range(layout.replicas)]
-        try:
-            return run_router(cfg, source.name, Fleet(children, files, start), port_file, secret)
-        finally:
-            for p in children:
-                if p.poll() is None:
-                    stop_replica(p)
-            for p in children:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+    children = [start(i) for i in range(layout.replicas)]
+    try:
+        return run_router(cfg, source.name, Fleet(children, files, start, weights), port_file, secret)
+    finally:
+        for p in children:
+            if p.poll() is None:
+                stop_replica(p)
+        for p in children:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:

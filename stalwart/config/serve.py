@@ -61,6 +61,8 @@ class LayoutConfig:
                      1, min=1)
     pp: int = option("Pipeline-parallel degree: layers split into this many stages (processes).", 1, min=1)
     replicas: int = option("Independent copies of the model behind a least-loaded router.", 1, min=1)
+    router: bool = option("Put the router in front of a single replica too (replicas = 1): the replica is started "
+                          "again when it fails, and its streams resume on it once it is back.", False)
 
 
 @dataclass

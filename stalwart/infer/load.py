@@ -148,3 +148,17 @@ def source_from(where: str | Path) -> Source:
     if p.parent.name == "checkpoints" and (p.parent.parent / "config.toml").is_file():
         return Source(run=p.parent.parent, checkpoint=str(p))
     raise UserError(f"{where} is neither a run directory, one of its checkpoints, nor a Hugging Face directory")
+
+
+def save_hf(state: dict[str, torch.Tensor], args: TransformerArgs, tokenizer, eos_id: int | None, out: Path) -> None:
+    """Write full weights ``state`` with their ``tokenizer`` (a tokenizers.Tokenizer) as a Hugging Face
+    directory ``out`` that ``read_source`` reads back (a served model's weights kept on disk)."""
+    import tempfile
+
+    from stalwart.export.hf import export_hf
+
+    eos = tokenizer.id_to_token(eos_id) if eos_id is not None else None
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_json = Path(tmp) / "tokenizer.json"
+        tokenizer.save(str(tokenizer_json))
+        export_hf(state, args, tokenizer_json, eos, eos_id, out)

@@ -89,11 +89,15 @@ LOAD_LIMIT_S = 900.0
 
 class EngineLoop:
     def __init__(self, engine: Engine, link=None, load: Callable[[str], dict] | None = None,
-                 on_step: Callable[[list[Output], float], None] | None = None) -> None:
+                 on_step: Callable[[list[Output], float], None] | None = None,
+                 on_weights: Callable[[int, str | None, dict | None], None] | None = None) -> None:
+        """``on_weights(version, where, state)``: after each weight update applied, from ``where`` (a path
+        read by ``load``) or as a live ``state``; on the engine thread, before the update is answered."""
         self.engine = engine
         self.link = link  # infer.group.StepLink on rank 0 of a multi-process replica
         self.load = load  # where -> full state dict, for weight updates
         self.on_step = on_step
+        self.on_weights = on_weights
         self.commands: queue.Queue = queue.Queue()
         self.sinks: dict[str, Sink] = {}
         self.wake = threading.Event()
@@ -299,12 +303,13 @@ class EngineLoop:
                 self.link.send_load(where, v)
             self.engine.update_weights(lambda: self.load(where), v)
 
-        self._update(version, done, apply)
+        self._update(version, done, apply, where)
 
     def _install(self, state: dict, version: int, done: Future) -> None:
-        self._update(version, done, lambda v: self.engine.update_weights(lambda: state, v))
+        self._update(version, done, lambda v: self.engine.update_weights(lambda: state, v), state=state)
 
-    def _update(self, version: int | None, done: Future, apply: Callable[[int], None]) -> None:
+    def _update(self, version: int | None, done: Future, apply: Callable[[int], None], where: str | None = None,
+                state: dict | None = None) -> None:
         """Apply a weight update as ``version`` (default: the served one + 1), only if newer."""
         current = self.engine.weight_version
         version = current + 1 if version is None else version
@@ -317,6 +322,8 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - reported to the caller; the old weights stay
             done.set_exception(e)
         else:
+            if self.on_weights is not None:
+                self.on_weights(version, where, state)
             done.set_result(version)
 
     def _deliver(self, out: Output) -> None:

@@ -23,7 +23,8 @@ swap weights without a restart. Listens on 127.0.0.1 unless --host says otherwis
 # CLI-contract flags -> config keys
 ALIASES = {"--host": "server.host", "--port": "server.port", "--tp": "layout.tp", "--pp": "layout.pp",
            "--replicas": "layout.replicas", "--device": "engine.device"}
-PATH_FLAGS = ("--run", "--hf", "--checkpoint", "--config", "--port-file")
+# --port-file and --weights-file are internal: `stalwart serve` gives them to the replicas it starts.
+PATH_FLAGS = ("--run", "--hf", "--checkpoint", "--config", "--port-file", "--weights-file")
 
 
 def usage() -> str:
@@ -35,7 +36,9 @@ def device_setting(argv: list[str]) -> str:
     return "--device" if any(a == "--device" or a.startswith("--device=") for a in argv) else "engine.device"
 
 
-def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None]:
+def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None, Path | None]:
+    """The config, the weight source, the port file (written once serving) and the record of the weights
+    applied (serve/applied.py)."""
     found, overrides = split_args(argv, {name: True for name in (*PATH_FLAGS, *ALIASES)})
     flags = {k: v for k, v in found.items() if k in PATH_FLAGS}
     for alias, key in ALIASES.items():
@@ -52,4 +55,5 @@ def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None]:
     source = (Source(run=Path(flags["--run"]), checkpoint=flags.get("--checkpoint")) if "--run" in flags
               else Source(hf=Path(flags["--hf"])))
     port_file = Path(flags["--port-file"]) if "--port-file" in flags else None
-    return cfg, source, port_file
+    weights_file = Path(flags["--weights-file"]) if "--weights-file" in flags else None
+    return cfg, source, port_file, weights_file

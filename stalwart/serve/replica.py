@@ -24,13 +24,16 @@ EXIT_UNHEALTHY = 3
 
 
 def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
-                device_setting: str = "engine.device") -> int:
+                device_setting: str = "engine.device", weights_file: Path | None = None) -> int:
+    """Serve ``source``'s weights, or, when ``weights_file`` records a weight update this replica applied
+    before it was started again (serve/applied.py), those weights as that version."""
     import torch
 
     from stalwart.infer.engine import Engine
     from stalwart.infer.load import build_model, read_source, source_from
     from stalwart.runtime.device import resolve_device
     from stalwart.serve.app import create_app
+    from stalwart.serve.applied import AppliedWeights
     from stalwart.serve.chat import ChatFormat
     from stalwart.serve.http import serve
     from stalwart.serve.loop import EngineLoop
@@ -55,6 +58,14 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         pipe = PipeLink(rank, tp, pp, device) if pp > 1 else None
     else:
         device = resolve_device(cfg.engine.device, 0, device_setting)
+    applied = AppliedWeights(weights_file) if weights_file is not None else None
+    last = applied.read() if applied is not None else None
+    version, named = 0, source  # the command line's source names the model and its chat format
+    if last is not None:  # every rank reads the same record: the group loads the same weights
+        source, version = last
+        if rank == 0:
+            print(f"stalwart serve: started again with the weights last applied (version {version}, "
+                  f"{source.checkpoint or source.run or source.hf})", file=sys.stderr, flush=True)
     try:
         torch.set_grad_enabled(False)
         loaded = read_source(source)
@@ -69,24 +80,31 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
             if rank != 0:
                 draft, engine_cfg = None, replace(engine_cfg, speculative="off", draft_model="")
         engine = Engine(model, loaded.tokenizer, loaded.eos_id, engine_cfg, tp_size=tp, link=link, pipe=pipe,
-                        draft=draft)
+                        weight_version=version, draft=draft)
+        origins: dict[str, Path] = {}  # what each update's path named when it was read (a run: its checkpoint)
 
         def load(where: str) -> dict:
-            return read_source(source_from(where)).state
+            read = read_source(source_from(where))
+            origins[where] = read.origin
+            return read.state
+
+        def keep(version: int, where: str | None, state: dict | None) -> None:
+            if applied is not None:
+                applied.keep(version, where, origins.pop(where, None) if where else None, state, engine)
 
         if rank != 0:
             from stalwart.infer.group import follow
 
             follow(engine, link, load)
             return 0
-        name = cfg.server.model_name or source.name
-        loop = EngineLoop(engine, link, load).start()
+        name = cfg.server.model_name or named.name
+        loop = EngineLoop(engine, link, load, on_weights=keep).start()
         if world > 1:  # its launcher starts the group again when a process exits
             _exit_when_unhealthy(loop, UNHEALTHY_EXIT_S)
         try:
             what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
                     f"blocks of {cfg.engine.block_size} tokens)")
-            app = create_app(loop, name, router_secret=replica_secret(), chat=ChatFormat.of_dir(source.hf))
+            app = create_app(loop, name, router_secret=replica_secret(), chat=ChatFormat.of_dir(named.hf))
             serve(app, cfg.server.host, cfg.server.port, what, port_file)
         finally:
             loop.stop()
@@ -140,8 +158,8 @@ def main(argv: list[str]) -> int:
 
     die_with_parent()
     argv = argv[1:] if argv[:1] == ["--"] else argv
-    cfg, source, port_file = parse(argv)
-    return run_replica(cfg, source, port_file, device_setting(argv))
+    cfg, source, port_file, weights_file = parse(argv)
+    return run_replica(cfg, source, port_file, device_setting(argv), weights_file)
 
 
 if __name__ == "__main__":

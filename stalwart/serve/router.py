@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
+from stalwart.serve.applied import AppliedWeights
 from stalwart.serve.errors import error_body, install_error_handlers
 from stalwart.serve.http import ClientGone, unless_client_leaves
 from stalwart.serve.resume import HEADER, RESUME_FIELD, StreamRecord
@@ -42,16 +43,19 @@ PROBE_INTERVAL_S = 1.0
 RESTART_AFTER_S = 5.0  # a live replica whose /health fails this long is killed and started again
 UNREACHABLE_AFTER_S = 30.0  # the same for one whose /health does not answer at all
 DRAIN_TIMEOUT_S = 300.0  # the longest a weight update waits for a replica's requests to finish
+RESUME_WAIT_S = 180.0  # a router over one replica waits this long for it to be back to resume a stream
 
 
 @dataclass
 class Fleet:
     """The replica processes behind the router; ``start(i)`` starts replica ``i`` (again), writing its
-    port to ``files[i]``. ``procs`` is updated in place, so whoever stops them at exit stops the new ones."""
+    port to ``files[i]``. ``procs`` is updated in place, so whoever stops them at exit stops the new ones.
+    ``weights[i]``: where replica ``i`` records the weights it applied (serve/applied.py)."""
 
     procs: list[subprocess.Popen]
     files: list[Path]
     start: Callable[[int], subprocess.Popen]
+    weights: list[Path] | None = None
 
 
 def pick(in_flight: list[int], up: list[bool] | None = None) -> list[int]:
@@ -109,10 +113,13 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             url = f"http://127.0.0.1:{int(fleet.files[i].read_text())}"
             if last_update:
                 try:
-                    r = await client.post(url + "/v1/weights", json=last_update, headers=routed)
-                except httpx.HTTPError:
+                    # Started again, it serves the weights it last applied (its record): maybe these.
+                    served = (await client.get(url + "/health", timeout=10.0)).json().get("weight_version")
+                    r = None if served == last_update["version"] else await client.post(
+                        url + "/v1/weights", json=last_update, headers=routed)
+                except (httpx.HTTPError, ValueError):
                     return  # not answering yet (or gone again): the next probe sees
-                if r.status_code != 200:
+                if r is not None and r.status_code != 200:
                     print(f"stalwart serve: replica {i} could not take the weights the others serve "
                           f"({r.text[:300]}); restarting it", file=sys.stderr, flush=True)
                     with contextlib.suppress(ProcessLookupError):
@@ -220,6 +227,8 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             # Nothing relayed yet: the request as it came; else from where the stream stood.
             resume = json.dumps(body if record.id is None else {**body, RESUME_FIELD: record.resume().to_json()})
             upstream, i, why = await send(path, resume.encode(), headers, tried)
+            if upstream is None and n == 1 and fleet is not None:  # the one replica: resume once it is back
+                upstream, i, why = await send_when_back(path, resume.encode(), headers)
             if upstream is None or upstream.status_code != 200:
                 if upstream is not None:
                     why = f"replica {i}: {upstream.status_code} {upstream.text[:200]}"
@@ -229,6 +238,15 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
                 yield f"data: {json.dumps({'error': error})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
+
+    async def send_when_back(path: str, body: bytes, headers: dict) -> tuple[httpx.Response | None, int, str]:
+        """``send`` once a replica is up again (started again by ``supervise``), within ``RESUME_WAIT_S``."""
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while time.monotonic() < deadline:
+            if any(u and not s for u, s in zip(up, starting)):
+                return await send(path, body, headers, set())
+            await asyncio.sleep(0.2)
+        return None, -1, f"no replica was back within {RESUME_WAIT_S:.0f} s"
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -288,9 +306,17 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
                                    f"answered ({codes or 'none'})", None, "server_error")
         bad = [r for r in replies if r.status_code != 200]
         r = bad[0] if bad else replies[0]
-        if not bad and isinstance(parsed, dict) and not parsed.get("live"):
-            last_update.clear()
-            last_update.update(source=parsed["source"], version=r.json()["weight_version"])
+        if not bad and isinstance(parsed, dict):
+            # What a replica that missed it is given: the weights as the replicas recorded them (a run
+            # pinned to the checkpoint read, a live update's snapshot), else the body's source.
+            recorded = AppliedWeights(fleet.weights[0]).source() if fleet is not None and fleet.weights else None
+            version = r.json()["weight_version"]
+            if recorded is not None and recorded["version"] == version:
+                last_update.clear()
+                last_update.update(recorded)
+            elif not parsed.get("live"):
+                last_update.clear()
+                last_update.update(source=parsed["source"], version=version)
         return Response(r.content, r.status_code, media_type="application/json")
 
     async def drained(i: int, update):
