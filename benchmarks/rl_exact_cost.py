@@ -4,10 +4,12 @@
     python benchmarks/rl_exact_cost.py --repeats 2 --steps 6 --out runs/exact-cost
 
 Per repeat, every layout runs once in each mode, alternating (exact, engine, exact, engine, ...), so a
-change of the machine's load falls on both. A run's step time is the median `step_s` of its RL steps
-after the first (`metrics.jsonl`); the table shows every repeat, the ratio exact / engine of the same
-repeat, where the exact mode's extra time went (`rescore_s`: the generator's re-scoring forward;
-`exact_score_s`: the trainers' own scoring pass under tp/ep), the CPU seconds of the whole run (the
+change of the machine's load falls on both. Per timed RL step (every step after the
+first, `metrics.jsonl`) of the exact run: its `step_s` and the exact mode's extra work in it
+(`rescore_s`: the generator's re-scoring forward; `exact_score_s`: the trainers' scoring pass under
+tp/ep), the extra over the rest of the step, and their median plus one: the estimated ratio exact /
+fast from work measured in the same steps, which a change of the machine's load between two runs does
+not skew. Also the ratio of the two runs' median step times, the CPU seconds of each whole run (the
 command and every process it waited for) and the load average before and after each run.
 """
 
@@ -45,7 +47,8 @@ def run_once(out: Path, flags: list[str], mode: str, steps: int) -> dict:
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("kind") == "rl" and r["step"] > 1]
-    return {"step_s": statistics.median(r["step_s"] for r in rl),
+    extra = [(r["step_s"], r["rescore_s"] + r.get("exact_score_s", 0.0)) for r in rl]
+    return {"steps": extra, "step_s": statistics.median(r["step_s"] for r in rl),
             "train_s": statistics.median(r["train_s"] for r in rl),
             "rescore_s": statistics.median(r["rescore_s"] for r in rl),
             "exact_score_s": statistics.median(r.get("exact_score_s", 0.0) for r in rl),
@@ -62,17 +65,19 @@ def main() -> None:
     ap.add_argument("--out", default="runs/exact-cost")
     a = ap.parse_args()
     names = [n.strip() for n in a.layouts.split(",")]
-    print("| layout | repeat | exact step_s | engine step_s | exact / engine | rescore_s | exact_score_s | "
-          "mismatch (exact) | CPU s exact / engine | load before-after |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| layout | repeat | exact: step_s (extra) per step | extra / (step - extra) | estimate (median) | "
+          "exact / engine step_s | mismatch (exact) | CPU s exact / engine | load before-after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rep in range(a.repeats):
         for i, name in enumerate(names):
             got = {}
             for mode in (("exact", "engine") if (rep + i) % 2 == 0 else ("engine", "exact")):
                 got[mode] = run_once(Path(a.out) / f"{i}-{mode}-{rep}", LAYOUTS[name], mode, a.steps)
             e, f = got["exact"], got["engine"]
-            print(f"| {name} | {rep + 1} | {e['step_s']:.3f} | {f['step_s']:.3f} | {e['step_s'] / f['step_s']:.2f} | "
-                  f"{e['rescore_s']:.3f} | {e['exact_score_s']:.3f} | {e['mismatch_max']} | "
+            shares = [x / (t - x) for t, x in e["steps"]]
+            print(f"| {name} | {rep + 1} | {', '.join(f'{t:.1f} ({x:.2f})' for t, x in e['steps'])} | "
+                  f"{', '.join(f'{x:.2f}' for x in shares)} | {1 + statistics.median(shares):.2f} | "
+                  f"{e['step_s']:.2f} / {f['step_s']:.2f} = {e['step_s'] / f['step_s']:.2f} | {e['mismatch_max']} | "
                   f"{e['cpu_s']:.0f} / {f['cpu_s']:.0f} | {e['load'][0]:.1f}-{e['load'][1]:.1f}, "
                   f"{f['load'][0]:.1f}-{f['load'][1]:.1f} |", flush=True)
 
