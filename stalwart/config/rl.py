@@ -111,9 +111,9 @@ class GRPOConfig:
                         "programs (an episode stops early once its program passes the visible tests). The "
                         "reward is the last program's on the hidden tests; the loss covers the policy's tokens "
                         "only. 1 = one program per episode.", 1, min=1, max=8)
-    feedback_tokens: int = option("Longest feedback appended after a failed turn, tokens: the first failing "
-                                  "visible case and why, cut to leave room for the task's prompt, which follows "
-                                  "it again.", 48, min=8)
+    feedback_tokens: int = option("Longest feedback appended after a failed turn (the first failing visible "
+                                  "case and why), tokens; a longer one is cut and still ends its line.", 32,
+                                  min=4)
     clip_low: float = option("PPO clip: the ratio is kept above 1 - clip_low for negative advantages.", 0.2,
                              min=0.0, max=1.0)
     clip_high: float | None = option("PPO clip: the ratio is kept below 1 + clip_high for positive advantages "

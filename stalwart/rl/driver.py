@@ -118,10 +118,6 @@ class RLDriver:
         self.eos = eos_id(self.tok)
         self.pad = self.eos
         self.prompt_len = max_prompt_tokens(self.tok, self.task.train + self.task.evaluated)
-        if cfg.rl.turns > 1 and cfg.rl.feedback_tokens < self.prompt_len + 8:
-            raise UserError(f"rl.feedback_tokens ({cfg.rl.feedback_tokens}) must hold the task's prompt, which follows "
-                            f"each feedback again ({self.prompt_len} tokens at most), and 8 tokens of the failure: "
-                            f"set it to {self.prompt_len + 8} or more")
         self.length = rollout.row_length(self.prompt_len, cfg.rl.max_tokens, cfg.rl.turns, cfg.rl.feedback_tokens)
         self.length += -self.length % cfg.parallelism.tp  # sequence parallelism cuts rows into tp equal shards
         self.args = resolve_args(cfg.model, self.tok.get_vocab_size(), self.length + 1)

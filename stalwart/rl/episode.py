@@ -9,9 +9,8 @@ version, and a group generated again is the same group, bit for bit):
 After each turn but the last, the turn's program runs in the sandbox (``rl/sandbox.py``, or the sandbox
 services) on the instance's *visible* test cases (``Instance.visible_cases``, drawn apart from the hidden
 ones). If it passes them the episode stops there; otherwise the first failure, two comment lines
-(:func:`feedback_text`), and the task's prompt again are appended (together at most
-``rl.feedback_tokens`` tokens; the failure is cut first), and the policy writes the next program with
-everything so far as its context. The episode's reward is its *last* program's on
+(:func:`feedback_text`, cut to ``rl.feedback_tokens`` tokens), is appended and the policy writes the
+next program with everything so far as its context. The episode's reward is its *last* program's on
 the hidden tests (``Group.programs``), scored by the reward workers as in one turn.
 
 The response the trainer sees is the whole conversation after the prompt; its mask marks the policy's
@@ -137,16 +136,15 @@ class VisibleTests:
         self.verdicts.update(zip(todo, self.pool.map(run, todo)))
         return [self.verdicts[k] for k in keys]
 
-    def feedback(self, key: str, verdict: Any, after: list[int], prompt: list[int]) -> list[int]:
+    def feedback(self, key: str, verdict: Any, after: list[int]) -> list[int]:
         """The feedback's tokens after a turn that ended with ``after`` (a line break first if that turn
-        did not end with the end-of-text token): the failure, cut to what ``rl.feedback_tokens`` leaves
-        after the task's ``prompt``, which follows it again, so the next program is asked for as the
-        first was (the driver checks that the prompt fits)."""
+        did not end with the end-of-text token), cut to ``rl.feedback_tokens``. NOTE: the task's prompt is
+        not repeated after it: measured on the code task, a restated prompt made the second program no
+        better than the first, while the feedback alone let RL make the second turn pay (docs/rl.md)."""
         text = feedback_text(verdict.reason, self.spec.visible[key])
         if after and after[-1] != self.eos:
             text = "\n" + text
-        limit = self.spec.feedback_tokens - len(prompt)
-        return feedback_ids(lambda s: self.tok.encode(s).ids, text, limit, self.newline) + prompt
+        return feedback_ids(lambda s: self.tok.encode(s).ids, text, self.spec.feedback_tokens, self.newline)
 
 
 def sample(engine: Any, items: list[tuple[str, list[int], Any]]) -> dict[str, tuple[list[int], list[float]]]:
@@ -195,7 +193,7 @@ def run_episodes(engine: Any, requests: list[Any], prompts: list[list[int]], sam
                 c.done = True
                 fig["visible_passed"] += 1
                 continue
-            ids = tests.feedback(requests[g].instance.key, v, c.tokens, prompts[g])
+            ids = tests.feedback(requests[g].instance.key, v, c.tokens)
             c.add_feedback(ids)
             fig["feedback_tokens"] += len(ids)
     groups = []
