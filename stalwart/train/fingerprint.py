@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.runtime.device import HOST
+
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 MASK = (1 << 64) - 1
 PARTS = ("params", "optim", "rng", "data")
@@ -292,7 +294,7 @@ class Fingerprinter:
         """Every rank's (held keys, sums of its owned pieces, rng, data) through one int64 all_gather,
         or None (on every rank) when some rank's pieces changed."""
         width = max(len(v) for v in self._owned.values())
-        device = pieces[0][2].device if pieces else torch.device("cpu")
+        device = pieces[0][2].device if pieces else HOST
         head = [int(changed)] + [_signed(int(d, 16)) for d in digests]
         sums = [piece_sum(pieces[i][2]) for i in self._owned[rank]] if not changed else []
         packed = torch.zeros(len(head) + width, dtype=torch.int64, device=device)
