@@ -39,7 +39,7 @@ from stalwart.data.cache import cache_root
 from stalwart.metrics.mfu import PeakCache, cache_key
 from stalwart.models.llama import TransformerBlock, rope_tables
 from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
-from stalwart.runtime.device import synchronize
+from stalwart.runtime.device import is_accelerator, synchronize
 
 # `compile = auto` compiles only where a compiled block is at least this much faster than eager: below
 # it, the measurement's noise could decide, and a compiled run is harder to debug.
@@ -107,7 +107,7 @@ def measure_block(args, micro_batch: int, seq_len: int, dtype: torch.dtype, chec
     eager and, with ``compiled``, compiled too (its start-up cold-or-as-cached, then warm after a reset;
     then both forms alternately). The global RNG is left as it was: the run's own init and data do not
     see this."""
-    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
+    with torch.random.fork_rng(devices=[device] if is_accelerator(device) else []):
         torch.manual_seed(0)
         block = TransformerBlock(args, 0).to(device=device, dtype=dtype)
         holders = []
