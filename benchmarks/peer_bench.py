@@ -60,15 +60,23 @@ def setup(venv: Path) -> None:
 
 
 def measure(py: Path, peer: str, procs: int, threads: int, steps: int, warmup: int, dtype: str = "float32",
-            compiled: bool = False) -> dict:
+            compiled: bool = False, workload: str = "reference") -> dict:
+    """One measurement; a run that fails comes back as ``{"error": its last line}``."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([str(py), str(WORKER), "--peer", peer, "--procs", str(procs), "--threads", str(threads),
-                           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype]
+                           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype, "--workload", workload]
                           + (["--compile"] if compiled else []),
                           capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
-        raise RuntimeError(f"{peer} {procs}x{threads} failed:\n{proc.stderr[-3000:]}")
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith(" ")]
+        return {"error": error_line(lines)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def error_line(stderr_lines: list[str]) -> str:
+    """The line that names a failed run's error: the last ``SomethingError: ...`` line, else the last line."""
+    errors = [ln for ln in stderr_lines if ln.split(":")[0].endswith(("Error", "Exception"))]
+    return (errors or stderr_lines or ["exited without output"])[-1][:300]
 
 
 def _key(r: dict) -> tuple:
@@ -84,6 +92,8 @@ def summarize(results: list[dict]) -> list[dict]:
         dtype, compiled, procs, threads = key
         here = [r for r in results if _key(r) == key]
         runs = {p: [r["tokens_per_s"] for r in here if r["peer"] == p] for p in PEERS}
+        cpu = {p: statistics.median(v) for p in PEERS
+               if (v := [r["cpu_s_per_step"] for r in here if r["peer"] == p and "cpu_s_per_step" in r])}
         tflops = {p: [r["tokens_per_s"] * r["flops_per_token"] / 1e12 for r in here if r["peer"] == p]
                   for p in PEERS}
         medians = {p: statistics.median(v) for p, v in runs.items() if v}
@@ -92,7 +102,7 @@ def summarize(results: list[dict]) -> list[dict]:
         best = max(others, key=others.get) if others else None
         ratio = tflops_medians["stalwart"] / others[best] if best and "stalwart" in tflops_medians else None
         rows.append({"dtype": dtype, "compile": compiled, "procs": procs, "threads": threads, "runs": runs,
-                     "medians": medians, "tflops": tflops_medians, "best_peer": best, "ratio": ratio})
+                     "medians": medians, "tflops": tflops_medians, "cpu": cpu, "best_peer": best, "ratio": ratio})
     return rows
 
 
@@ -105,7 +115,8 @@ def format_table(rows: list[dict]) -> str:
         for p in PEERS:
             v = row["runs"].get(p) or []
             cells.append(f"{row['medians'][p]:,.0f} ({', '.join(f'{x:,.0f}' for x in v)}); "
-                         f"{row['tflops'][p]:.3f} TFLOP/s" if v else "-")
+                         f"{row['tflops'][p]:.3f} TFLOP/s" + (f"; {row['cpu'][p]:.2f} CPU s/step" if p in row.get("cpu", {})
+                                                              else "") if v else "-")
         ratio = f"{row['ratio']:.2f}x vs {NAMES[row['best_peer']]}" if row["ratio"] else "-"
         precision = "" if row.get("dtype", "float32") == "float32" else f", {row['dtype']}"
         precision += ", compiled" if row.get("compile") else ""
@@ -129,7 +140,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--configs", default="1x1,1x2,2x1", help="processes x threads per process, comma-separated")
-    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--peers", default=None, help="comma-separated (default: all four for the reference workload, "
+                   "stalwart,torchtitan for the others)")
+    p.add_argument("--workload", default="reference", choices=("reference", "long", "moe"),
+                   help="reference; long: 4x the sequence, context parallel over the processes; moe: debug-moe, "
+                        "expert parallel over the processes")
     p.add_argument("--dtypes", default="float32",
                    help="precisions, comma-separated: float32 (the reference) and/or bfloat16 (mixed precision: "
                         "Stalwart's training.dtype, the peers under torch.autocast)")
@@ -145,22 +160,30 @@ def main(argv: list[str]) -> int:
         print(f"peer_bench: no peers' environment at {a.venv}; run with --setup first", file=sys.stderr)
         return 2
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
-    peers = a.peers.split(",")
+    peers = (a.peers or (",".join(PEERS) if a.workload == "reference" else "stalwart,torchtitan")).split(",")
     print(f"before: {_uptime()}", flush=True)
-    results = []
+    results, failures = [], []
     for rep in range(a.repeats):
         order = peers[rep % len(peers):] + peers[:rep % len(peers)]
         for dtype in a.dtypes.split(","):
             for mode in a.modes.split(","):
                 for procs, threads in configs:
                     for peer in order:
-                        r = measure(py, peer, procs, threads, a.steps, a.warmup, dtype, mode == "compiled")
+                        r = measure(py, peer, procs, threads, a.steps, a.warmup, dtype, mode == "compiled",
+                                    a.workload)
+                        head = f"repeat {rep + 1} {procs}x{threads} {dtype} {mode} {peer:>10}:"
+                        if "error" in r:
+                            failures.append(f"{peer} {procs}x{threads} {mode}: {r['error']}")
+                            print(f"{head} failed: {r['error']}", flush=True)
+                            continue
                         results.append({**r, "repeat": rep})
-                        print(f"repeat {rep + 1} {procs}x{threads} {dtype} {mode} {peer:>10}: "
-                              f"{r['tokens_per_s']:8.0f} tokens/s ({r['step_s'] * 1e3:.0f} ms/step, warm-up "
-                              f"{r['warmup_s']:.1f} s)", flush=True)
+                        cpu = f", {r['cpu_s_per_step']:.2f} CPU s/step" if "cpu_s_per_step" in r else ""
+                        print(f"{head} {r['tokens_per_s']:8.0f} tokens/s ({r['step_s'] * 1e3:.0f} ms/step{cpu}, "
+                              f"warm-up {r['warmup_s']:.1f} s)", flush=True)
     print(f"after: {_uptime()}\n")
     print(format_table(summarize(results)))
+    for line in sorted(set(failures)):
+        print(f"failed: {line}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 0

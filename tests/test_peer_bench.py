@@ -67,3 +67,13 @@ def test_table_keeps_compiled_and_eager_apart():
     assert [(r["compile"], r["best_peer"], r["ratio"]) for r in rows] == [
         (False, "torchtitan", pytest.approx(100 / 90)), (True, "torchtitan", pytest.approx(1.3))]
     assert "| 1 process x 1 thread, compiled |" in bench.format_table(rows)
+
+
+def test_failed_run_is_named_in_one_line_and_cpu_seconds_are_tabled():
+    bench = _load("peer_bench", BENCH / "peer_bench.py")
+    stderr = ["Traceback (most recent call last):", "torch.multiprocessing.spawn.ProcessRaisedException:",
+              "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo", "[W] a warning after it"]
+    assert bench.error_line(stderr) == "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"
+    assert bench.error_line(["killed"]) == "killed" and bench.error_line([]) == "exited without output"
+    rows = bench.summarize(_results([("stalwart", 1, 1, [100]), ("torchtitan", 1, 1, [90])], cpu_s_per_step=0.5))
+    assert "; 0.50 CPU s/step" in bench.format_table(rows)
