@@ -132,10 +132,13 @@ class _Drill:
         self.margin = max(2, self.steps // 10)
 
     # ------------------------------------------------------------------ when a fault may land
-    def _ready(self, job: Job, kind: str, last_progress: int, restarted_after: int) -> dict[int, dict] | None:
+    def _ready(self, job: Job, kind: str, last_progress: int, restart: tuple[int, float]) -> dict[int, dict] | None:
         beats = job.training(self.nproc)
-        if beats is None or min(b["attempt"] for b in beats.values()) <= restarted_after:
+        attempt, since = restart
+        if beats is None or min(b["attempt"] for b in beats.values()) <= attempt:
             return None  # the previous fault's restart has not happened yet (a stopped rank looks alive)
+        if since and not any(e.get("event") == "recovered" and e.get("time", 0) >= since for e in job.events()):
+            return None  # ... or has not completed its first step (the supervisor's `recovered`)
         step = max(b.get("step", 0) for b in beats.values())
         margin = max(self.margin, 2 * self.cfg.checkpoint.interval) if kind == "disk_full" else self.margin
         if step > self.steps - margin:
@@ -155,14 +158,14 @@ class _Drill:
         print(f"chaos: run {self.run} ({self.nproc} processes{', own mount + network namespace' if self.isolated else ''}); "
               f"{len(self.schedule)} faults: {', '.join(self.schedule)}", flush=True)
         sent: list[dict] = []
-        last_progress, restarted_after, lo, hi = -1, -1, *self.opts.gap_s
+        last_progress, restart, lo, hi = -1, (-1, 0.0), *self.opts.gap_s
         try:
             for kind in self.schedule:
                 victim = self.rng.randrange(self.nproc)
                 wake = time.time() + self.rng.uniform(lo, hi)
                 beats = None
                 while job.running() and time.time() < deadline:
-                    if time.time() >= wake and (beats := self._ready(job, kind, last_progress, restarted_after)):
+                    if time.time() >= wake and (beats := self._ready(job, kind, last_progress, restart)):
                         break
                     time.sleep(0.02)
                 if not beats or not job.running():
@@ -173,7 +176,7 @@ class _Drill:
                     last_progress = progress
                     if rec.get("sent") and (kind != "partition" or any(
                             e.get("event") == "failure" and e.get("detect_time", 0) >= rec["time"] for e in job.events())):
-                        restarted_after = min(b["attempt"] for b in beats.values())  # wait for the restart
+                        restart = (min(b["attempt"] for b in beats.values()), rec["time"])  # wait for the restart
                 rec["t"] = round(rec["time"] - job.started, 2)
                 sent.append(rec)
                 print(f"chaos: {len(sent):3d} t={rec['t']:7.2f} s  {kind:<16} rank {victim} (pid {rec['pid']}) at "
@@ -222,7 +225,8 @@ def annotate(sent: list[dict], events: list[dict]) -> list[dict]:
                                     "decision": fail.get("decision")},
                        detection_s=round(fail["detect_time"] - t, 3),
                        run_detection_latency_s=fail.get("detection_latency_s"))
-            rec_ev = next((e for e in events if e["event"] == "recovered" and e["time"] >= fail["detect_time"]), None)
+            rec_ev = next((e for e in events if e["event"] == "recovered" and fail["detect_time"] <= e["time"] < nxt),
+                          None)
             if rec_ev is not None:
                 row.update(recovery_s=rec_ev.get("recovery_s"),
                            fault_to_step_s=round(fail["detect_time"] + rec_ev.get("recovery_s", 0) - t, 3),
