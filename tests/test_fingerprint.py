@@ -117,3 +117,12 @@ def test_replicas_share_the_work_and_every_piece_has_one_owner():
     owned = assign_owners({0: shared, 1: shared, 2: [("params/e", "0")]})
     assert sorted(len(v) for v in owned.values()) == [1, 2, 2] and owned[2] == [0]
     assert sorted(shared[i] for r in (0, 1) for i in owned[r]) == sorted(shared)  # each exactly once
+
+
+def test_one_element_tensors_read_together_equal_their_own_sums():
+    from stalwart.train.fingerprint import piece_sums
+
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.tensor(3.5), torch.randn(5, 4, generator=g), torch.tensor([7], dtype=torch.int64),
+          torch.tensor(-1.25, dtype=torch.bfloat16), torch.tensor([200], dtype=torch.uint8), torch.randn(3, generator=g)]
+    assert piece_sums(ts).tolist() == [int(int_sum(t)) for t in ts]

@@ -167,6 +167,30 @@ def local_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     return out
 
 
+def piece_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``piece_sum`` of each tensor, as one int64 vector on their device. Plain one-element tensors
+    (AdamW's step counters: one per parameter) are read together, a few ops for all of them: such a
+    tensor's value is its one element's bits, unsigned."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    single: dict[int, list[int]] = {}  # element size -> indices of one-element plain tensors
+    for i, t in enumerate(tensors):
+        if type(t) is torch.Tensor and t.numel() == 1 and not t.is_complex() and t.dtype != torch.bool:
+            single.setdefault(t.element_size(), []).append(i)
+        else:
+            out[i] = piece_sum(t)
+    for size, idx in single.items():
+        view = _INT_VIEW[size]
+        bits = torch.stack([tensors[i].detach().reshape(()).view(view) for i in idx]).to(torch.int64)
+        if size < _WORD:
+            bits = bits & ((1 << (8 * size)) - 1)
+        for j, i in enumerate(idx):
+            out[i] = bits[j]
+    if not out:
+        return torch.zeros(0, dtype=torch.int64)
+    device = out[0].device  # the step counters may sit on the host beside an accelerator's weights
+    return torch.stack([o.to(device) for o in out])
+
+
 def piece_sum(t: torch.Tensor) -> torch.Tensor:
     """``int_sum`` of this rank's piece of ``t`` (a plain tensor or a DTensor), placed in the whole."""
     if (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor) \
@@ -273,8 +297,7 @@ class Fingerprinter:
         if self._owned is not None:
             gathered = self._gather_owned(pieces, keys != self._sent_keys, digests, world, rank)
         if gathered is None:  # the first time, or some rank's pieces changed: names and every sum
-            sums = [piece_sum(t) for _, _, t in pieces]
-            mine = (keys, torch.stack(sums).cpu().tolist() if sums else [], *digests)
+            mine = (keys, piece_sums([t for _, _, t in pieces]).cpu().tolist(), *digests)
             objects: list = [mine]
             if world > 1:
                 objects = [None] * world
@@ -296,11 +319,11 @@ class Fingerprinter:
         width = max(len(v) for v in self._owned.values())
         device = pieces[0][2].device if pieces else HOST
         head = [int(changed)] + [_signed(int(d, 16)) for d in digests]
-        sums = [piece_sum(pieces[i][2]) for i in self._owned[rank]] if not changed else []
+        sums = piece_sums([pieces[i][2] for i in self._owned[rank]]) if not changed else None
         packed = torch.zeros(len(head) + width, dtype=torch.int64, device=device)
         packed[:len(head)] = torch.tensor(head, dtype=torch.int64)
-        if sums:
-            packed[len(head):len(head) + len(sums)] = torch.stack(sums)
+        if sums is not None and len(sums):
+            packed[len(head):len(head) + len(sums)] = sums
         rows = [packed]
         if world > 1:
             rows = [torch.empty_like(packed) for _ in range(world)]
