@@ -47,6 +47,7 @@ FORMS: list[tuple[str, str]] = [
     ("rl sandbox", RUN),
     ("rl --config", WITHOUT_EXTRAS),
     ("bench sandbox", HELP),
+    ("chaos", HELP),  # a clean run and a run under faults: minutes; tests/test_chaos_drill_e2e.py runs it
 ]
 # The module each WITHOUT_EXTRAS command needs, and the extra that installs it.
 EXTRA = {"bench inference": ("transformers", "test"), "rl --config": ("monarch", "controller")}
@@ -86,6 +87,8 @@ def _stalwart(args: list[str], env: dict[str, str] | None = None, timeout: float
 
 def _args(command: list[str], tmp: Path, how: str = RUN) -> list[str]:
     """The README command with its run directories and outputs moved under ``tmp``."""
+    if how == HELP and "--" in command:  # the words after `--` are another command's (chaos: train's)
+        command = command[:command.index("--")]
     words = []
     for w in command:
         for name in ("runs/default", "runs/try", "hf/"):

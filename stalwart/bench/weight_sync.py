@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
         pool = Pool(gmesh, "generator", 600.0, lambda *a, **k: None, lambda g: None)
         generators = Generators(pool, {}, (margs, _tokenizer_json(), cfg.engine, {"max_tokens": 1, "temperature": 1.0,
                                                                                   "top_k": 0}, False, 32, 1,
-                                           args.device))
+                                           args.device, None))  # no episode: single-turn
         weights = WeightSync(trainers, generators, lambda *a, **k: None, lambda prefix: abandon(store, prefix), "")
         pool.restore = weights.bring_up
         generators.setup()
