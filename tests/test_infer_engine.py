@@ -304,7 +304,36 @@ def test_a_batch_admitted_together_decodes_from_one_view_of_the_cache(lengths, m
     assert run(engine, batch, params) == reference
     decodes = [d for layout in seen for d in layout.decodes]
     assert decodes and all(d.count == 8 and d.stride == 32 for d in decodes)
-    assert all((d.lengths is None) == (lengths == "equal") for d in decodes)
+    assert all((d.mask is None) == (lengths == "equal") for d in decodes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("window", [0, 8])
+def test_batched_decodes_give_the_grouped_tokens(window, monkeypatch):
+    """engine.decode_attention = batched (every decode in one call per layer over its gathered blocks, a
+    GPU's default) against grouped (the CPU's): greedy tokens equal generate's, log-probabilities within
+    float32 rounding, with and without a sliding window, whole and chunked (a small cache: preempted
+    sequences resumed on scattered blocks)."""
+    import stalwart.infer.attention as attention
+
+    args = dataclasses.replace(ARGS, sliding_window=window)
+    batch = prompts(16)
+    reference = [sample(build(args=args), p, GREEDY.max_tokens, ARGS.max_seq_len, temperature=0) for p in batch]
+    seen: list[attention.StepLayout] = []
+    real = attention.build_layout
+    monkeypatch.setattr("stalwart.infer.engine.build_layout", lambda *a: seen.append(real(*a)) or seen[-1])
+    model = build(args=args)
+    for base in (EngineConfig(), CONFIGS["chunked+preempted"]):
+        got = {}
+        for mode in ("grouped", "batched"):
+            cfg = dataclasses.replace(base, decode_attention=mode)
+            assert run(Engine(model, ByteTokenizer(), None, cfg), batch, GREEDY) == reference, mode
+            got[mode] = logprobs(Engine(model, ByteTokenizer(), None, cfg), batch)
+        diff = max(abs(a - b) for g, h in zip(got["grouped"], got["batched"]) for a, b in zip(g, h))
+        assert diff < 1e-4, diff
+    batched = [d for layout in seen if any(d.table is not None for d in layout.decodes) for d in layout.decodes]
+    assert batched and all(d.table is not None for d in batched)  # batched: one call, never a group beside it
+    assert max(d.count for d in batched) == 16
 
 
 @pytest.mark.unit

@@ -40,11 +40,23 @@ class EngineConfig:
                                      min=1, max=32)
     speculative_ngram: int = option("Longest n-gram looked up (shorter ones are tried next, down to 1).", 3,
                                     min=1, max=16)
+    decode_attention: Literal["auto", "grouped", "batched"] = option(
+        "How a step attends its sequences decoding one token (infer/attention.py): 'grouped' takes one call per "
+        "group of sequences whose cache contexts are evenly spaced, read in place (no padding: faster on CPU); "
+        "'batched' takes one call per layer for all of them, their blocks gathered into one padded tensor with "
+        "a length mask (the host launches one call, not one per group: faster on a GPU); 'auto' = batched on "
+        "an accelerator, grouped on CPU. Greedy tokens are the same; log-probabilities may differ in the last "
+        "bits. Bitwise mode (pad_rows > 1) attends each sequence alone.", "auto")
     dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where the weights, the KV cache and the forward pass live ('auto' = cuda if available; a device this "
         "machine lacks is refused before any process starts; one GPU per process). Sampling runs on the host "
         "either way, so a seed draws the same tokens on any device. `--device` sets it too.", "auto")
+
+    def __post_init__(self) -> None:
+        if self.decode_attention == "batched" and self.pad_rows > 1:
+            raise ConfigError("engine.decode_attention = batched gives attention batch-dependent shapes; bitwise "
+                              "mode (engine.pad_rows > 1) attends each sequence alone: set one of them back")
 
 
 @dataclass

@@ -14,8 +14,13 @@ attends to its own new keys, and prompts of equal length side by side in the str
 Only a sequence whose blocks are scattered (a reused prefix, or a cache full enough that no
 consecutive block was free) has its context gathered, alone.
 
-With ``group`` off (the engine's bitwise mode), each sequence is attended on its own, with exactly
-the tensor shapes it would have if it ran alone, so its attention does not depend on the batch.
+How a step's decodes are attended is its *mode* (``decode_mode``): ``grouped`` is the above (no
+padding: fastest on the host); ``batched`` attends every sequence decoding one token in one call per
+layer over its blocks gathered into one padded (count, kv_heads, blocks x block_size, head_dim) tensor
+with a length mask, whatever its placement (an accelerator's step is bound by the host launching one
+call per group otherwise); ``alone`` (the engine's bitwise mode) attends each sequence on its own, with
+exactly the tensor shapes it would have if it ran alone, so its attention does not depend on the batch.
+Everything a step's layers share (slots, index tensors, masks) is built once per step, in the layout.
 """
 
 from __future__ import annotations
@@ -28,6 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart.models.llama import sliding_window_mask
+from stalwart.runtime.device import is_accelerator
+
+
+def decode_mode(setting: str, pad_rows: int, device: torch.device) -> str:
+    """The layout mode of an engine's steps from ``engine.decode_attention``: ``alone`` in bitwise mode
+    (``pad_rows`` > 1); ``auto`` is ``batched`` on an accelerator and ``grouped`` on the host."""
+    if pad_rows > 1:
+        return "alone"
+    if setting == "auto":
+        return "batched" if is_accelerator(device) else "grouped"
+    return setting
 
 
 @dataclass
@@ -39,6 +55,7 @@ class Span:
     ctx: int  # context length, new tokens included
     start: int = -1  # first cache slot of its context when its blocks are consecutive, else -1
     context: torch.Tensor | None = None  # (ctx,) cache slots of a scattered context
+    mask: torch.Tensor | None = None  # (q_len, ctx) keys each query may see, where not all or causal
 
     @property
     def fresh(self) -> bool:
@@ -54,46 +71,58 @@ class Prefills:
     q_start: int
     q_len: int
     count: int
+    mask: torch.Tensor | None = None  # (q_len, q_len) under a sliding window shorter than the prompts
 
 
 @dataclass
 class Decodes:
-    """Sequences decoding one token each whose contexts start at evenly spaced cache slots ``start``,
-    ``start + stride``, ...: one call over a (count, kv_heads, ctx, head_dim) strided view of the cache.
-    Lengths that differ are masked; a shorter context's view runs on into the next one's slots."""
+    """Sequences decoding one token each, attended in one call over (count, kv_heads, ctx, head_dim) keys.
 
-    rows: torch.Tensor | slice  # their tokens' offsets in the stream, in cache order
-    start: int
-    stride: int
+    Grouped: their contexts start at evenly spaced cache slots ``start``, ``start + stride``, ...; the keys
+    are a strided view of the cache, a shorter context's view running on into the next one's slots.
+    Batched (``table`` set): their blocks are gathered, each row padded with its last block to ``ctx``.
+    Keys past a row's context (and outside a sliding window) are masked."""
+
+    rows: torch.Tensor | slice  # their tokens' offsets in the stream
     count: int
-    ctx: int  # the longest context
-    lengths: torch.Tensor | None  # (count,) context lengths when they differ
+    ctx: int  # keys per row: the longest context (grouped) or the widest block table (batched)
+    mask: torch.Tensor | None  # (count, 1, 1, ctx) keys each row may see, None when all of them
+    start: int = 0
+    stride: int = 0
+    table: torch.Tensor | None = None  # (count, blocks) block tables, when batched
 
 
 @dataclass
 class StepLayout:
     slots: torch.Tensor  # (tokens,) cache slot of each new token
+    block_size: int = 0
     spans: list[Span] = field(default_factory=list)
     prefills: list[Prefills] = field(default_factory=list)
     decodes: list[Decodes] = field(default_factory=list)
 
 
-def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, num_slots: int, group: bool,
-                 device: torch.device) -> StepLayout:
+def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, num_slots: int, mode: str,
+                 device: torch.device, window: int = 0) -> StepLayout:
     """The attention layout of a step from its spans (q_start, q_len, ctx_len, block table) over a
-    cache of ``num_slots`` slots.
+    cache of ``num_slots`` slots, in ``mode`` (``decode_mode``), for a model with sliding ``window``
+    (0: none).
 
-    Host work only (plain lists) until the few index tensors are made at the end.
+    Host work only (plain lists) until the few index tensors and masks are made at the end.
     """
     bs = block_size
+    group = mode != "alone"
     slots: list[int] = []
     singles: list[Span] = []
     decodes: list[tuple[int, int, int]] = []  # (start slot, stream row, ctx)
+    batched: list[tuple[int, int, list[int]]] = []  # (stream row, ctx, block table)
     for q_start, q_len, ctx, blocks in spans:
         nb = -(-ctx // bs)
         b0 = blocks[0]
         first = ctx - q_len
-        if blocks[:nb] == list(range(b0, b0 + nb)):
+        if mode == "batched" and q_len == 1:
+            batched.append((q_start, ctx, blocks[:nb]))
+            slots.append(blocks[nb - 1] * bs + (ctx - 1) % bs)
+        elif blocks[:nb] == list(range(b0, b0 + nb)):
             start = b0 * bs
             slots.extend(range(start + first, start + ctx))
             if group and q_len == 1:
@@ -105,16 +134,49 @@ def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, 
             context = (table[:, None] * bs + torch.arange(bs)).flatten()[:ctx]
             slots.extend(context[first:].tolist())
             singles.append(Span(q_start, q_len, ctx, context=context.to(device)))
-    layout = StepLayout(torch.tensor(slots, dtype=torch.long, device=device))
-    _group_decodes(layout, decodes, num_slots, device)
+    layout = StepLayout(torch.tensor(slots, dtype=torch.long, device=device), bs)
+    _group_decodes(layout, decodes, num_slots, window, device)
+    if batched:
+        _batch_decodes(layout, batched, bs, window, device)
     if group:
-        _group_prefills(layout, singles)
+        _group_prefills(layout, singles, window, device)
     else:
         layout.spans = singles
+    for s in layout.spans:  # masks, once for every layer
+        if 0 < window < s.ctx or not (s.q_len == 1 or s.fresh):
+            k_pos = torch.arange(s.ctx)
+            s.mask = sliding_window_mask(k_pos[s.ctx - s.q_len:], k_pos, window).to(device)
     return layout
 
 
-def _group_decodes(layout: StepLayout, decodes: list[tuple[int, int, int]], num_slots: int,
+def _stream_rows(rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """Stream offsets as a slice when consecutive (a view), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+def _decode_mask(lengths: list[int], ctx: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """(count, 1, 1, ctx): the keys a query at the end of each context of ``lengths`` may see; None when
+    every row sees all ``ctx`` keys."""
+    if min(lengths) == ctx and not 0 < window < ctx:
+        return None
+    last = torch.tensor(lengths) - 1
+    return sliding_window_mask(last, torch.arange(ctx), window)[:, None, None, :].to(device)
+
+
+def _batch_decodes(layout: StepLayout, batched: list[tuple[int, int, list[int]]], bs: int, window: int,
+                   device: torch.device) -> None:
+    """Every decode in one call: block tables padded with their last block to the widest."""
+    width = max(len(blocks) for _, _, blocks in batched)
+    table = [blocks + blocks[-1:] * (width - len(blocks)) for _, _, blocks in batched]
+    layout.decodes.append(Decodes(
+        _stream_rows([r for r, _, _ in batched], device), len(batched), width * bs,
+        _decode_mask([c for _, c, _ in batched], width * bs, window, device),
+        table=torch.tensor(table, dtype=torch.long, device=device)))
+
+
+def _group_decodes(layout: StepLayout, decodes: list[tuple[int, int, int]], num_slots: int, window: int,
                    device: torch.device) -> None:
     """Cut the decodes, in cache order, into runs of evenly spaced starts; a run of one is a Span."""
     decodes.sort()
@@ -135,17 +197,14 @@ def _group_decodes(layout: StepLayout, decodes: list[tuple[int, int, int]], num_
             start, row, ctx = run[0]
             layout.spans.append(Span(row, 1, ctx, start))
             continue
-        rows = [r for _, r, _ in run]
         lengths = [c for _, _, c in run]
         longest = max(lengths)
-        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         layout.decodes.append(Decodes(
-            slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, device=device),
-            run[0][0], run[1][0] - run[0][0], len(run), longest,
-            None if min(lengths) == longest else torch.tensor(lengths, device=device)))
+            _stream_rows([r for _, r, _ in run], device), len(run), longest,
+            _decode_mask(lengths, longest, window, device), run[0][0], run[1][0] - run[0][0]))
 
 
-def _group_prefills(layout: StepLayout, singles: list[Span]) -> None:
+def _group_prefills(layout: StepLayout, singles: list[Span], window: int, device: torch.device) -> None:
     """Fresh prompts of equal length next to each other in the stream share one call."""
     i = 0
     while i < len(singles):
@@ -156,7 +215,9 @@ def _group_prefills(layout: StepLayout, singles: list[Span]) -> None:
                    and singles[j].q_start == s.q_start + (j - i) * s.q_len):
                 j += 1
         if j - i > 1:
-            layout.prefills.append(Prefills(s.q_start, s.q_len, j - i))
+            pos = torch.arange(s.q_len)
+            mask = sliding_window_mask(pos, pos, window).to(device) if 0 < window < s.q_len else None
+            layout.prefills.append(Prefills(s.q_start, s.q_len, j - i, mask))
         else:
             layout.spans.append(s)
         i = j
@@ -201,13 +262,22 @@ class KVCache:
         vv = self.v.as_strided(size, strides, self.v.storage_offset() + start * row)
         return kk.transpose(1, 2), vv.transpose(1, 2)
 
+    def gather(self, table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks of ``table`` (count, blocks), each row's in order, as
+        (count, kv_heads, blocks * block_size, head_dim) copies."""
+        count, width = table.shape
+        blocks = (-1, block_size, *self.k.shape[1:])
+        rows = (count, width * block_size, *self.k.shape[1:])
+        kk = self.k.view(blocks).index_select(0, table.flatten()).view(rows)
+        vv = self.v.view(blocks).index_select(0, table.flatten()).view(rows)
+        return kk.transpose(1, 2), vv.transpose(1, 2)
+
 
 class PagedAttention(nn.Module):
-    def __init__(self, cache: KVCache, step: StepContext, sliding_window: int) -> None:
+    def __init__(self, cache: KVCache, step: StepContext) -> None:
         super().__init__()
         self.cache = cache
-        self.step = step
-        self.sliding_window = sliding_window
+        self.step = step  # its layout holds every mask (a sliding window's too)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # q: (1, heads, tokens, head_dim); k, v: (1, kv_heads, tokens, head_dim) — local heads under TP.
@@ -238,15 +308,10 @@ class PagedAttention(nn.Module):
             kc, vc = self.cache.k, self.cache.v
             kk = kc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
             vv = vc.index_select(0, span.context).transpose(0, 1).unsqueeze(0)
-        window = 0 < self.sliding_window < ctx
-        if span.q_len == 1 and not window:
-            o = F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=gqa)
-        elif span.fresh and not window:
-            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
-        else:
-            k_pos = torch.arange(ctx, device=q.device)
-            mask = sliding_window_mask(k_pos[ctx - span.q_len:], k_pos, self.sliding_window)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
+        if span.mask is not None:
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=span.mask, enable_gqa=gqa)
+        else:  # one query sees every key; several are a fresh prompt's, causal
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=span.q_len > 1, enable_gqa=gqa)
         out[:, :, a:b] = o
 
     def _prefills(self, q, k, v, out, group: Prefills, gqa: bool) -> None:
@@ -256,30 +321,27 @@ class PagedAttention(nn.Module):
             return t[0, :, a:a + n * L].unflatten(1, (n, L)).transpose(0, 1)
 
         qq, kk, vv = batched(q), batched(k).to(self.cache.k.dtype), batched(v).to(self.cache.v.dtype)
-        if 0 < self.sliding_window < L:
-            pos = torch.arange(L, device=q.device)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=sliding_window_mask(pos, pos, self.sliding_window),
-                                               enable_gqa=gqa)
+        if group.mask is not None:
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=group.mask, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
         out[0, :, a:a + n * L] = o.transpose(0, 1).flatten(1, 2)
 
     def _decodes(self, q, out, group: Decodes, gqa: bool) -> None:
-        qq = q[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (count, heads, 1, head_dim)
-        kk, vv = self.cache.run(group.start, group.stride, group.count, group.ctx)
-        mask = None
-        if group.lengths is not None or 0 < self.sliding_window < group.ctx:
-            k_pos = torch.arange(group.ctx, device=q.device)
-            lengths = group.lengths if group.lengths is not None else torch.full((1,), group.ctx, device=q.device)
-            allowed = k_pos[None, :] < lengths[:, None]  # (count or 1, ctx)
-            if self.sliding_window > 0:
-                allowed &= k_pos[None, :] >= lengths[:, None] - self.sliding_window
-            mask = allowed[:, None, None, :]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
-        out[0, :, group.rows] = o.squeeze(2).transpose(0, 1)
+        qq = q[0, :, group.rows].transpose(0, 1)  # (count, heads, head_dim)
+        if group.table is None:
+            kk, vv = self.cache.run(group.start, group.stride, group.count, group.ctx)
+            o = F.scaled_dot_product_attention(qq.unsqueeze(2), kk, vv, attn_mask=group.mask, enable_gqa=gqa)
+        else:
+            kk, vv = self.cache.gather(group.table, self.step.layout.block_size)
+            # The query heads that share a key head are its queries: (count, kv_heads, heads / kv_heads,
+            # head_dim) against the keys as stored, no expansion (one query token: no causal mask among them).
+            qq = qq.reshape(group.count, kk.shape[1], -1, qq.shape[-1])
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=group.mask)
+        out[0, :, group.rows] = o.flatten(1, 2).transpose(0, 1)
 
 
 def install_paged_attention(model: nn.Module, caches: list[KVCache], step: StepContext) -> None:
     """Replace every layer's attention kernel with one reading and writing ``caches``."""
     for cache, layer in zip(caches, model.layers.values()):
-        layer.attention.core = PagedAttention(cache, step, model.args.sliding_window)
+        layer.attention.core = PagedAttention(cache, step)

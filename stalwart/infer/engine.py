@@ -25,7 +25,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
-from stalwart.infer.attention import KVCache, StepContext, StepLayout, build_layout, install_paged_attention
+from stalwart.infer.attention import (KVCache, StepContext, StepLayout, build_layout, decode_mode,
+                                      install_paged_attention)
 from stalwart.infer.blocks import BlockPool
 from stalwart.generate import TokenDraws
 from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, stops_on
@@ -83,10 +84,10 @@ class Batch:
     spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
     rows: list[int]  # stream offsets whose logits are needed
 
-    def layout(self, block_size: int, num_slots: int, group: bool, device: torch.device) -> StepLayout:
+    def layout(self, block_size: int, num_slots: int, mode: str, device: torch.device, window: int) -> StepLayout:
         """The attention layout over a cache of ``num_slots`` slots, its index tensors on ``device`` (the
-        cache's); with ``group``, sequences share attention calls where their shapes allow."""
-        return build_layout(self.spans, block_size, num_slots, group, device)
+        cache's); ``mode`` (``attention.decode_mode``) says which sequences share attention calls."""
+        return build_layout(self.spans, block_size, num_slots, mode, device, window)
 
 
 class Engine:
@@ -117,6 +118,7 @@ class Engine:
         self.caches = [KVCache((num_blocks + 1) * cfg.block_size, kv_heads, self.args.head_dim, dtype, self.device)
                        for _ in model.layers]
         self.step_ctx = StepContext()
+        self.decode_mode = decode_mode(cfg.decode_attention, cfg.pad_rows, self.device)
         install_paged_attention(model, self.caches, self.step_ctx)
         self.pool = BlockPool(num_blocks + 1, cfg.block_size)
         # One block never given to a sequence: padding tokens write their keys and values there.
@@ -245,9 +247,8 @@ class Engine:
             x = torch.tensor([batch.tokens], dtype=torch.long, device=self.device)  # (1, tokens)
         else:  # a later pipeline stage: the previous stage's activations (1, tokens, dim)
             x = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
-        # Grouping sequences is faster but gives attention batch-dependent shapes: off in bitwise mode.
-        layout = batch.layout(self.cfg.block_size, self.pool.num_blocks * self.cfg.block_size, self.cfg.pad_rows == 1,
-                              self.device)
+        layout = batch.layout(self.cfg.block_size, self.pool.num_blocks * self.cfg.block_size, self.decode_mode,
+                              self.device, self.args.sliding_window)
         routing = Routing(record=True) if self.routes is not None else None
         with self.step_ctx.use(layout):
             h = m.hidden(x, positions, routing)  # the model's own layers; attention reads and writes the paged cache
