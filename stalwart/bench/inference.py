@@ -22,6 +22,7 @@ import dataclasses
 import os
 import random
 import time
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from stalwart.config.arguments import ArgumentParser
 from stalwart.config.serve import EngineConfig
 from stalwart.export.hf import hf_config, to_hf_state
+from stalwart.infer.attention import decode_mode
 from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams
 from stalwart.models.flavors import FLAVORS
@@ -206,13 +208,25 @@ def main(argv: list[str]) -> int:
                         "static batch does; a smaller budget prefills in chunks between decode steps, which "
                         "raises the last prompts' time to first token and the first ones' time per token")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where all run (auto = cuda if available)")
+    modes = typing.get_args(typing.get_type_hints(EngineConfig)["decode_attention"])
+    p.add_argument("--decode-attention", default="auto",
+                   help=f"engine.decode_attention, or several comma separated ({', '.join(modes)}): each runs as "
+                        "its own system (stalwart-<mode>), interleaved with the others, and the later ones' "
+                        "throughput ratios over the first are printed too")
     a = p.parse_args(argv)
     device = resolve_device(a.device)
+    chosen = a.decode_attention.split(",")
+    bad = [m for m in chosen if m not in modes]
+    if bad or len(set(chosen)) < len(chosen):
+        p.error(f"--decode-attention {a.decode_attention!r}: give distinct values among {', '.join(modes)}")
     torch.set_grad_enabled(False)
     base = EngineConfig(max_batch_tokens=a.max_batch_tokens)
+    engines = {("stalwart" if len(chosen) == 1 else f"stalwart-{m}"): dataclasses.replace(base, decode_attention=m)
+               for m in chosen}
     where = accelerator_name(device) or f"{device.type}, {torch.get_num_threads()} thread(s)"
-    print(f"# torch {torch.__version__}, {where}; greedy, fp32; engine.max_batch_tokens {base.max_batch_tokens}")
-    print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<15} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    print(f"# torch {torch.__version__}, {where}; greedy, fp32; engine.max_batch_tokens {base.max_batch_tokens}; "
+          "engine.decode_attention " + ", ".join(f"{m} ({decode_mode(m, base.pad_rows, device)})" for m in chosen))
+    print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<16} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9}  {'load':>5}   (times in ms; load: 1-minute load average)")
     for spec in a.flavors.split(","):
         flavor, vocab = spec.split(":")
@@ -223,11 +237,13 @@ def main(argv: list[str]) -> int:
         if "transformers-cb" in a.peers.split(",") and "transformers-cb" not in peers:
             print("# transformers-cb skipped: this transformers has no continuous batching")
         cb: HfContinuous | None = None
-        runners = {"stalwart": lambda reqs, name: run_engine(model, reqs, engine_config(model, reqs, base)),
-                   "transformers": lambda reqs, name: run_hf(hf, reqs, a.hf_batch if name == "mixed" else len(reqs)),
+        runners = {name: (lambda reqs, _, cfg=cfg: run_engine(model, reqs, engine_config(model, reqs, cfg)))
+                   for name, cfg in engines.items()}
+        runners |= {"transformers": lambda reqs, name: run_hf(hf, reqs, a.hf_batch if name == "mixed" else len(reqs)),
                    "transformers-cb": lambda reqs, name: cb.run(reqs)}
         warm = loads["mixed"][:2]
-        for system in ["stalwart", *peers]:
+        systems = [*engines, *peers]
+        for system in systems:
             t = time.perf_counter()
             if system == "transformers-cb":
                 cb = HfContinuous(hf, [r for reqs in loads.values() for r in reqs])
@@ -235,22 +251,23 @@ def main(argv: list[str]) -> int:
             print(f"# {flavor} {system} warm-up: {time.perf_counter() - t:.1f} s", flush=True)
         for name in a.workloads.split(","):
             reqs = loads[name]
-            ratios: dict[str, list[float]] = {peer: [] for peer in peers}
+            # (engine, peer): every engine over every peer, and every later engine over the first
+            compared = [(e, p) for e in engines for p in peers] + [(e, [*engines][0]) for e in [*engines][1:]]
+            ratios: dict[tuple[str, str], list[float]] = {c: [] for c in compared}
             for rep in range(a.repeats):
                 pair = {}
-                for system in ["stalwart", *peers]:
+                for system in systems:
                     load = os.getloadavg()[0]
                     r = pair[system] = runners[system](reqs, name)
-                    print(f"{flavor:<8} {name:<9} {rep:>3} {system:<15} {r.tokens / r.seconds:8.1f} "
+                    print(f"{flavor:<8} {name:<9} {rep:>3} {system:<16} {r.tokens / r.seconds:8.1f} "
                           f"{1e3 * pct(r.ttft, .5):9.1f} {1e3 * pct(r.ttft, .99):9.1f} {1e3 * pct(r.tpot, .5):9.1f} "
                           f"{1e3 * pct(r.tpot, .99):9.1f}  {load:5.2f}", flush=True)
-                s = pair["stalwart"]
-                for peer in peers:
-                    h = pair[peer]
-                    ratios[peer].append((h.seconds / s.seconds) * (s.tokens / h.tokens))
-            for peer in peers:
-                print(f"{flavor:<8} {name:<9} throughput ratio stalwart/{peer} per repeat: "
-                      + ", ".join(f"{x:.2f}x" for x in ratios[peer]), flush=True)
+                for e, peer in compared:
+                    s, h = pair[e], pair[peer]
+                    ratios[e, peer].append((h.seconds / s.seconds) * (s.tokens / h.tokens))
+            for e, peer in compared:
+                print(f"{flavor:<8} {name:<9} throughput ratio {e}/{peer} per repeat: "
+                      + ", ".join(f"{x:.2f}x" for x in ratios[e, peer]), flush=True)
         if cb is not None:
             cb.close()
     return 0

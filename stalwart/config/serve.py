@@ -44,9 +44,10 @@ class EngineConfig:
         "How a step attends its sequences decoding one token (infer/attention.py): 'grouped' takes one call per "
         "group of sequences whose cache contexts are evenly spaced, read in place (no padding: faster on CPU); "
         "'batched' takes one call per layer for all of them, their blocks gathered into one padded tensor with "
-        "a length mask (the host launches one call, not one per group: faster on a GPU); 'auto' = batched on "
-        "an accelerator, grouped on CPU. Greedy tokens are the same; log-probabilities may differ in the last "
-        "bits. Bitwise mode (pad_rows > 1) attends each sequence alone.", "auto")
+        "a length mask unless one strided view of the cache holds them all (the host launches one call, not one "
+        "per group: for a GPU); 'auto' = batched on an accelerator, grouped on CPU. Greedy tokens are the same; "
+        "log-probabilities may differ in the last bits. Bitwise mode (pad_rows > 1) attends each sequence "
+        "alone.", "auto")
     dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where the weights, the KV cache and the forward pass live ('auto' = cuda if available; a device this "

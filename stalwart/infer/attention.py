@@ -16,9 +16,9 @@ consecutive block was free) has its context gathered, alone.
 
 How a step's decodes are attended is its *mode* (``decode_mode``): ``grouped`` is the above (no
 padding: fastest on the host); ``batched`` attends every sequence decoding one token in one call per
-layer over its blocks gathered into one padded (count, kv_heads, blocks x block_size, head_dim) tensor
-with a length mask, whatever its placement (an accelerator's step is bound by the host launching one
-call per group otherwise); ``alone`` (the engine's bitwise mode) attends each sequence on its own, with
+layer, whatever their placement: over one strided view when one holds them all, else over their blocks
+gathered into one padded (count, kv_heads, blocks x block_size, head_dim) tensor with a length mask (an
+accelerator's step is bound by the host launching one call per group otherwise); ``alone`` (the engine's bitwise mode) attends each sequence on its own, with
 exactly the tensor shapes it would have if it ran alone, so its attention does not depend on the batch.
 Everything a step's layers share (slots, index tensors, masks) is built once per step, in the layout.
 """
@@ -121,23 +121,26 @@ def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, 
         first = ctx - q_len
         if mode == "batched" and q_len == 1:
             batched.append((q_start, ctx, blocks[:nb]))
-            slots.append(blocks[nb - 1] * bs + (ctx - 1) % bs)
-        elif blocks[:nb] == list(range(b0, b0 + nb)):
+        if blocks[:nb] == list(range(b0, b0 + nb)):
             start = b0 * bs
             slots.extend(range(start + first, start + ctx))
             if group and q_len == 1:
                 decodes.append((start, q_start, ctx))
             else:
                 singles.append(Span(q_start, q_len, ctx, start))
+        elif mode == "batched" and q_len == 1:  # scattered: the batched call gathers its blocks
+            slots.append(blocks[nb - 1] * bs + (ctx - 1) % bs)
         else:
             table = torch.tensor(blocks[:nb], dtype=torch.long)
             context = (table[:, None] * bs + torch.arange(bs)).flatten()[:ctx]
             slots.extend(context[first:].tolist())
             singles.append(Span(q_start, q_len, ctx, context=context.to(device)))
     layout = StepLayout(torch.tensor(slots, dtype=torch.long, device=device), bs)
-    _group_decodes(layout, decodes, num_slots, window, device)
-    if batched:
+    runs = _decode_runs(decodes, num_slots)
+    if batched and (len(batched) > len(decodes) or len(runs) > 1):  # one call; a strided view if one holds all
         _batch_decodes(layout, batched, bs, window, device)
+    else:
+        _group_decodes(layout, runs, window, device)
     if group:
         _group_prefills(layout, singles, window, device)
     else:
@@ -176,10 +179,10 @@ def _batch_decodes(layout: StepLayout, batched: list[tuple[int, int, list[int]]]
         table=torch.tensor(table, dtype=torch.long, device=device)))
 
 
-def _group_decodes(layout: StepLayout, decodes: list[tuple[int, int, int]], num_slots: int, window: int,
-                   device: torch.device) -> None:
-    """Cut the decodes, in cache order, into runs of evenly spaced starts; a run of one is a Span."""
+def _decode_runs(decodes: list[tuple[int, int, int]], num_slots: int) -> list[list[tuple[int, int, int]]]:
+    """The decodes (start slot, stream row, ctx), in cache order, cut into runs of evenly spaced starts."""
     decodes.sort()
+    runs = []
     i = 0
     while i < len(decodes):
         j = i + 1
@@ -193,6 +196,14 @@ def _group_decodes(layout: StepLayout, decodes: list[tuple[int, int, int]], num_
             j -= 1  # the strided view would run past the cache's end: the last one goes alone
             run.pop()
         i = j
+        runs.append(run)
+    return runs
+
+
+def _group_decodes(layout: StepLayout, runs: list[list[tuple[int, int, int]]], window: int,
+                   device: torch.device) -> None:
+    """One call per run of decodes over a strided view of the cache; a run of one is a Span."""
+    for run in runs:
         if len(run) == 1:
             start, row, ctx = run[0]
             layout.spans.append(Span(row, 1, ctx, start))
