@@ -37,6 +37,7 @@ def test_layouts_and_who_scores_exact_logprobs():
         (["--workers.trainers", "4", "--parallelism.tp", "2", "--rl.updates_per_step", "8"], "(2 x 8)"),
         (["--workers.trainers", "2", "--parallelism.tp", "2", "--workers.balance", "adaptive"],
          "workers.balance = adaptive"),
+        (["--workers.generator_tp", "2", "--workers.balance", "adaptive"], "set workers.generator_tp 1"),
     ]:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             _cfg(*args)

@@ -165,3 +165,35 @@ def test_weight_sync_bench_compares_both_paths_and_the_direct_one_skips_the_cont
     assert "| direct |" in p.stdout
     bad = run_cli("bench", "weight-sync", "--repeats", "0", check=False)
     assert bad.returncode == 2 and "--repeats" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.unit
+def test_a_tensor_parallel_receiver_gets_exactly_its_shard_from_row_sharded_senders():
+    """Two FSDP-like senders (row halves) and receivers that take column or row blocks (a tensor-parallel
+    generator's shards): each receiver assembles exactly its block, every element once; a receiver that
+    takes the full tensors (``boxes`` None) gets them whole."""
+    from stalwart.comm.weight_sync import _Assembly, clip
+
+    full = {"w": torch.arange(48, dtype=torch.float32).reshape(6, 8), "b": torch.arange(8, dtype=torch.float32),
+            "s": torch.tensor(3.0)}
+    senders = [[Piece("w", full["w"][:3], (6, 8), (0, 0)), Piece("b", full["b"], (8,), (0,)),
+                Piece("s", full["s"], (), ())],
+               [Piece("w", full["w"][3:], (6, 8), (3, 0))]]
+    for boxes, want in (({"w": ([0, 4], [6, 4]), "b": ([0], [8]), "s": ([], [])},     # rowwise: columns 4..7
+                         {"w": full["w"][:, 4:], "b": full["b"], "s": full["s"]}),
+                        ({"w": ([2, 0], [2, 8]), "b": ([4], [4]), "s": ([], [])},     # a row block across both
+                         {"w": full["w"][2:4], "b": full["b"][4:], "s": full["s"]}),
+                        (None, full)):
+        parts = [clip(pieces, boxes) for pieces in senders]
+        plans = [plan_buckets(p, 20) for p in parts]
+        assembly = _Assembly([m for m, _ in plans], torch.device("cpu"))
+        for s, (manifest, buckets) in enumerate(plans):
+            for b, chunks in enumerate(buckets):
+                buf = torch.empty(manifest["buckets"][b], dtype=torch.uint8)
+                for i, lo, hi, start in chunks:
+                    buf[start:start + hi - lo] = parts[s][i].local.contiguous().reshape(-1).view(torch.uint8)[lo:hi]
+                for chunk in [c for c in manifest["chunks"] if c[3] == b]:
+                    assembly.put(s, chunk, buf)
+        got = assembly.finish()
+        assert got.keys() == want.keys(), boxes
+        assert all(torch.equal(got[k], want[k]) for k in want), boxes

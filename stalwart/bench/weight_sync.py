@@ -31,6 +31,7 @@ import numpy as np
 from monarch.actor import endpoint
 
 from stalwart.config.arguments import ArgumentParser
+from stalwart.controller.gang import GangMesh, PerMember
 from stalwart.controller.mesh import ActorMesh
 from stalwart.rl.generator import GeneratorActor
 from stalwart.rl.trainer import PolicyTrainerActor
@@ -84,13 +85,18 @@ class CountingMesh(ActorMesh):
 
     def call(self, endpoint, args=(), ranks=None):
         for r in (range(self.n) if ranks is None else ranks):
-            CountingMesh.bytes += payload_bytes(args(r) if callable(args) else args)
+            CountingMesh.bytes += payload_bytes(args.fn(r, 0) if isinstance(args, PerMember) else
+                                                args(r) if callable(args) else args)
         return super().call(endpoint, args, ranks)
 
     def wait(self, futures, timeout_s, what=""):
         replies = super().wait(futures, timeout_s, what)
         CountingMesh.bytes += payload_bytes(replies)
         return replies
+
+
+class CountingGang(CountingMesh, GangMesh):
+    """The generators' mesh (a gang of one process per generator), counted."""
 
 
 class BenchTrainer(PolicyTrainerActor):
@@ -205,7 +211,7 @@ def main(argv: list[str]) -> int:
     timeouts = Timeouts(600.0, 600.0, 600.0)
     snapshots = tempfile.mkdtemp(prefix="stalwart-bench-sync-", dir="/dev/shm")  # the trainers keep none here
     tmesh = CountingMesh.spawn(BenchTrainer, "trainer", args.trainers)
-    gmesh = CountingMesh.spawn(BenchGenerator, "generator", args.generators)
+    gmesh = CountingGang.spawn(BenchGenerator, "generator", args.generators)
     try:
         for mesh in (tmesh, gmesh):
             mesh.report_grace_s = 0.75
@@ -216,7 +222,7 @@ def main(argv: list[str]) -> int:
         pool = Pool(gmesh, "generator", 600.0, lambda *a, **k: None, lambda g: None)
         generators = Generators(pool, {}, (margs, _tokenizer_json(), cfg.engine, {"max_tokens": 1, "temperature": 1.0,
                                                                                   "top_k": 0}, False, 32, 1,
-                                           args.device, None))  # no episode: single-turn
+                                           args.device, None), store.port, timeouts)  # no episode: single-turn
         weights = WeightSync(trainers, generators, lambda *a, **k: None, lambda prefix: abandon(store, prefix), "")
         pool.restore = weights.bring_up
         generators.setup()

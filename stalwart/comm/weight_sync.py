@@ -23,6 +23,12 @@ the full tensor when the shard is a contiguous block of it, as a ``Shard(0)`` sh
 every element arrived exactly once, and only then hands the state over: a failed sync installs
 nothing. A sync whose version is not newer than the installed one (or not the one expected) is
 received to the end (so the sender finishes normally) and refused.
+
+A generator of several processes (its engine tensor-parallel) is several receivers on one link, group
+ranks ``T..``: when the link forms, each tells the senders what it takes (:class:`Want`, from
+:func:`boxes_of`: the block of each full tensor its shard is, or the full tensors), and each sender
+sends each receiver the parts of its own pieces inside that receiver's blocks (:func:`clip`), placed
+relative to the block; the receiver assembles its shards as it would full tensors.
 """
 
 from __future__ import annotations
@@ -50,18 +56,34 @@ class OutOfOrder(WeightSyncError):
     """A sync whose version is not newer than the installed weights (or not the one expected)."""
 
 
+@dataclass(frozen=True)
+class Want:
+    """What one receiver takes of a policy sync: ``boxes`` (tensor name -> (offsets, shape): the block of
+    the full tensor it holds, a tensor-parallel rank's shard) or None for the full tensors; ``reference``:
+    whether it takes the frozen reference's syncs too (always the full tensors: a plain copy)."""
+
+    boxes: dict[str, tuple[list[int], list[int]]] | None = None
+    reference: bool = True
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.boxes, self.reference], sort_keys=True)
+
+
 @dataclass
 class Link:
-    """One generator's group: trainer ranks ``0..senders-1`` send, group rank ``senders`` receives."""
+    """One generator's group: trainer ranks ``0..senders-1`` send, group ranks ``senders..`` receive
+    (one per process of the generator). ``wants`` (on a sender: receiver rank -> :class:`Want`, as
+    :func:`exchange_wants` told it) defaults to one receiver, rank ``senders``, taking the full tensors."""
 
     group: object            # a standalone ProcessGroup (runtime.standalone.standalone_group)
     senders: int
     rank: int                # this process's rank in the group
     device: torch.device
+    wants: dict[int, Want] | None = None
 
-    @property
-    def receiver(self) -> int:
-        return self.senders
+    def targets(self) -> dict[int, Want]:
+        return self.wants if self.wants is not None else {self.senders: Want()}
 
 
 @dataclass(frozen=True)
@@ -97,6 +119,65 @@ def owned_pieces(state: Mapping[str, torch.Tensor], rank: int) -> list[Piece]:
         elif rank == 0:
             out.append(Piece(name, t.detach(), tuple(t.shape), (0,) * t.dim()))
     return out
+
+
+def boxes_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[list[int], list[int]]]:
+    """The block of each full tensor this process holds (offsets, shape): a DTensor's local shard, a
+    plain tensor whole (a receiver's :class:`Want` for its tensor-parallel shards)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for name, t in state.items():
+        if isinstance(t, DTensor):
+            shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            out[name] = (list(offsets), list(shape))
+        else:
+            out[name] = ([0] * t.dim(), list(t.shape))
+    return out
+
+
+def clip(pieces: list[Piece], boxes: dict[str, tuple[list[int], list[int]]] | None) -> list[Piece]:
+    """The parts of ``pieces`` inside a receiver's ``boxes``, each placed in its box (the box is the
+    receiver's "full" tensor: its shape, offsets from the box's corner); all of them when None."""
+    if boxes is None:
+        return pieces
+    out = []
+    for p in pieces:
+        if p.name not in boxes:
+            continue
+        at, size = boxes[p.name]
+        lo = [max(o, a) for o, a in zip(p.offsets, at)]
+        hi = [min(o + n, a + m) for o, n, a, m in zip(p.offsets, p.local.shape, at, size)]
+        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+            continue  # no element of this piece is in the box
+        local = p.local[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, p.offsets))]
+        out.append(Piece(p.name, local, tuple(size), tuple(lo_ - a for lo_, a in zip(lo, at))))
+    return out
+
+
+def exchange_wants(link: Link, want: Want | None, receivers: int) -> None:
+    """Every receiver tells every sender what it takes (called once a link is formed, by all its
+    members: a receiver passes its ``want``, a sender None and learns ``link.wants``)."""
+    device, group = link.device, link.group
+    if want is not None:
+        raw = torch.frombuffer(bytearray(want.key.encode()), dtype=torch.uint8).to(device)
+        size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+        for t in (size, raw):
+            for w in [group.send([t], s, TAG) for s in range(link.senders)]:
+                w.wait()
+        return
+    ranks = range(link.senders, link.senders + receivers)
+    sizes = {r: torch.zeros(1, dtype=torch.int64, device=device) for r in ranks}
+    for w in [group.recv([t], r, TAG) for r, t in sizes.items()]:
+        w.wait()
+    raws = {r: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for r, t in sizes.items()}
+    for w in [group.recv([t], r, TAG) for r, t in raws.items()]:
+        w.wait()
+    link.wants = {}
+    for r, t in raws.items():
+        boxes, reference = json.loads(bytes(t.cpu().numpy()))
+        link.wants[r] = Want(None if boxes is None else {k: (v[0], v[1]) for k, v in boxes.items()}, reference)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -136,14 +217,16 @@ def plan_buckets(pieces: list[Piece], bucket_bytes: int) -> tuple[dict, list[lis
     return {"tensors": tensors, "chunks": chunks, "buckets": sizes}, buckets
 
 
-def _post(links: list[Link], tensor: torch.Tensor, errors: dict[int, str]) -> list[tuple[int, object]]:
-    """Start sending ``tensor`` on every link that has not failed; a link that refuses fails alone."""
+def _post(links: list[Link], targets: list[tuple[int, int]], tensor: torch.Tensor,
+          errors: dict[int, str]) -> list[tuple[int, object]]:
+    """Start sending ``tensor`` to every target (link index, receiver rank) whose link has not failed;
+    a link that refuses fails alone."""
     works = []
-    for i, link in enumerate(links):
+    for i, dst in targets:
         if i in errors:
             continue
         try:
-            works.append((i, link.group.send([tensor], link.receiver, TAG)))
+            works.append((i, links[i].group.send([tensor], dst, TAG)))
         except Exception as e:  # noqa: BLE001 - a connection already closed by a lost generator
             errors[i] = f"{type(e).__name__}: {e}"
     return works
@@ -161,20 +244,38 @@ def _wait_live(works: Iterable[tuple[int, object]], errors: dict[int, str]) -> N
 
 def send_weights(links: list[Link], state: Mapping[str, torch.Tensor], rank: int, version: int,
                  reference: bool, bucket_bytes: int) -> dict[int, str]:
-    """Send this trainer rank's pieces of ``state`` as ``version`` over every link (to every
-    generator). Returns the links that failed (index -> error); the others received everything."""
+    """Send this trainer rank's pieces of ``state`` as ``version`` over every link (to every receiver of
+    every generator: to each what its :class:`Want` takes; a reference sync only to those that take
+    it). Receivers that want the same (the same tensor-parallel rank of every generator) get the same
+    buckets. Returns the links that failed (index -> error); the others received everything."""
     if not links:
         raise ValueError("send_weights needs at least one link")
     pieces = owned_pieces(state, rank)
+    plans: dict[str, tuple[Want, list[tuple[int, int]]]] = {}
+    for i, link in enumerate(links):
+        for dst, want in link.targets().items():
+            if reference and not want.reference:
+                continue
+            want = Want() if reference else want
+            plans.setdefault(want.key, (want, []))[1].append((i, dst))
+    errors: dict[int, str] = {}
+    for want, targets in plans.values():
+        _send(links, targets, clip(pieces, want.boxes), version, reference, bucket_bytes, errors)
+    synchronize(links[0].device)
+    return errors
+
+
+def _send(links: list[Link], targets: list[tuple[int, int]], pieces: list[Piece], version: int, reference: bool,
+          bucket_bytes: int, errors: dict[int, str]) -> None:
+    """One sync's header, manifest and buckets of ``pieces`` to every target (link index, receiver rank)."""
     manifest, buckets = plan_buckets(pieces, bucket_bytes)
     device = links[0].device
     raw = json.dumps(manifest, separators=(",", ":")).encode()
     header = torch.tensor([MAGIC, version, int(reference), len(raw), len(buckets), sum(manifest["buckets"])],
                           dtype=torch.int64, device=device)
     text = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-    errors: dict[int, str] = {}
-    _wait_live(_post(links, header, errors), errors)
-    _wait_live(_post(links, text, errors), errors)
+    _wait_live(_post(links, targets, header, errors), errors)
+    _wait_live(_post(links, targets, text, errors), errors)
     current, flat = -1, None  # one piece's bytes at a time (a copy only if it is not contiguous)
     inflight: deque[list] = deque()
     for b, chunks in enumerate(buckets):
@@ -183,13 +284,11 @@ def send_weights(links: list[Link], state: Mapping[str, torch.Tensor], rank: int
             if i != current:
                 current, flat = i, _bytes(pieces[i].local)
             buf[start:start + hi - lo].copy_(flat[lo:hi])
-        inflight.append(_post(links, buf, errors))
+        inflight.append(_post(links, targets, buf, errors))
         if len(inflight) > 1:  # two buckets in flight: the next is packed while this one is sent
             _wait_live(inflight.popleft(), errors)
     while inflight:
         _wait_live(inflight.popleft(), errors)
-    synchronize(device)
-    return errors
 
 
 class _Assembly:

@@ -190,7 +190,12 @@ class GRPOConfig:
 
 @dataclass
 class WorkersConfig:
-    generators: int = option("Generator actors (inference engines), each one process.", 1, min=1)
+    generators: int = option("Generators (inference engines), each workers.generator_tp processes.", 1, min=1)
+    generator_tp: int = option(
+        "Processes per generator: its engine split tensor-parallel over them as `stalwart serve --tp` splits it "
+        "(the first schedules and samples, the others follow its steps), each taking its own shards of every "
+        "weight sync; with rl.logprobs exact the first also keeps the plain re-scoring copy (the full weights). "
+        "A lost process replaces the whole generator.", 1, min=1)
     trainers: int = option("Trainer actors: one process each, one process group, laid out by [parallelism].", 1,
                            min=1)
     device: Literal["auto", "cpu", "cuda"] = option(
@@ -283,6 +288,10 @@ class RLConfig:
                               "layouts the trainers compute the old log-probabilities with their own forward before "
                               "updating, and an async sample's generating weights are gone by then; use rl.mode "
                               "sync or rl.logprobs engine")
+        if self.workers.generator_tp > 1 and self.workers.balance == "adaptive":
+            raise ConfigError("workers.balance = adaptive moves one process at a time between the meshes, which a "
+                              "generator of several processes cannot take; set workers.generator_tp 1 or "
+                              "workers.balance fixed")
         if max(p.tp, p.ep) > 1 and self.workers.balance == "adaptive":
             raise ConfigError("workers.balance = adaptive moves one trainer at a time, which a tensor- or "
                               "expert-parallel layout cannot take; set parallelism.tp and ep to 1 or "

@@ -82,18 +82,19 @@ class ActorMesh:
         self._lock = threading.Lock()
 
     @classmethod
-    def spawn(cls, actor_cls: type, name: str, n: int, spares: int = 0) -> "ActorMesh":
+    def spawn(cls, actor_cls: type, name: str, n: int, spares: int = 0, **kwargs: Any) -> "ActorMesh":
         """``n`` actors, plus ``spares`` started ones that take a failed actor's place (the actor class
-        needs a ``warm`` endpoint that does its imports)."""
+        needs a ``warm`` endpoint that does its imports and answers its pid); ``kwargs`` go to the class
+        (``controller/gang.py``'s width)."""
         import monarch.actor as monarch_actor
 
-        mesh = cls(actor_cls, name, n)
+        mesh = cls(actor_cls, name, n, **kwargs)
         # An actor's death arrives here as well as at its pending calls: keep it, never exit the controller.
         monarch_actor.unhandled_fault_hook = mesh._on_fault
         # NOTE: one proc mesh per actor. Monarch 0.7.0 reports only the first process death of a proc
         # mesh: a call to a second member that dies later never fails (docs/controller.md has the
         # reproducer). Alone in its mesh, every actor's death is its mesh's first.
-        mesh.handles = [mesh._start_one() for _ in range(n)]
+        mesh.handles = [mesh._start_rank() for _ in range(n)]
         for _ in range(spares):
             spare = mesh._start_one()
             mesh.spares.append((spare, spare.warm.call_one()))
@@ -169,7 +170,10 @@ class ActorMesh:
         """None while rank's process runs (or its pid is not known yet); else how it ended, as far as
         /proc tells: the actors are this process's children, so a dead one is a zombie until reaped,
         and a zombie's stat carries its wait status."""
-        pid = self.pids.get(rank)
+        return self._pid_status(self.pids.get(rank))
+
+    @staticmethod
+    def _pid_status(pid: int | None) -> str | None:
         if not pid:
             return None
         try:
@@ -183,7 +187,10 @@ class ActorMesh:
 
     def kill(self, rank: int) -> None:
         """SIGKILL rank's process (a hung or failed actor is not trusted to stop by itself)."""
-        pid = self.pids.get(rank)
+        self._kill_pid(self.pids.get(rank))
+
+    @staticmethod
+    def _kill_pid(pid: int | None) -> None:
         if pid:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -197,28 +204,33 @@ class ActorMesh:
         self._procs.append(procs)
         return procs.spawn(self.name, self.actor_cls)
 
-    def replace(self, rank: int) -> str:
-        """Another actor for ``rank`` (the old one is killed first): a started spare when there is one
-        (a new spare is then started in its place), else a fresh process. Returns which."""
-        self.kill(rank)
-        self.pids.pop(rank, None)
-        if self.spares:
-            self.handles[rank], _ = self.spares.pop(0)
-            fresh = self._start_one()
-            self.spares.append((fresh, fresh.warm.call_one()))
-            return "spare"
-        self.handles[rank] = self._start_one()
-        return "new"
+    def _start_rank(self) -> Any:
+        """What one rank is: one actor here (a gang of them in ``controller/gang.py``)."""
+        return self._start_one()
 
-    def grow(self) -> int:
-        """One more actor (a started spare when there is one); returns its rank."""
+    def _take(self) -> tuple[Any, str]:
+        """A started spare (a new spare is then started in its place), else a fresh actor; and which."""
         if self.spares:
             handle, _ = self.spares.pop(0)
             fresh = self._start_one()
             self.spares.append((fresh, fresh.warm.call_one()))
-        else:
-            handle = self._start_one()
-        self.handles.append(handle)
+            return handle, "spare"
+        return self._start_one(), "new"
+
+    def _take_rank(self) -> tuple[Any, str]:
+        return self._take()
+
+    def replace(self, rank: int) -> str:
+        """Another actor for ``rank`` (the old one is killed first): a started spare when there is one,
+        else a fresh process. Returns which."""
+        self.kill(rank)
+        self.pids.pop(rank, None)
+        self.handles[rank], by = self._take_rank()
+        return by
+
+    def grow(self) -> int:
+        """One more actor (a started spare when there is one); returns its rank."""
+        self.handles.append(self._take_rank()[0])
         self.n += 1
         return self.n - 1
 

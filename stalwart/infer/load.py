@@ -91,8 +91,16 @@ def build_model(loaded: Loaded, dtype: torch.dtype, device: torch.device, tp_mes
     """The model with the loaded weights, in ``dtype`` on ``device``: pipeline stage ``stage`` of
     ``stages`` (the trainer's split), its heads and MLP units split over ``tp_mesh`` (a mesh on
     ``device``'s type) if given."""
+    model = layout_model(loaded.args, device, tp_mesh, stage, stages)
+    copy_full_state(model, loaded.state)
+    model.to(dtype)
+    return model.eval()
+
+
+def layout_model(a: TransformerArgs, device: torch.device, tp_mesh=None, stage: int = 0, stages: int = 1) -> nn.Module:
+    """The model of ``a`` on ``device`` laid out as :func:`build_model` lays it out (weights to be copied
+    in: an RL generator's arrive from its trainers)."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    a = loaded.args
     check_layout(a, tp, stages)
     model = Transformer(a)
     if stages > 1:
@@ -103,34 +111,42 @@ def build_model(loaded: Loaded, dtype: torch.dtype, device: torch.device, tp_mes
         from stalwart.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, tp_mesh, loss_parallel=False, sequence_parallel=False)
-    model.to(device)  # what tensor parallelism did not already place on its mesh's device
-    copy_full_state(model, loaded.state)
-    model.to(dtype)
-    return model.eval()
+    return model.to(device)  # what tensor parallelism did not already place on its mesh's device
+
+
+def _shard_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """This rank's shard's shape of a tensor-parallel parameter (its whole shape otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return tuple(param.to_local().shape) if isinstance(param, DTensor) else tuple(param.shape)
 
 
 def check_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Raise UserError unless ``state`` has every tensor of ``model`` in its full (unsharded) shape."""
+    """Raise UserError unless ``state`` has every tensor of ``model`` in its full (unsharded) shape, or
+    already cut to this tensor-parallel rank's shard (an RL generator's weight sync sends each rank its own)."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:
         raise UserError(f"the weights have no tensor {missing[0]!r} ({len(missing)} missing)")
     for name, param in own.items():
-        if tuple(state[name].shape) != tuple(param.shape):
+        if tuple(state[name].shape) not in (tuple(param.shape), _shard_shape(param)):
             raise UserError(f"weight {name!r} has shape {tuple(state[name].shape)}, the model expects "
                             f"{tuple(param.shape)}")
 
 
 @torch.no_grad()
 def copy_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into a model's parameters, keeping each tensor-parallel rank's shard only."""
+    """Copy full tensors into a model's parameters, keeping each tensor-parallel rank's shard only (a
+    tensor already of the shard's shape, not the full one, is that shard)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     check_full_state(model, state)  # everything before changing anything
     own = model.state_dict()
     for name, param in own.items():
         full = state[name]
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and tuple(full.shape) != tuple(param.shape):
+            param.to_local().copy_(full.to(param.dtype))
+        elif isinstance(param, DTensor):
             local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
                                       src_data_rank=None).to_local()
             param.to_local().copy_(local)

@@ -39,6 +39,7 @@ import numpy as np
 from stalwart.config.render import to_toml
 from stalwart.config.rl import RLConfig
 from stalwart.controller.journal import Journal, config_key, earlier_results
+from stalwart.controller.gang import GangMesh
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
 from stalwart.controller.replay import RecoveriesExhausted, ReplayDiverged
 from stalwart.errors import UserError
@@ -124,6 +125,10 @@ class RLDriver:
         a = self.args  # the trainers' layout against the model, before any actor starts (one line, exit 2)
         ParallelDims.resolve(cfg.parallelism, cfg.workers.trainers).check_model(
             a.n_heads, a.n_kv_heads, a.n_layers, self.length, 1, a.moe.n_experts if a.moe else 0)
+        tp = cfg.workers.generator_tp
+        if a.n_heads % tp or a.n_kv_heads % tp:
+            raise UserError(f"workers.generator_tp ({tp}) must divide the model's attention heads ({a.n_heads}) and "
+                            f"key/value heads ({a.n_kv_heads}): each generator process holds whole heads")
         self.store = controller_store(cfg.workers.trainers, SETUP_S)
         if self.point is None:  # the trainers' snapshots and the loop's states: this run's only
             shutil.rmtree(self.paths.snapshots(), ignore_errors=True)
@@ -147,7 +152,8 @@ class RLDriver:
         used = self.task.train + self.task.evaluated
         timeouts = Timeouts(cfg.controller.step_timeout_s, SETUP_S, w.generate_timeout_s)
         meshes = {"trainers": ActorMesh.spawn(PolicyTrainerActor, "trainer", w.trainers, spares),
-                  "generators": ActorMesh.spawn(GeneratorActor, "generator", w.generators, spares),
+                  "generators": GangMesh.spawn(GeneratorActor, "generator", w.generators, spares,
+                                               width=w.generator_tp),
                   "rewards": ActorMesh.spawn(RewardActor, "reward", w.reward_workers, spares)}
         self.meshes = list(meshes.values())
         for mesh in self.meshes:
@@ -167,7 +173,7 @@ class RLDriver:
         generators = Generators(gen_pool, {i.key: self.tok.encode(prompt_text(i)).ids for i in used},
                                 (self.args, self.tok.to_str(), cfg.engine, sampling,
                                  r.logprobs == "exact" and not cfg.exact_on_trainers(),
-                                 self.length, self.pad, w.device, episode))
+                                 self.length, self.pad, w.device, episode), self.store.port, timeouts)
         rew_pool = Pool(meshes["rewards"], "reward", w.reward_timeout_s, self.events, lambda g: None)
         rewards = Rewards(rew_pool, {i.key: [(c.input, c.output) for c in i.cases(cfg.task.tests, cfg.run.seed)]
                                      for i in used}, self._program,
@@ -176,7 +182,8 @@ class RLDriver:
         weights = WeightSync(trainers, generators, self.events, lambda prefix: abandon(self.store, prefix),
                              str(self.paths.reference))
         gen_pool.restore = weights.bring_up
-        self.events("rl_meshes", **{name: dict(m.pids) for name, m in meshes.items()})
+        self.events("rl_meshes", **{name: dict(m.pids) for name, m in meshes.items()},
+                    generator_members=dict(meshes["generators"].members))
         return Services(trainers, generators, rewards, weights)
 
     def _program(self, response: list[int]) -> str:
@@ -216,7 +223,8 @@ class RLDriver:
         self.events("launch", engine="rl-controller", mode=self.cfg.rl.mode)
         try:
             w = self.cfg.workers
-            self.progress.phase(f"spawning {w.trainers} trainer, {w.generators} generator and {w.reward_workers} "
+            gens = f"{w.generators} generator" + (f" (x{w.generator_tp} processes)" if w.generator_tp > 1 else "")
+            self.progress.phase(f"spawning {w.trainers} trainer, {gens} and {w.reward_workers} "
                                 f"reward actor(s) on {w.device}")
             self.svc = self._spawn()
             return self._run()
@@ -377,7 +385,8 @@ def run_rl_job(cfg: RLConfig) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     paths = RunPaths.of(cfg.run)
     TaskSetup.of(cfg)  # a mistake in the task section is refused before the run directory is touched
-    check_device(cfg.workers.device, 1, "--device")  # and a device this machine lacks, before any actor
+    # and a device this machine lacks, before any actor (a generator's processes need a GPU each)
+    check_device(cfg.workers.device, cfg.workers.generator_tp, "--device")
     if paths.summary.exists():  # a killed run (no summary) is resumed by the same command instead
         shutil.rmtree(paths.snapshots(), ignore_errors=True)  # left if it was killed between its summary and exit
         raise UserError(f"run.dir {paths.root} already holds a run that finished; pass another --run.dir or "

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from stalwart.controller.gang import GangMesh, PerMember
 from stalwart.controller.mesh import ActorMesh
 from stalwart.parallel.dims import ParallelDims
 from stalwart.rl import rollout
@@ -131,7 +132,7 @@ class Trainers:
 
         t = self.timeouts
         return self.mesh.call(PolicyTrainerActor.link, (generator, attempt, generators, self.store_port, t.setup_s,
-                                                        self.link_timeout_s))
+                                                        self.link_timeout_s, self.cfg.workers.generator_tp))
 
     def send_weights(self, version: int, reference: bool, generators: list[int]) -> dict[int, Any]:
         """Every rank starts sending its pieces of ``version`` to ``generators``; the futures."""
@@ -159,29 +160,41 @@ class Generation:
 
 
 class Generators:
-    """The generator pool: engines that sample whole groups; a lost generator's groups are sampled again."""
+    """The generator pool: engines that sample whole groups; a lost generator's groups are sampled again.
+    Each generator is a gang of ``workers.generator_tp`` processes (``controller/gang.py``); each setup
+    forms its process group anew, as attempt ``attempts`` of that generator's scope on the store."""
 
-    def __init__(self, pool: Pool, prompts: dict[str, list[int]], setup_args: tuple) -> None:
+    def __init__(self, pool: Pool, prompts: dict[str, list[int]], setup_args: tuple, store_port: int,
+                 timeouts: Timeouts) -> None:
         self.pool, self.prompts, self.setup_args = pool, prompts, setup_args
+        self.store_port, self.timeouts = store_port, timeouts
+        self.attempts = 0
 
     @property
     def n(self) -> int:
         return self.pool.n
 
     @property
-    def mesh(self) -> ActorMesh:
+    def mesh(self) -> GangMesh:
         return self.pool.mesh
+
+    def _setup_args(self) -> PerMember:
+        from stalwart.rl.generator import Member
+
+        self.attempts += 1
+        attempt, t, width = self.attempts, self.timeouts, self.mesh.width
+        return PerMember(lambda r, m: (*self.setup_args, r, Member(m, width, self.store_port, attempt, t.setup_s,
+                                                                   t.generate_s)))
 
     def setup(self, ranks: list[int] | None = None) -> None:
         """Build the engines (every generator, or ``ranks`` without repair: a newcomer's restore)."""
         from stalwart.rl.generator import GeneratorActor
 
         if ranks is None:
-            self.pool.call_all(GeneratorActor.setup, lambda r: (*self.setup_args, r))
+            self.pool.call_all(GeneratorActor.setup, self._setup_args())
             return
         m = self.mesh
-        m.wait(m.call(GeneratorActor.setup, lambda r: (*self.setup_args, r), ranks=ranks), SETUP_S,
-               "generator setup")
+        m.wait(m.call(GeneratorActor.setup, self._setup_args(), ranks=ranks), SETUP_S, "generator setup")
 
     def generate(self, requests: list[rollout.GroupRequest]) -> Generation:
         from stalwart.rl.generator import GeneratorActor

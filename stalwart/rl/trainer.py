@@ -214,14 +214,15 @@ class PolicyTrainerActor(Actor):
     # ------------------------------------------------------------------ weights to the generators
     @endpoint
     def link(self, generator: int, attempt: int, generators: int, store_port: int, setup_s: float,
-             timeout_s: float) -> dict[str, Any]:
-        """Join generator ``generator``'s weight link, attempt ``attempt`` (replacing an earlier one)."""
+             timeout_s: float, receivers: int = 1) -> dict[str, Any]:
+        """Join generator ``generator``'s weight link, attempt ``attempt`` (replacing an earlier one); the
+        generator is ``receivers`` processes, each told the part it takes."""
         from stalwart.rl.links import open_link
 
         self.links.pop(generator, None)  # dropped: its connections close
         try:
             self.links[generator] = open_link(store_port, generator, attempt, self.rank, self.world, generators,
-                                              self.device, setup_s, timeout_s)
+                                              self.device, setup_s, timeout_s, receivers)
         except (RuntimeError, OSError) as e:  # given up by the controller, or a member lost while connecting
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "rank": self.rank, "generator": generator, "attempt": attempt}

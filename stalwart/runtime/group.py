@@ -104,10 +104,11 @@ def join(rank: int, world_size: int, addr: str, port: int, device: torch.device 
 
 
 def join_attempt(rank: int, world_size: int, store_port: int, attempt: int, device: torch.device,
-                 timeout_s: float, setup_s: float, host: str = LOOPBACK) -> DistEnv:
+                 timeout_s: float, setup_s: float, host: str = LOOPBACK, scope: str = "") -> DistEnv:
     """Join attempt ``attempt`` of a group whose store a controller serves at ``host:store_port``.
 
-    Each attempt uses its own key prefix, so a rebuilt group never meets a dead one's keys. Every rank
+    Each attempt uses its own key prefix (under ``scope``, where several groups share the store: an RL
+    generator of several processes), so a rebuilt group never meets a dead one's keys. Every rank
     first waits (up to ``setup_s``) until all have arrived: a respawned actor takes far longer to start
     than a collective may wait (``timeout_s``). The controller abandons an attempt by setting
     ``attempt-N/abort``."""
@@ -115,7 +116,7 @@ def join_attempt(rank: int, world_size: int, store_port: int, attempt: int, devi
         dist.destroy_process_group()
     listen_on(host)
     store = dist.TCPStore(host, store_port, world_size, False, timeout=timedelta(seconds=setup_s))
-    prefix = dist.PrefixStore(f"attempt-{attempt}", store)
+    prefix = dist.PrefixStore(f"{scope}attempt-{attempt}", store)
     wait_for_members(prefix, world_size, setup_s, f"process group {attempt}")
     init_group(device, rank, world_size, prefix, timeout_s)
     return DistEnv.of(rank, world_size, device)
