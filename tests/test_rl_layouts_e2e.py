@@ -6,14 +6,20 @@ re-scores with a plain copy of the model, the split run's trainers score with th
 updates per step: the first from its own forward, the second's rows in a pass before it); the mismatch
 is exactly 0.0 in every step of each. The weights reach the generator from the
 split layout's shards (the experts, held by both tp ranks, sent once). Layouts that cannot be exact are
-refused in one line."""
+refused in one line. A tensor-parallel generator (two processes, the engine split as `stalwart serve --tp`
+splits it) trains the FSDP run's steps bit for bit, and a follower process killed mid-run replaces its
+whole generator."""
 
 import json
 import math
+import os
 import shutil
+import signal
+import time
 
 import pytest
 from conftest import read_metrics, run_cli
+from controller_kill import has, journal, start
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
@@ -24,6 +30,8 @@ QUICK = ["--config", "rl_code", "--model.flavor", "debug-moe", "--rl.mode", "syn
          "add,sub,mul,length", "--task.eval_per_family", "1", "--workers.trainers", "2", "--parallelism.dp_shard", "2",
          "--controller.supervision_poll_s", "0.2"]
 SPLIT = ["--workers.trainers", "4", "--parallelism.tp", "2", "--parallelism.ep", "2"]
+COMPARED = ("reward_mean", "loss", "grad_norm", "logprob_mismatch_max", "clip_fraction", "train_tokens",
+            "routing_flip_frac")
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +81,34 @@ def test_a_layout_that_cannot_be_exact_is_one_line_through_the_cli(tmp_path):
                 "2", "--run.dir", str(tmp_path / "y"), check=False, timeout=120)
     assert p.returncode == 2 and "needs a mixture-of-experts model" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_tensor_parallel_generator_trains_the_same_steps_and_a_lost_process_replaces_it(runs, tmp_path):
+    """The FSDP run again with ``workers.generator_tp 2``: its engine's row-parallel sums run in another
+    order (the sampler's log-probabilities differ in the last bits), but no sampled token changed and the
+    exact re-scoring copy is the plain forward, so every step's figures equal the one-process generator's;
+    the follower process of the generator is killed once step 1 is trained, and the generator (both
+    processes) is replaced and brought up to the current weights."""
+    run = tmp_path / "generator-tp"
+    proc = start("rl", *QUICK, "--workers.generator_tp", "2", "--run.dir", str(run))
+    try:
+        deadline = time.monotonic() + 600
+        while not has(journal(run), "applied", 1):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+        members = [e for e in events if e["event"] == "rl_meshes"][-1]["generator_members"]["0"]
+        os.kill(members[1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    replaced = [e for e in events if e["event"] == "rl_worker_replaced" and e["mesh"] == "generator"]
+    assert len(replaced) == 1 and replaced[0]["pid"] not in members, replaced
+    a, b = _metrics(runs / "fsdp", "rl"), _metrics(run, "rl")
+    assert sorted(a) == sorted(b) == [1, 2]
+    for s in (1, 2):
+        assert b[s]["logprob_mismatch_max"] == 0.0 and b[s]["rescore_s"] > 0, b[s]
+        assert {k: a[s][k] for k in COMPARED} == {k: b[s][k] for k in COMPARED}, s
