@@ -126,3 +126,73 @@ def test_one_element_tensors_read_together_equal_their_own_sums():
     ts = [torch.tensor(3.5), torch.randn(5, 4, generator=g), torch.tensor([7], dtype=torch.int64),
           torch.tensor(-1.25, dtype=torch.bfloat16), torch.tensor([200], dtype=torch.uint8), torch.randn(3, generator=g)]
     assert piece_sums(ts).tolist() == [int(int_sum(t)) for t in ts]
+
+
+def test_bins_are_balanced_and_the_same_for_any_order_of_names():
+    from stalwart.train.fingerprint import assign_bins, param_of
+
+    sizes = {f"layers.{i}.{w}": n for i in range(4) for w, n in (("wq", 64), ("w1", 192), ("norm", 1))}
+    sizes.update({"tok_embeddings.weight": 64, "output.weight": 64})
+    bins = assign_bins(sizes, 4)
+    assert bins == assign_bins(dict(reversed(list(sizes.items()))), 4)  # pure: depends on names and sizes
+    load = [sum(n for name, n in sizes.items() if bins[name] == b) for b in range(4)]
+    assert max(load) - min(load) <= 64 and sum(load) == sum(sizes.values()), load
+    assert assign_bins(sizes, 1) == dict.fromkeys(sizes, 0)
+    assert param_of("params/layers.0.wq") == "layers.0.wq" == param_of("optim/layers.0.wq/exp_avg")
+
+
+def test_a_sampled_fingerprint_catches_a_flipped_bit_within_its_turns(tmp_path):
+    """Each logged step sums one bin of the weights and optimizer state, in turn; a bit flipped in a
+    tensor changes the first fingerprint whose bin holds it, at most `sample` logged steps later, and
+    the last step's `fingerprint_full` covers everything. The per-tensor file leaves the others null."""
+    from stalwart.train.fingerprint import Fingerprinter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+
+    def stamps(tmp: Path, flip: str | None, at: int) -> tuple[list[dict], Path]:
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        fp = Fingerprinter(model, opt, lambda: {"pos": 0}, 1, 8, tmp / "fingerprints.jsonl", True, sample=4)
+        out = []
+        try:
+            for step in range(1, 9):
+                if flip and step == at:
+                    with torch.no_grad():
+                        dict(model.named_parameters())[flip].view(-1)[3].view(torch.int32).bitwise_xor_(1 << 5)
+                rec: dict = {}
+                fp.maybe_stamp(step, rec)
+                out.append(rec)
+        finally:
+            model.load_state_dict(state)
+        return out, tmp / "fingerprints.jsonl"
+
+    tmp = tmp_path
+    (tmp / "a").mkdir()
+    (tmp / "b").mkdir()
+    base, sums_file = stamps(tmp / "a", None, 0)
+    assert "fingerprint_full" in base[-1] and all("fingerprint_full" not in r for r in base[:-1])
+    per_step = read_tensor_sums(sums_file)
+    names = set().union(*per_step.values())
+    assert len(names) == 32 and all(0 < len(per_step[s]) < 32 for s in range(1, 8)) and len(per_step[8]) == 32
+    assert set().union(*(per_step[s] for s in range(1, 5))) == names  # every tensor within 4 logged steps
+    for flip in ("0.weight", "1.bias", "3.weight"):
+        changed, _ = stamps(tmp / "b", flip, 2)
+        first = next(i + 1 for i, (x, y) in enumerate(zip(base, changed)) if x["fingerprint"] != y["fingerprint"])
+        assert 2 <= first <= 5, (flip, first)
+        assert changed[-1]["fingerprint_full"] != base[-1]["fingerprint_full"]
+        (tmp / "b" / "fingerprints.jsonl").unlink()
+
+
+def test_compare_sees_a_difference_only_the_last_steps_whole_state_shows(tmp_path, capsys):
+    same = {"params/a": 1}
+    a = _run(tmp_path, "a", {1: ("x1", {"params": "p1"}, same), 2: ("x2", {"params": "p2"}, same)})
+    b = _run(tmp_path, "b", {1: ("x1", {"params": "p1"}, same), 2: ("x2", {"params": "p2"}, same)})
+    for run, full in ((a, "f"), (b, "g")):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        lines[-1] = json.dumps({**json.loads(lines[-1]), "fingerprint_full": full})
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert compare.main([str(a), str(b)]) == 1
+    assert "first at step 2 (fingerprint_full" in capsys.readouterr().out

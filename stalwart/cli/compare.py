@@ -33,11 +33,15 @@ def first_tensor(run_a: Path, run_b: Path, step: int) -> str:
         sums.append(per_step[step])
     a, b = sums
     for name in sorted(set(a) | set(b)):
-        if name not in a or name not in b:
-            return f"first tensor: {name} (only in {run_a if name in a else run_b})"
+        if name not in a or name not in b:  # one run summed it at this step, the other did not
+            continue
         if a[name] != b[name]:
             return f"first tensor: {name} (sum {a[name]:016x} vs {b[name]:016x})"
-    return "every tensor's sum agrees (the difference is in the RNG state or the data position)"
+    both = set(a) & set(b)
+    if both == set(a) == set(b):
+        return "every tensor's sum agrees (the difference is in the RNG state or the data position)"
+    return (f"the {len(both)} tensors both runs summed at step {step} agree (the difference is in the RNG "
+            f"state, the data position or a tensor not summed there: metrics.fingerprint_sample)")
 
 
 def main(argv: list[str]) -> int:

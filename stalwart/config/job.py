@@ -286,6 +286,11 @@ class EvalConfig:
 @dataclass
 class MetricsConfig:
     log_interval: int = option("Write a metrics.jsonl line every this many steps.", 1, min=1)
+    fingerprint_sample: int = option(
+        "Each logged step's state fingerprint sums the weights and optimizer state of one in this many "
+        "parameters (bins balanced by size, in turn by step; the last step sums all of them too, as "
+        "fingerprint_full): a changed bit is caught within this many logged steps, a diverging step (which "
+        "changes every parameter) at once. 1 = every tensor every time.", 4, min=1)
     peak_tflops: float = option("Peak dense TFLOP/s of one device, in the precision that runs, for MFU; 0 = "
                                 "the GPU's spec sheet, or the matmul peak measured once per machine and cached "
                                 "in ~/.cache/stalwart/matmul_peaks.json.", 0.0, min=0.0)

@@ -14,7 +14,8 @@ from stalwart.paths import RunPaths
 
 
 def read_fingerprints(run: Path) -> dict[int, dict]:
-    """``{step: {"fingerprint", "parts", "loss"}}`` from a run's metrics.jsonl (later lines win)."""
+    """``{step: {"fingerprint", "parts", "loss", "full"}}`` from a run's metrics.jsonl (later lines win;
+    ``full``: the whole state's fingerprint where the step has one, else None)."""
     path = RunPaths(run).metrics
     if not Path(run).is_dir():
         raise UserError(f"no run directory at {run}")
@@ -28,7 +29,7 @@ def read_fingerprints(run: Path) -> dict[int, dict]:
             continue  # a torn last line of a killed run
         if isinstance(rec, dict) and "fingerprint" in rec and "step" in rec:
             out[int(rec["step"])] = {"fingerprint": rec["fingerprint"], "parts": rec.get("fingerprint_parts") or {},
-                                     "loss": rec.get("loss")}
+                                     "loss": rec.get("loss"), "full": rec.get("fingerprint_full")}
     if not out:
         raise UserError(f"{path} holds no state fingerprints (written by stalwart train at every logged step)")
     return out
@@ -39,6 +40,9 @@ def first_difference(a: dict[int, dict], b: dict[int, dict]) -> tuple[int | None
     common = sorted(set(a) & set(b))
     for step in common:
         if a[step]["fingerprint"] != b[step]["fingerprint"]:
+            return step, common
+        full_a, full_b = a[step].get("full"), b[step].get("full")
+        if full_a and full_b and full_a != full_b:  # both summed every tensor here (a run's last step)
             return step, common
     return None, common
 
@@ -55,7 +59,9 @@ def compare_runs(run_a: Path, run_b: Path) -> tuple[int | None, str]:
         return None, f"identical: {len(common)} common steps ({common[0]}-{common[-1]}) have the same state fingerprint"
     parts = [k for k in sorted(set(a[step]["parts"]) | set(b[step]["parts"]))
              if a[step]["parts"].get(k) != b[step]["parts"].get(k)]
+    whole_only = ("fingerprint_full: a tensor the sampled fingerprints had not reached yet"
+                  if a[step]["fingerprint"] == b[step]["fingerprint"] else "fingerprint")
     loss = ("the same loss" if a[step]["loss"] == b[step]["loss"] else
             f"loss {a[step]['loss']} vs {b[step]['loss']}")
-    return step, (f"differ: first at step {step} ({', '.join(parts) or 'fingerprint'}; {loss}); "
+    return step, (f"differ: first at step {step} ({', '.join(parts) or whole_only}; {loss}); "
                   f"{common.index(step)} common steps before it agree")

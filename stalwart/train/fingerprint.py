@@ -23,10 +23,19 @@ positions in rank order: both depend on the number of data-parallel ranks (each 
 Once every rank's list of pieces is known (from the first fingerprint on, until the optimizer's state
 appears or the layout changes), a fingerprint costs one fixed-size int64 ``all_gather``.
 
-The record carries ``fingerprint`` (the whole state, 16 hex digits), ``fingerprint_parts``
-(``params``, ``optim``, ``rng``, ``data``) and ``fingerprint_s`` (what taking it cost); rank 0 also
+Sampling (``metrics.fingerprint_sample`` = k, default 4): the parameters are split into k bins of
+about equal size (``assign_bins``: largest first into the lightest bin, from every parameter's name
+and whole size, so the same bins on every rank and layout), each with its optimizer state, and a
+fingerprint at step ``s`` sums bin ``(s // log_interval) % k``, so it reads about 1/k of the state. A
+bit changed anywhere is caught by the first fingerprint whose bin holds it, at most k logged steps
+later; a diverging step changes every parameter (each gets a gradient), so it is caught at once. The
+run's last step also sums every tensor, as ``fingerprint_full``. RNG and data are digested every time.
+
+The record carries ``fingerprint`` (the sampled state, 16 hex digits), ``fingerprint_parts``
+(``params``, ``optim``, ``rng``, ``data``), ``fingerprint_s`` (what taking it cost) and
+``fingerprint_wait_s`` (of that, the time in the exchange, waiting for the slowest rank included); rank 0 also
 appends the per-tensor sums to ``<run>/fingerprints.jsonl`` (a ``names`` line whenever the list of names changes, then one
-``{"step", "sums"}`` line per fingerprinted step) so that ``stalwart compare --tensors`` can name the
+``{"step", "sums"}`` line per fingerprinted step, null where a tensor was not summed) so that ``stalwart compare --tensors`` can name the
 first tensor that differs.
 
 NOTE: a sum cannot tell two swapped elements apart, or two changes that cancel exactly; it tells
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -217,6 +227,27 @@ def assign_owners(keys: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]
     return {r: sorted(v) for r, v in owned.items()}
 
 
+def param_of(name: str) -> str:
+    """The parameter a piece's name belongs to: ``params/NAME`` and ``optim/NAME/KEY`` -> NAME."""
+    return name[7:] if name.startswith("params/") else name[6:].rsplit("/", 1)[0]
+
+
+def param_sizes(model: torch.nn.Module) -> dict[str, int]:
+    """Every parameter this rank holds a piece of: name -> the whole tensor's element count."""
+    return {name: p.numel() for name, p in model.named_parameters()}  # a DTensor's numel is the whole's
+
+
+def assign_bins(sizes: dict[str, int], k: int) -> dict[str, int]:
+    """Which of ``k`` bins each parameter (with its optimizer state) falls in: largest first, each into
+    the lightest bin so far (ties: the lowest), so each bin holds about 1/k of the state. Pure, and the
+    same on every rank and layout: it sees every parameter's name and whole size."""
+    load, out = [0] * max(1, k), {}
+    for name, n in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        b = min(range(len(load)), key=lambda i: (load[i], i))
+        out[name], load[b] = b, load[b] + n
+    return out
+
+
 def _digest(items) -> str:
     h = hashlib.blake2b(digest_size=8)
     for item in items:
@@ -270,24 +301,36 @@ class Fingerprinter:
     last step), collectively: every rank calls ``maybe_stamp`` after each step."""
 
     def __init__(self, model: torch.nn.Module, optimizer, data_state: Callable[[], dict], every: int, end: int,
-                 tensors_file: Path | None, is_main: bool) -> None:
+                 tensors_file: Path | None, is_main: bool, sample: int = 1) -> None:
         self.model, self.optimizer, self.data_state = model, optimizer, data_state
         self.every, self.end = max(1, every), end
+        self.sample = max(1, sample)  # each fingerprint sums one bin of this many, in turn
         self.is_main = is_main
         self.tensors_file = tensors_file
         self._names: list[str] | None = None
         self._sent_keys: list | None = None   # this rank's piece names and offsets, as last sent
         self._keys: dict[int, list] = {}      # every rank's, as last received
         self._owned: dict[int, list[int]] | None = None  # per rank, the indices of the pieces it sums
+        self._bins: dict[str, int] = {}       # parameter name -> its bin (assign_bins)
+        self._selected: dict = {}             # chosen bins -> per rank, the owned indices in them
         self.seconds = 0.0  # time spent fingerprinting in this session (the overhead figure)
+        self.wait_s = 0.0   # of the last fingerprint, the time in its collective
 
-    def take(self) -> tuple[str, dict[str, str], dict[str, int]]:
-        """(fingerprint, components, per-tensor sums) of the current state (collective).
+    def bins_at(self, step: int) -> frozenset[int] | None:
+        """The bins a fingerprint at ``step`` sums (None: every tensor): one of ``sample`` in turn, by step."""
+        return None if self.sample == 1 else frozenset({(step // self.every) % self.sample})
 
-        Once every rank's pieces are known, a rank sums only the pieces it owns (``assign_owners``) and
-        sends their sums with its RNG and data digests in one fixed-size int64 ``all_gather``, with a
-        flag saying its list of pieces changed (the optimizer's state appears after the first step); if
-        any rank raised it, every rank sends its names, offsets and all its sums as objects instead."""
+    def take(self, chosen: frozenset[int] | None = None, full: bool = False
+             ) -> tuple[str, dict[str, str], dict[str, int], str | None]:
+        """(fingerprint, components, per-tensor sums, whole-state fingerprint or None) of the current
+        state (collective). ``chosen``: the bins summed (None: all); ``full``: every tensor is summed,
+        the sums are all of them and the fourth value digests them all, the first two still ``chosen``'s.
+
+        Once every rank's pieces are known, a rank sums only the pieces it owns (``assign_owners``) in
+        the chosen bins and sends their sums with its RNG and data digests in one fixed-size int64
+        ``all_gather``, with a flag saying its list of pieces changed (the optimizer's state appears
+        after the first step); if any rank raised it, every rank sends its names, offsets, sizes and
+        all its sums as objects instead (and the bins are drawn again from every rank's names)."""
         pieces = local_pieces(self.model, self.optimizer)
         keys = [(n, o) for n, o, _ in pieces]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -295,31 +338,51 @@ class Fingerprinter:
         digests = [rng_digest(), _digest([json.dumps(self.data_state(), sort_keys=True, default=str)])]
         gathered = None
         if self._owned is not None:
-            gathered = self._gather_owned(pieces, keys != self._sent_keys, digests, world, rank)
+            gathered = self._gather_owned(pieces, keys != self._sent_keys, digests, world, rank,
+                                          None if full else chosen)
         if gathered is None:  # the first time, or some rank's pieces changed: names and every sum
-            mine = (keys, piece_sums([t for _, _, t in pieces]).cpu().tolist(), *digests)
+            mine = (keys, piece_sums([t for _, _, t in pieces]).cpu().tolist(), *digests, param_sizes(self.model))
             objects: list = [mine]
             if world > 1:
                 objects = [None] * world
+                t0 = time.perf_counter()
                 dist.all_gather_object(objects, mine)
-            gathered = []
-            for r, (rank_keys, rank_values, rng, data) in enumerate(objects):
+                self.wait_s = time.perf_counter() - t0
+            gathered, sizes = [], {}
+            for r, (rank_keys, rank_values, rng, data, rank_sizes) in enumerate(objects):
                 self._keys[r] = rank_keys
+                sizes.update(rank_sizes)
                 gathered.append((rank_keys, rank_values, rng, data))
             self._owned = assign_owners(self._keys)
+            self._bins = assign_bins(sizes, self.sample)
+            self._selected = {}
         self._sent_keys = keys
-        ranks = [{"pieces": [(n, o, v) for (n, o), v in zip(held, values)], "rng": rng, "data": data}
-                 for held, values, rng, data in gathered]
-        sums, parts = combine(ranks)
-        return whole(parts), parts, sums
 
-    def _gather_owned(self, pieces, changed: bool, digests: list[str], world: int, rank: int) -> list | None:
-        """Every rank's (held keys, sums of its owned pieces, rng, data) through one int64 all_gather,
-        or None (on every rank) when some rank's pieces changed."""
-        width = max(len(v) for v in self._owned.values())
+        def contributions(bins: frozenset[int] | None) -> list[dict[str, Any]]:
+            return [{"pieces": [(n, o, v) for (n, o), v in zip(held, values)
+                                if bins is None or self._bins.get(param_of(n), 0) in bins],
+                     "rng": rng, "data": data} for held, values, rng, data in gathered]
+
+        sums, parts = combine(contributions(chosen))
+        whole_state = None
+        if full:  # every tensor's sum goes to the per-tensor file
+            sums, all_parts = combine(contributions(None))
+            whole_state = whole(all_parts)
+        return whole(parts), parts, sums, whole_state
+
+    def _gather_owned(self, pieces, changed: bool, digests: list[str], world: int, rank: int,
+                      chosen: frozenset[int] | None) -> list | None:
+        """Every rank's (held keys, sums of its owned pieces in the ``chosen`` bins, rng, data) through
+        one int64 all_gather, or None (on every rank) when some rank's pieces changed."""
+        selected = self._selected.get(chosen)
+        if selected is None:  # per rank, the indices it sums for these bins: the same on every rank
+            selected = self._selected[chosen] = {
+                r: [i for i in owned if chosen is None or self._bins.get(param_of(self._keys[r][i][0]), 0) in chosen]
+                for r, owned in self._owned.items()}
+        width = max(len(v) for v in selected.values())
         device = pieces[0][2].device if pieces else HOST
         head = [int(changed)] + [_signed(int(d, 16)) for d in digests]
-        sums = piece_sums([pieces[i][2] for i in self._owned[rank]]) if not changed else None
+        sums = piece_sums([pieces[i][2] for i in selected[rank]]) if not changed else None
         packed = torch.zeros(len(head) + width, dtype=torch.int64, device=device)
         packed[:len(head)] = torch.tensor(head, dtype=torch.int64)
         if sums is not None and len(sums):
@@ -327,41 +390,47 @@ class Fingerprinter:
         rows = [packed]
         if world > 1:
             rows = [torch.empty_like(packed) for _ in range(world)]
+            t0 = time.perf_counter()
             dist.all_gather(rows, packed)
+            self.wait_s = time.perf_counter() - t0
         table = torch.stack(rows).cpu().tolist()
         if any(row[0] for row in table):
             return None
         out = []
         for r, row in enumerate(table):
-            owned = self._owned[r]
-            out.append(([self._keys[r][i] for i in owned], row[len(head):len(head) + len(owned)],
+            mine = selected[r]
+            out.append(([self._keys[r][i] for i in mine], row[len(head):len(head) + len(mine)],
                          f"{row[1] & MASK:016x}", f"{row[2] & MASK:016x}"))
         return out
 
     def maybe_stamp(self, step: int, record: dict[str, Any]) -> None:
-        """At a fingerprinted step, add ``fingerprint`` and ``fingerprint_parts`` to ``record``."""
+        """At a fingerprinted step, add ``fingerprint`` and ``fingerprint_parts`` to ``record`` (at the
+        last step also ``fingerprint_full``, the whole state's)."""
         if step % self.every and step != self.end:
             return
-        import time
-
-        t0 = time.perf_counter()
-        fp, parts, sums = self.take()
+        t0, self.wait_s = time.perf_counter(), 0.0
+        fp, parts, sums, whole_state = self.take(self.bins_at(step), full=step == self.end)
         record["fingerprint"], record["fingerprint_parts"] = fp, parts
+        if whole_state is not None and self.sample > 1:
+            record["fingerprint_full"] = whole_state
         if self.is_main and self.tensors_file is not None:
             self._append(step, sums)
         spent = time.perf_counter() - t0
         record["fingerprint_s"] = spent  # its cost, against the record's step_time_s
+        if self.wait_s:  # of which in the exchange: the gather's latency plus waiting for the slowest rank
+            record["fingerprint_wait_s"] = self.wait_s
         self.seconds += spent
 
     def _append(self, step: int, sums: dict[str, int]) -> None:
         from stalwart.atomic import storage_errors
 
         lines = []
-        names = list(sums)
+        names = sorted({n for keys in self._keys.values() for n, _ in keys} | set(sums))
         if names != self._names:
             lines.append(json.dumps({"names": names}))
             self._names = names
-        lines.append(json.dumps({"step": step, "sums": [f"{v:016x}" for v in sums.values()]}))
+        # null: a tensor this step's fingerprint did not sum (metrics.fingerprint_sample)
+        lines.append(json.dumps({"step": step, "sums": [f"{sums[n]:016x}" if n in sums else None for n in names]}))
         with storage_errors(self.tensors_file):
             with self.tensors_file.open("a", encoding="utf-8") as fh:
                 fh.write("\n".join(lines) + "\n")
@@ -379,5 +448,5 @@ def read_tensor_sums(path: Path) -> dict[int, dict[str, int]]:
         if "names" in rec:
             names = rec["names"]
         elif "step" in rec and len(rec.get("sums", [])) == len(names):
-            out[int(rec["step"])] = {n: int(v, 16) for n, v in zip(names, rec["sums"])}
+            out[int(rec["step"])] = {n: int(v, 16) for n, v in zip(names, rec["sums"]) if v is not None}
     return out

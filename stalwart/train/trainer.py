@@ -104,7 +104,7 @@ class Trainer:
                                          self.observer.events, describe, phase=self.observer.phase)
         self.fingerprinter = Fingerprinter(self.core.model, self.core.optimizer, data.state_dict,
                                            cfg.metrics.log_interval, cfg.training.stop_at_step or cfg.training.steps,
-                                           self.paths.fingerprints, env.is_main)
+                                           self.paths.fingerprints, env.is_main, cfg.metrics.fingerprint_sample)
         self.publisher = WeightPublisher(cfg.publish, self.paths, env, self.core.model, self.observer.events,
                                          self.observer.say, self.observer.phase)
         self.state = self.core.state
