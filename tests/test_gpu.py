@@ -4,6 +4,7 @@ CUDA; run for real whenever a GPU machine is at hand (docs/gpu.md keeps the figu
 - one process trains in bfloat16 on ``cuda`` and reports MFU against that device's measured matmul peak
 - with two or more GPUs, FSDP over NCCL equals one process
 - ``stalwart serve --device cuda`` answers greedy requests with the CPU engine's tokens
+- the engine on ``cuda`` attends all decodes in one call per layer (batched) with the CPU engine's tokens
 - one RL step with generator and trainer on ``cuda``
 - a weight sync between trainer and generator ranks on ``cuda``
 """
@@ -85,6 +86,31 @@ def test_serve_on_cuda_gives_the_cpu_engines_greedy_tokens(tmp_path: Path) -> No
             assert server.stop() == 0, server.output()
     assert texts["cuda"] == texts["cpu"]
     record("serve --device cuda greedy == cpu", prompts=len(PROMPTS), equal=True)
+
+
+def test_engine_on_cuda_decodes_in_one_call_with_the_cpu_engines_tokens(monkeypatch) -> None:
+    """engine.decode_attention = auto is batched on CUDA: prompts of 1-70 tokens, unevenly placed in the
+    cache, decode in one gathered call per layer, with the CPU (grouped) engine's greedy tokens."""
+    import stalwart.infer.attention as attention
+    from test_infer_engine import GREEDY, ByteTokenizer, build, logprobs, prompts, run
+
+    from stalwart.config.serve import EngineConfig
+    from stalwart.infer.engine import Engine
+
+    seen: list[attention.StepLayout] = []
+    real = attention.build_layout
+    monkeypatch.setattr("stalwart.infer.engine.build_layout", lambda *a: seen.append(real(*a)) or seen[-1])
+    batch = prompts(16)
+    cpu, gpu = build(), build().to("cuda")
+    engine = Engine(gpu, ByteTokenizer(), None, EngineConfig())
+    assert engine.decode_mode == "batched"
+    assert run(engine, batch, GREEDY) == run(Engine(cpu, ByteTokenizer(), None, EngineConfig()), batch, GREEDY)
+    assert any(d.table is not None and d.count == 16 for layout in seen for d in layout.decodes)
+    got = [logprobs(Engine(m, ByteTokenizer(), None, EngineConfig()), batch) for m in (cpu, gpu)]
+    diff = max(abs(a - b) for g, h in zip(*got) for a, b in zip(g, h))
+    assert diff < 1e-3, diff
+    record("engine on cuda: batched decode attention == cpu greedy", prompts=len(batch),
+           max_abs_logprob_diff=diff)
 
 
 def test_one_rl_step_with_generator_and_trainer_on_cuda(tmp_path: Path) -> None:
