@@ -102,10 +102,11 @@ class StepLayout:
 
 
 def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, num_slots: int, mode: str,
-                 device: torch.device, window: int = 0) -> StepLayout:
+                 device: torch.device, window: int = 0, dtype: torch.dtype = torch.float32) -> StepLayout:
     """The attention layout of a step from its spans (q_start, q_len, ctx_len, block table) over a
     cache of ``num_slots`` slots, in ``mode`` (``decode_mode``), for a model with sliding ``window``
-    (0: none).
+    (0: none) computing in ``dtype`` (its masks are additive, in that dtype: what SDPA would make of a
+    boolean mask in every call).
 
     Host work only (plain lists) until the few index tensors and masks are made at the end.
     """
@@ -142,13 +143,16 @@ def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, 
     else:
         _group_decodes(layout, runs, window, device)
     if group:
-        _group_prefills(layout, singles, window, device)
+        _group_prefills(layout, singles, window)
     else:
         layout.spans = singles
     for s in layout.spans:  # masks, once for every layer
         if 0 < window < s.ctx or not (s.q_len == 1 or s.fresh):
             k_pos = torch.arange(s.ctx)
-            s.mask = sliding_window_mask(k_pos[s.ctx - s.q_len:], k_pos, window).to(device)
+            s.mask = sliding_window_mask(k_pos[s.ctx - s.q_len:], k_pos, window)
+    for piece in (*layout.spans, *layout.prefills, *layout.decodes):
+        if piece.mask is not None:  # boolean (keys allowed) -> additive (0 or -inf), on the device
+            piece.mask = torch.zeros(piece.mask.shape, dtype=dtype).masked_fill_(~piece.mask, -torch.inf).to(device)
     return layout
 
 
@@ -159,13 +163,13 @@ def _stream_rows(rows: list[int], device: torch.device) -> torch.Tensor | slice:
     return torch.tensor(rows, device=device)
 
 
-def _decode_mask(lengths: list[int], ctx: int, window: int, device: torch.device) -> torch.Tensor | None:
+def _decode_mask(lengths: list[int], ctx: int, window: int) -> torch.Tensor | None:
     """(count, 1, 1, ctx): the keys a query at the end of each context of ``lengths`` may see; None when
     every row sees all ``ctx`` keys."""
     if min(lengths) == ctx and not 0 < window < ctx:
         return None
     last = torch.tensor(lengths) - 1
-    return sliding_window_mask(last, torch.arange(ctx), window)[:, None, None, :].to(device)
+    return sliding_window_mask(last, torch.arange(ctx), window)[:, None, None, :]
 
 
 def _batch_decodes(layout: StepLayout, batched: list[tuple[int, int, list[int]]], bs: int, window: int,
@@ -175,7 +179,7 @@ def _batch_decodes(layout: StepLayout, batched: list[tuple[int, int, list[int]]]
     table = [blocks + blocks[-1:] * (width - len(blocks)) for _, _, blocks in batched]
     layout.decodes.append(Decodes(
         _stream_rows([r for r, _, _ in batched], device), len(batched), width * bs,
-        _decode_mask([c for _, c, _ in batched], width * bs, window, device),
+        _decode_mask([c for _, c, _ in batched], width * bs, window),
         table=torch.tensor(table, dtype=torch.long, device=device)))
 
 
@@ -212,10 +216,10 @@ def _group_decodes(layout: StepLayout, runs: list[list[tuple[int, int, int]]], w
         longest = max(lengths)
         layout.decodes.append(Decodes(
             _stream_rows([r for _, r, _ in run], device), len(run), longest,
-            _decode_mask(lengths, longest, window, device), run[0][0], run[1][0] - run[0][0]))
+            _decode_mask(lengths, longest, window), run[0][0], run[1][0] - run[0][0]))
 
 
-def _group_prefills(layout: StepLayout, singles: list[Span], window: int, device: torch.device) -> None:
+def _group_prefills(layout: StepLayout, singles: list[Span], window: int) -> None:
     """Fresh prompts of equal length next to each other in the stream share one call."""
     i = 0
     while i < len(singles):
@@ -227,7 +231,7 @@ def _group_prefills(layout: StepLayout, singles: list[Span], window: int, device
                 j += 1
         if j - i > 1:
             pos = torch.arange(s.q_len)
-            mask = sliding_window_mask(pos, pos, window).to(device) if 0 < window < s.q_len else None
+            mask = sliding_window_mask(pos, pos, window) if 0 < window < s.q_len else None
             layout.prefills.append(Prefills(s.q_start, s.q_len, j - i, mask))
         else:
             layout.spans.append(s)
@@ -298,6 +302,11 @@ class PagedAttention(nn.Module):
         kc.index_copy_(0, layout.slots, k[0].transpose(0, 1).to(kc.dtype))
         vc.index_copy_(0, layout.slots, v[0].transpose(0, 1).to(vc.dtype))
         gqa = q.shape[1] != k.shape[1]
+        if not layout.spans and not layout.prefills and len(layout.decodes) == 1:
+            group = layout.decodes[0]
+            if isinstance(group.rows, slice) and group.rows == slice(0, q.shape[2]):  # decodes only, in order:
+                # the output as it comes, no copy into place
+                return self._decode(q, group, gqa).transpose(0, 1).unsqueeze(0)
         out = torch.empty_like(q)
         for group in layout.decodes:
             self._decodes(q, out, group, gqa)
@@ -339,6 +348,10 @@ class PagedAttention(nn.Module):
         out[0, :, a:a + n * L] = o.transpose(0, 1).flatten(1, 2)
 
     def _decodes(self, q, out, group: Decodes, gqa: bool) -> None:
+        out[0, :, group.rows] = self._decode(q, group, gqa).transpose(0, 1)
+
+    def _decode(self, q, group: Decodes, gqa: bool) -> torch.Tensor:
+        """The group's attention output, (count, heads, head_dim)."""
         qq = q[0, :, group.rows].transpose(0, 1)  # (count, heads, head_dim)
         if group.table is None:
             kk, vv = self.cache.run(group.start, group.stride, group.count, group.ctx)
@@ -349,7 +362,7 @@ class PagedAttention(nn.Module):
             # head_dim) against the keys as stored, no expansion (one query token: no causal mask among them).
             qq = qq.reshape(group.count, kk.shape[1], -1, qq.shape[-1])
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=group.mask)
-        out[0, :, group.rows] = o.flatten(1, 2).transpose(0, 1)
+        return o.flatten(1, 2)
 
 
 def install_paged_attention(model: nn.Module, caches: list[KVCache], step: StepContext) -> None:

@@ -84,10 +84,11 @@ class Batch:
     spans: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, ctx_len, block table)
     rows: list[int]  # stream offsets whose logits are needed
 
-    def layout(self, block_size: int, num_slots: int, mode: str, device: torch.device, window: int) -> StepLayout:
-        """The attention layout over a cache of ``num_slots`` slots, its index tensors on ``device`` (the
-        cache's); ``mode`` (``attention.decode_mode``) says which sequences share attention calls."""
-        return build_layout(self.spans, block_size, num_slots, mode, device, window)
+    def layout(self, block_size: int, num_slots: int, mode: str, device: torch.device, window: int,
+               dtype: torch.dtype) -> StepLayout:
+        """The attention layout over a cache of ``num_slots`` slots, its index tensors and masks on
+        ``device`` (the cache's); ``mode`` (``attention.decode_mode``) says which sequences share calls."""
+        return build_layout(self.spans, block_size, num_slots, mode, device, window, dtype)
 
 
 class Engine:
@@ -248,7 +249,7 @@ class Engine:
         else:  # a later pipeline stage: the previous stage's activations (1, tokens, dim)
             x = self.pipe.recv_hidden(len(batch.tokens), self.args.dim, self.dtype)
         layout = batch.layout(self.cfg.block_size, self.pool.num_blocks * self.cfg.block_size, self.decode_mode,
-                              self.device, self.args.sliding_window)
+                              self.device, self.args.sliding_window, self.dtype)
         routing = Routing(record=True) if self.routes is not None else None
         with self.step_ctx.use(layout):
             h = m.hidden(x, positions, routing)  # the model's own layers; attention reads and writes the paged cache
