@@ -44,10 +44,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             + "\n".join(bad))
 
 
+class _XdistSchedule:
+    """How `make test` shares two workers (pytest-xdist, ``--dist loadgroup`` in pyproject.toml). A test goes
+    to whichever worker is free, except that the tests sharing a module-scoped fixture (a training run, a
+    server) go to one worker together, so the fixture is built once per session instead of once per
+    worker that gets one of them. The longest tier goes first: the end-to-end tests start at once and the
+    last minutes are short unit tests filling both workers, not one long test holding a worker while the
+    other idles. (Registered on workers only; trylast: after pytest's own reordering for fixtures.)"""
+
+    ORDER = {"e2e": 0, "multiproc": 1, "gpu": 2, "unit": 3}
+    SHARED_SCOPES = ("module", "class", "package")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if config.getvalue("loadgroup"):
+            for item in items:
+                defs = getattr(item, "_fixtureinfo", None)
+                if defs and any(d[-1].scope in self.SHARED_SCOPES for d in defs.name2fixturedefs.values() if d):
+                    self._group(item, item.nodeid.split("::")[0])
+        items.sort(key=lambda item: self.ORDER[next(m.name for m in item.iter_markers() if m.name in TIERS)])
+
+    @staticmethod
+    def _group(item: pytest.Item, group: str) -> None:
+        """What ``pytest.mark.xdist_group(group)`` does: loadgroup schedules by the node id's ``@`` suffix.
+        NOTE: pytest-xdist 3.8.0 writes that suffix to ``item._nodeid``, which pytest 9 no longer reads (it
+        keeps a ``NodeId`` in ``item._id``), so the mark is silently ignored there; this sets the one that
+        pytest reads."""
+        if hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
+        else:
+            item._nodeid = f"{item.nodeid}@{group}"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """One data cache (stalwart.data.cache) per test session, shared by its xdist workers and the CLI
     runs they start (they inherit the environment): text is tokenized once per session, and no session
     sees another's entries or the user's ~/.cache."""
+    if hasattr(config, "workerinput"):
+        config.pluginmanager.register(_XdistSchedule(), "stalwart-xdist-schedule")
     if hasattr(config, "workerinput") or os.environ.get("STALWART_TEST_CACHE_OWNER"):
         return  # an xdist worker: the controller made it
     import tempfile
