@@ -18,9 +18,10 @@ How a step's decodes are attended is its *mode* (``decode_mode``): ``grouped`` i
 padding: fastest on the host); ``batched`` attends every sequence decoding one token in one call per
 layer, whatever their placement: over one strided view when one holds them all, else over their blocks
 gathered into one padded (count, kv_heads, blocks x block_size, head_dim) tensor with a length mask (an
-accelerator's step is bound by the host launching one call per group otherwise); ``alone`` (the engine's bitwise mode) attends each sequence on its own, with
-exactly the tensor shapes it would have if it ran alone, so its attention does not depend on the batch.
-Everything a step's layers share (slots, index tensors, masks) is built once per step, in the layout.
+accelerator's step is bound by the host launching one call per group otherwise); ``alone`` (the
+engine's bitwise mode) attends each sequence on its own, with exactly the tensor shapes it would have
+if it ran alone, so its attention does not depend on the batch. Everything a step's layers share
+(slots, index tensors, masks) is built once per step, in the layout; masks are additive (0 or -inf).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Span:
     ctx: int  # context length, new tokens included
     start: int = -1  # first cache slot of its context when its blocks are consecutive, else -1
     context: torch.Tensor | None = None  # (ctx,) cache slots of a scattered context
-    mask: torch.Tensor | None = None  # (q_len, ctx) keys each query may see, where not all or causal
+    mask: torch.Tensor | None = None  # (q_len, ctx) over the keys, where not all or causal
 
     @property
     def fresh(self) -> bool:
@@ -71,7 +72,7 @@ class Prefills:
     q_start: int
     q_len: int
     count: int
-    mask: torch.Tensor | None = None  # (q_len, q_len) under a sliding window shorter than the prompts
+    mask: torch.Tensor | None = None  # (q_len, q_len), a sliding window shorter than the prompts
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Decodes:
     rows: torch.Tensor | slice  # their tokens' offsets in the stream
     count: int
     ctx: int  # keys per row: the longest context (grouped) or the widest block table (batched)
-    mask: torch.Tensor | None  # (count, 1, 1, ctx) keys each row may see, None when all of them
+    mask: torch.Tensor | None  # (count, 1, 1, ctx) over each row's keys; None: it sees all
     start: int = 0
     stride: int = 0
     table: torch.Tensor | None = None  # (count, blocks) block tables, when batched
