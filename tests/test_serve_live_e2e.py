@@ -55,13 +55,16 @@ def logprobs(server: Server) -> list[float]:
 
 def test_live_weights_from_a_running_train(tmp_path):
     run, idle = tmp_path / "live", tmp_path / "idle"
-    # (context 256, trained on 32-token pieces: room for a stream long enough to be cut mid-way)
+    # (context 256, trained on 32-token pieces: room for a stream long enough to be cut mid-way.) Both runs
+    # train for as long as the test lasts; each step is stretched with sleeps (an injected slow rank), so
+    # they do not take the cores from the server under test with thousands of steps and checkpoints.
     trainer = start_train(run, tmp_path / "live.log", "--training.steps", "100000", "--publish.interval", "2",
                           "--checkpoint.interval", "2", "--checkpoint.keep_last", "0",
-                          "--launch.nproc_per_node", "2", "--model.max_seq_len", "256")
+                          "--launch.nproc_per_node", "2", "--model.max_seq_len", "256",
+                          "--fault.inject", "slow:rank=0,factor=8,steps=1-100000")
     # A run that publishes, but not within any test's patience.
     quiet = start_train(idle, tmp_path / "idle.log", "--training.steps", "100000", "--publish.interval", "100000",
-                        "--launch.nproc_per_node", "1")
+                        "--launch.nproc_per_node", "1", "--fault.inject", "slow:rank=0,factor=30,steps=1-100000")
     server = None
     try:
         wait_for("a first checkpoint", lambda: (run / "checkpoints" / "latest").is_file(), trainer,
