@@ -81,6 +81,10 @@ def test_a_layout_that_cannot_be_exact_is_one_line_through_the_cli(tmp_path):
                 "2", "--run.dir", str(tmp_path / "y"), check=False, timeout=120)
     assert p.returncode == 2 and "needs a mixture-of-experts model" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    p = run_cli("rl", "--config", "rl_code", "--workers.generator_tp", "3", "--run.dir", str(tmp_path / "z"),
+                check=False, timeout=120)
+    assert p.returncode == 2 and "workers.generator_tp (3) must divide" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_a_tensor_parallel_generator_trains_the_same_steps_and_a_lost_process_replaces_it(runs, tmp_path):
