@@ -111,12 +111,19 @@ def test_import_refuses_a_mismatched_shape(tmp_path):
         read_hf(out)
 
 
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """The run both CLI tests export (neither changes it)."""
+    run = tmp_path_factory.mktemp("export") / "src"
+    run_cli("train", "--run.dir", str(run), *TINY_RUN, "--training.steps", "2", "--sample.max_new_tokens", "0")
+    return run
+
+
 @pytest.mark.e2e
-def test_cli_export_then_init_from_hf(tmp_path):
+def test_cli_export_then_init_from_hf(tmp_path, src):
     from stalwart.cli.generate import load_run_model
 
-    src, dst, hf_dir = tmp_path / "src", tmp_path / "dst", tmp_path / "hf"
-    run_cli("train", "--run.dir", str(src), *TINY_RUN, "--training.steps", "3", "--sample.max_new_tokens", "0")
+    dst, hf_dir = tmp_path / "dst", tmp_path / "hf"
     run_cli("export", "--run", str(src), "--format", "hf", "--out", str(hf_dir))
     model, _, _, path = load_run_model(src)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
@@ -194,9 +201,8 @@ def _one_error_line(proc, starts: str) -> str:
 
 
 @pytest.mark.e2e
-def test_cli_export_and_import_refuse_what_does_not_fit(tmp_path):
-    src, big, hf_dir = tmp_path / "src", tmp_path / "big", tmp_path / "hf"
-    run_cli("train", "--run.dir", str(src), *TINY_RUN, "--training.steps", "2", "--sample.max_new_tokens", "0")
+def test_cli_export_and_import_refuse_what_does_not_fit(tmp_path, src):
+    big, hf_dir = tmp_path / "big", tmp_path / "hf"
     run_cli("train", "--run.dir", str(big), *TINY_RUN, "--training.steps", "2", "--sample.max_new_tokens", "0",
             "--model.dim", "128")
     # A checkpoint of another run's shape: refused, nothing written.
