@@ -1,4 +1,5 @@
-"""`stalwart rl` with a sharded, split and sparse trainer mesh: a mixture-of-experts policy trained by four
+"""`stalwart rl` with a sharded, split and sparse trainer mesh: a mixture-of-experts policy (one dense
+layer, one sparse) trained with DAPO by four
 trainer ranks laid out dp_shard=2 x tp=2 x ep=2 (FSDP, tensor parallel and expert parallel at once,
 through the pre-training parallelism code), against the same policy on two FSDP ranks (the data-parallel
 layout, same data-parallel degree). Exact log-probabilities hold in both: the FSDP run's generator
@@ -8,7 +9,11 @@ is exactly 0.0 in every step of each. The weights reach the generator from the
 split layout's shards (the experts, held by both tp ranks, sent once). Layouts that cannot be exact are
 refused in one line. A tensor-parallel generator (two processes, the engine split as `stalwart serve --tp`
 splits it) trains the FSDP run's steps bit for bit, and a follower process killed mid-run replaces its
-whole generator."""
+whole generator.
+
+The FSDP and split runs are also the test of DAPO's dynamic sampling (the other algorithms' runs are in
+test_rl_algorithms_e2e.py) and of routing replay: the trainer routes every position to the experts the
+generator recorded."""
 
 import json
 import math
@@ -24,7 +29,8 @@ from controller_kill import has, journal, start
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
 
-QUICK = ["--config", "rl_code", "--model.flavor", "debug-moe", "--rl.mode", "sync", "--rl.logprobs", "exact",
+QUICK = ["--config", "rl_code", "--model.flavor", "debug-moe", "--rl.algorithm", "dapo", "--rl.mode", "sync",
+         "--rl.logprobs", "exact",
          "--rl.steps", "2", "--rl.updates_per_step", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_tokens", "24",
          "--rl.eval_interval", "100", "--rl.eval_samples", "1", "--task.tests", "2", "--task.families",
          "add,sub,mul,length", "--task.eval_per_family", "1", "--workers.trainers", "2", "--parallelism.dp_shard", "2",
@@ -69,6 +75,41 @@ def test_every_layout_trains_with_exact_logprobs_and_matches_the_data_parallel_r
     assert math.isclose(sa[max(sa)]["loss"], sb[max(sb)]["loss"], rel_tol=1e-4)
     # The generator holds the weights the split trainers sent (each element once): its evaluation ran on them.
     assert 0.0 <= json.loads((split / "summary.json").read_text())["final_reward_mean"] <= 1.0
+    for run in (fsdp, split):
+        _check_dapo_refills(run)
+        _check_routing_replay(run)
+
+
+def _check_dapo_refills(run):
+    """DAPO trains the planned number of groups, each once; dynamic sampling draws groups past the planned
+    ones when the planned ones scored alike, and trains them in their place."""
+    steps = _metrics(run, "rl")
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in steps.values())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["groups_trained"] == 2 * 4 and 0.0 <= summary["final_reward_mean"] <= 1.0
+    journal = [json.loads(x) for x in (run / "controller" / "journal.jsonl").read_text().splitlines()]
+    trained = {e["step"]: e["groups"] for e in journal if e["cmd"] == "step"}
+    for s, m in steps.items():
+        assert {"dynamic_sampling_rounds", "sampled_groups", "zero_variance_groups"} <= set(m)
+        assert len(trained[s]) == len(set(trained[s])) == 4
+        refilled = [g for g in trained[s] if int(g.split("/")[1]) >= 4]  # groups sampled past the plan
+        assert (m["dynamic_sampling_rounds"] > 0) == (m["sampled_groups"] > 4)
+        assert len(refilled) <= m["sampled_groups"] - 4
+        if m["zero_variance_groups"] == 0 and m["sampled_groups"] > 4:
+            assert refilled  # a planned group that scored alike was replaced
+
+
+def _check_routing_replay(run):
+    """Every position a trained token depends on had the generator's recorded experts, the sparse layer took
+    them (records of several sparse layers: test_routing_replay.py), and the trainer's log-probabilities
+    equal the exact ones (both replay); the trainer's own top-k agrees with the records (a record misplaced
+    by one position would not), and where the generator re-scored, the sampler's log-probabilities are the
+    re-scored ones up to rounding. A dense policy replays nothing (test_rl_algorithms_e2e.py)."""
+    for m in _metrics(run, "rl").values():
+        assert m["routing_layers"] == 1 and m["routing_unrecorded"] == 0 and m["routing_replayed"] > 0, m
+        assert m["logprob_mismatch_max"] == 0.0 and m["routing_flip_frac"] <= 0.01, m
+        if "exact_score_s" not in m:
+            assert 0.0 <= m["sampler_mismatch_max"] < 1e-3, m
 
 
 def test_a_layout_that_cannot_be_exact_is_one_line_through_the_cli(tmp_path):
