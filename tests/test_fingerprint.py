@@ -196,3 +196,15 @@ def test_compare_sees_a_difference_only_the_last_steps_whole_state_shows(tmp_pat
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     assert compare.main([str(a), str(b)]) == 1
     assert "first at step 2 (fingerprint_full" in capsys.readouterr().out
+
+
+def test_replicas_share_each_bins_work_by_size():
+    from stalwart.train.fingerprint import assign_owners
+
+    sizes = {"params/a": 100, "params/b": 60, "params/c": 50, "params/d": 10, "params/e": 100, "params/f": 1}
+    bins = {"params/a": 0, "params/b": 0, "params/c": 0, "params/d": 0, "params/e": 1, "params/f": 1}
+    shared = [(n, "0") for n in sizes]
+    owned = assign_owners({0: shared, 1: shared}, lambda k: (bins[k[0]], sizes[k[0]]))
+    load = {(b, r): sum(sizes[shared[i][0]] for i in owned[r] if bins[shared[i][0]] == b) for b in (0, 1) for r in (0, 1)}
+    assert load == {(0, 0): 110, (0, 1): 110, (1, 0): 100, (1, 1): 1}, load  # a in 0 with d, b + c in 1
+    assert sorted(shared[i] for r in (0, 1) for i in owned[r]) == sorted(shared)

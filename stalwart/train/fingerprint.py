@@ -211,18 +211,26 @@ def piece_sum(t: torch.Tensor) -> torch.Tensor:
     return int_sum(local, tuple(t.shape), offset)
 
 
-def assign_owners(keys: dict[int, list[tuple[str, str]]]) -> dict[int, list[int]]:
+def assign_owners(keys: dict[int, list[tuple[str, str]]],
+                  cost: Callable[[tuple[str, str]], tuple[int, int]] | None = None) -> dict[int, list[int]]:
     """Which rank sums which of its pieces: a piece several ranks hold (a replica) is summed by one of
-    them, in turn, so replicated state costs each of N replicas 1/N of the work. Returns, per rank, the
-    indices into its own key list. Pure and the same on every rank (it sees the same ``keys``)."""
+    them, so replicated state costs each of N replicas about 1/N of the work. ``cost(key)`` gives a
+    piece's (bin, weight): within each bin, the heaviest pieces first, each goes to the holder with the
+    least weight in that bin so far (so each sampled fingerprint's work is shared out too; by default
+    every piece weighs 1 in one bin). Returns, per rank, the indices into its own key list. Pure and the
+    same on every rank (it sees the same ``keys``)."""
     holders: dict[tuple[str, str], list[int]] = {}
     for r in sorted(keys):
         for k in keys[r]:
             holders.setdefault(k, []).append(r)
     where = {r: {k: i for i, k in enumerate(keys[r])} for r in keys}
+    costs = {k: cost(k) if cost is not None else (0, 1) for k in holders}
+    load: dict[tuple[int, int], int] = {}
     owned: dict[int, list[int]] = {r: [] for r in keys}
-    for n, (k, ranks) in enumerate(holders.items()):
-        owner = ranks[n % len(ranks)]
+    for k in sorted(holders, key=lambda k: (costs[k][0], -costs[k][1], k)):
+        b, w = costs[k]
+        owner = min(holders[k], key=lambda r: (load.get((b, r), 0), r))
+        load[(b, owner)] = load.get((b, owner), 0) + w
         owned[owner].append(where[owner][k])
     return {r: sorted(v) for r, v in owned.items()}
 
@@ -353,8 +361,9 @@ class Fingerprinter:
                 self._keys[r] = rank_keys
                 sizes.update(rank_sizes)
                 gathered.append((rank_keys, rank_values, rng, data))
-            self._owned = assign_owners(self._keys)
             self._bins = assign_bins(sizes, self.sample)
+            self._owned = assign_owners(self._keys, lambda k: (  # AdamW's step counters weigh 1
+                self._bins.get(param_of(k[0]), 0), 1 if k[0].endswith("/step") else sizes.get(param_of(k[0]), 1)))
             self._selected = {}
         self._sent_keys = keys
 
