@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
@@ -258,10 +257,6 @@ class Engine:
         logits = None
         if m.output is not None:
             logits = m.head(h[:, batch.rows])[0]  # the norm and head over the sampled rows only
-            if isinstance(logits, AsyncCollectiveTensor):
-                # Tensor parallel: the head's all-gather is still in flight. Finish it on every rank,
-                # including those that never read the logits (else torch warns of it at exit).
-                logits = logits.wait()
         else:
             self.pipe.send_hidden(h)
         if self.pipe is not None:

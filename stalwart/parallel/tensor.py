@@ -9,6 +9,9 @@ cross-entropy never materialises full logits on one rank.
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -35,7 +38,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, replic
 
     ``sequence_parallel=False`` is the inference plan: the residual stream stays replicated (its token
     count changes every step and need not divide the degree), norms run unsharded, and each block's
-    row-parallel output is all-reduced instead of reduce-scattered.
+    row-parallel output is all-reduced instead of reduce-scattered. Its modules then compute on their
+    local shards with explicit collectives (:class:`LocalShard`), their parameters still DTensors.
     """
     if not sequence_parallel:
         return _apply_replicated_stream(model, tp_mesh)
@@ -95,12 +99,14 @@ def _parallelize_ends(model: nn.Module, tp_mesh, top: dict[str, object]) -> None
 
 
 def _apply_replicated_stream(model: nn.Module, tp_mesh) -> None:
+    plans: list[tuple[nn.Module, dict[str, object]]] = []
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if model.output is not None:
         top["output"] = ColwiseParallel(output_layouts=Replicate())
     _parallelize_ends(model, tp_mesh, top)
+    plans.append((model, top))
     for block in model.layers.values():
         plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()}
@@ -108,3 +114,54 @@ def _apply_replicated_stream(model: nn.Module, tp_mesh) -> None:
             plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
                          "feed_forward.w2": RowwiseParallel()})
         parallelize_module(block, tp_mesh, plan)
+        plans.append((block, plan))
+    group = tp_mesh.get_group()
+    for root, plan in plans:
+        for path, style in plan.items():
+            parent, _, name = path.rpartition(".")
+            owner = root.get_submodule(parent) if parent else root
+            setattr(owner, name, LocalShard(getattr(owner, name), style, group))
+
+
+class LocalShard(nn.Module):
+    """A linear or embedding of the replicated-stream plan computed on this rank's shard, Megatron-style:
+    the plan's parameter stays (a DTensor: loading and weight syncs read its placements), the forward
+    runs on its local tensor with no DTensor dispatch. A column-parallel output stays this rank's slice
+    (the next row-parallel product consumes it), a row-parallel product (or vocabulary-split embedding
+    lookup) is summed by one all-reduce over ``group``, and a replicated column-parallel output (the
+    head) is all-gathered. The same collectives, on the same local products, as the DTensor hooks
+    the plan installs run, which this module replaces: DTensor's per-operator sharding propagation
+    costs more than the product on small steps, and its cache misses at every new token count.
+    """
+
+    def __init__(self, module: nn.Module, style: object, group) -> None:
+        super().__init__()
+        self.weight = module.weight  # the same parameter object (a tied head stays tied)
+        self.group = group
+        self.ranks = dist.get_world_size(group)
+        self.reduce = isinstance(style, RowwiseParallel)
+        self.gather = isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Replicate)
+        self.lookup = isinstance(module, nn.Embedding)
+        if self.lookup:  # the rows of the vocabulary this rank holds
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            w = self.weight
+            shape, offsets = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+            self.first, self.rows = offsets[0], shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight._local_tensor
+        if self.lookup:  # ids outside this rank's rows look up row 0 and are zeroed
+            outside = (x < self.first) | (x >= self.first + self.rows)
+            y = F.embedding((x - self.first).masked_fill(outside, 0), w).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            y = F.linear(x, w)
+        if self.reduce:
+            dist.all_reduce(y, group=self.group)
+        elif self.gather:  # (..., vocab): each rank's columns, the last shards of an uneven split padded
+            width = -(-self.weight.shape[0] // self.ranks)
+            y = F.pad(y, (0, width - y.shape[-1])).contiguous()
+            parts = [torch.empty_like(y) for _ in range(self.ranks)]
+            dist.all_gather(parts, y, group=self.group)
+            y = torch.cat(parts, dim=-1)[..., :self.weight.shape[0]]
+        return y
