@@ -262,6 +262,20 @@ def test_retention_never_deletes_the_only_complete_checkpoint_and_survives_faile
     assert [p.name for p in m.complete_checkpoints()] == ["step-3"]
 
 
+@pytest.mark.unit
+def test_a_killed_saves_partial_directory_is_removed_by_the_next_committed_save(tmp_path):
+    events = Events()
+    m = manager(tmp_path, events, async_save=False, keep_last=0)
+    model, opt = tiny()
+    m.save(1, model, opt, {"tokens_seen": 1})
+    partial = tmp_path / ".tmp-step-2"  # what a process killed while writing step 2 leaves
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x" * 1000)
+    m.save(3, model, opt, {"tokens_seen": 3})
+    assert not partial.exists() and [p.name for p in m.complete_checkpoints()] == ["step-1", "step-3"]
+    assert [e["path"] for e in events.named("checkpoint_partial_removed")] == [str(partial)]
+
+
 # ---------------------------------------------------------------------------- failed saves
 def _enospc(self, *a, **k):
     raise OSError(errno.ENOSPC, "No space left on device")

@@ -208,8 +208,20 @@ class CheckpointManager:
             self.log_event("checkpoint_saved", step=pending.step, path=str(pending.final),
                            seconds=time.perf_counter() - pending.t0, stall_s=pending.stall_s,
                            async_save=self.async_save)
+            self._drop_partials()
             self._apply_retention(keep=pending.final)
         return pending.final
+
+    def _drop_partials(self) -> None:
+        """Remove ``.tmp-step-*`` directories: once a save has committed none is being written (one save
+        is in flight at a time), so any left is a killed save's (a process killed mid-write), which would
+        otherwise hold its disk space until a save of the same step. Never fails the save."""
+        for path in sorted(self.root.glob(".tmp-step-*")):
+            try:
+                shutil.rmtree(path)
+                self.log_event("checkpoint_partial_removed", path=str(path))
+            except OSError as e:
+                self.log_event("checkpoint_delete_failed", path=str(path), error=str(e))
 
     def _commit(self, job: SaveJob, final: Path, results: list[Any]) -> None:
         tmp = job.tmp
