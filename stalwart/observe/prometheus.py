@@ -47,6 +47,8 @@ RUN_GAUGES: dict[str, tuple[str, str]] = {
     "mfu": ("mfu_ratio", "Model FLOPs utilisation of the newest logged step (0-1)."),
     "data_wait_s": ("data_wait_seconds", "Time the newest logged step waited for its batch."),
     "fingerprint_s": ("fingerprint_seconds", "Time the newest logged step spent taking the state fingerprint."),
+    "fingerprint_wait_s": ("fingerprint_wait_seconds", "Of the fingerprint's time, the newest logged step's "
+                           "exchange between ranks (waiting for the slowest included)."),
 }
 # Fields exported otherwise (per rank, or as a counter) or not at all.
 _SPECIAL = {"time", "tokens_seen", "step_time_s", "mem_bytes"}
