@@ -11,7 +11,8 @@ import torch
 
 from stalwart.cli import compare
 from stalwart.errors import UserError
-from stalwart.train.fingerprint import MASK, combine, int_sum, read_tensor_sums, whole
+from stalwart.train.fingerprint import combine, read_tensor_sums, whole
+from stalwart.train.word_sums import MASK, int_sum
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +121,7 @@ def test_replicas_share_the_work_and_every_piece_has_one_owner():
 
 
 def test_one_element_tensors_read_together_equal_their_own_sums():
-    from stalwart.train.fingerprint import piece_sums
+    from stalwart.train.word_sums import piece_sums
 
     g = torch.Generator().manual_seed(3)
     ts = [torch.tensor(3.5), torch.randn(5, 4, generator=g), torch.tensor([7], dtype=torch.int64),

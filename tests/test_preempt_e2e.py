@@ -56,7 +56,8 @@ def test_sigterm_saves_the_step_exits_75_and_the_rerun_resumes_there(tmp_path):
     assert (ckpt / MANIFEST).is_file() and [p.name for p in (run / "checkpoints").glob("step-*")] == [ckpt.name]
     # The fingerprint's per-tensor sums (each FSDP rank summed its shard) are the whole tensors' sums.
     from stalwart.checkpoint.inspect import load_flat
-    from stalwart.train.fingerprint import MASK, int_sum, read_tensor_sums
+    from stalwart.train.fingerprint import read_tensor_sums
+    from stalwart.train.word_sums import MASK, int_sum
 
     flat, sums = load_flat(ckpt), read_tensor_sums(run / "fingerprints.jsonl")[last]
     whole = {k: flat["model." + k[7:]] if k.startswith("params/") else

@@ -1,16 +1,10 @@
 """A cheap, bit-exact fingerprint of the whole training state, taken at the metrics cadence.
 
 What it covers: every parameter, every optimizer state tensor (AdamW's moments and step counters),
-every rank's RNG state and the data position. Each tensor is read as integers and summed on its own
-device, never converted: its bytes are read as little-endian 64-bit words laid over the *whole*
-tensor's flat order, and the words are summed modulo 2**64 (one vectorised pass over memory: an int64
-sum that wraps runs at memory speed, 2.3x faster than an int32 one on a CPU). Equivalently an element
-at global flat index ``g`` of a ``b``-byte type counts as its unsigned bits times ``2**(8*b*(g mod
-8/b))``, a sum over elements, so the sums of disjoint pieces add up to the whole tensor's whatever the
-layout; a piece whose start is not word-aligned pays a few extra small ops at its ends (or, sharded on
-an inner dimension out of step with the words, a slower exact pass). Nothing is copied to the host but
-one small vector. Any single changed bit changes its word by +-2**k, k < 64, so it changes the
-tensor's sum and the fingerprint; the sums are combined with BLAKE2 in a fixed order (sorted names).
+every rank's RNG state and the data position. Each tensor is summed as 64-bit words on its own
+device, never converted (``word_sums.py``: sums of disjoint pieces add up to the whole tensor's, and
+any single changed bit changes the sum); nothing is copied to the host but one small vector. A
+changed bit changes the tensor's sum and the fingerprint; the sums are combined with BLAKE2 in a fixed order (sorted names).
 
 Layout: a rank sums its local shard of each tensor. Integer sums of disjoint shards add up to the
 sum of the whole tensor, so the per-tensor values (and the ``params`` / ``optim`` digests) are the
@@ -55,160 +49,26 @@ import torch
 import torch.distributed as dist
 
 from stalwart.runtime.device import HOST
+from stalwart.train.word_sums import MASK, piece_of, piece_sums
 
-_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-MASK = (1 << 64) - 1
 PARTS = ("params", "optim", "rng", "data")
-_WORD = 8  # bytes per summed word
-
-
-_OFFSETS: dict[tuple, tuple[str, tuple[int, ...]]] = {}  # (shape, mesh, placements) -> offset: the same every step
-
-
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, str, tuple[int, ...]]:
-    """This rank's piece of ``t``, the piece's global offset as a key ("0,0" for a plain tensor) and as
-    numbers."""
-    if hasattr(t, "to_local"):  # a DTensor: the shard and where it sits in the whole tensor
-        layout = (tuple(t.shape), id(t.device_mesh), tuple(t.placements))
-        known = _OFFSETS.get(layout)
-        if known is None:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            _, at = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-            at = tuple(int(o) for o in at)
-            known = _OFFSETS[layout] = (",".join(map(str, at)), at)
-        return t.to_local(), known[0], known[1]
-    return t, ",".join("0" * t.dim()), (0,) * t.dim()
-
-
-def _unsigned_sum(ints: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Sum, modulo 2**64, of ``ints`` read as unsigned and shifted left by ``shift`` bits (small pieces)."""
-    bits = ints.element_size() * 8
-    wide = ints.to(torch.int64)
-    if bits < 64:
-        wide = wide & ((1 << bits) - 1)
-    return torch.bitwise_left_shift(wide, shift).sum()
-
-
-def _words(flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` (a whole number of words) as int64 words; copied if its memory does not start on one."""
-    if (flat.storage_offset() * flat.element_size()) % _WORD:
-        flat = flat.clone()
-    return flat.view(torch.int64)
-
-
-def int_sum(t: torch.Tensor, global_shape: tuple[int, ...] | None = None,
-            offset: tuple[int, ...] | None = None) -> torch.Tensor:
-    """The sum, modulo 2**64, of the 64-bit words that ``t``'s bytes form in the flat order of the
-    whole tensor it is a piece of (``global_shape``, ``t`` at ``offset``; by default ``t`` is the whole
-    tensor), as an int64 0-d tensor on its device. The sums of disjoint pieces add up to the whole's."""
-    t = t.detach()
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=t.device)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    if t.is_complex():
-        t = torch.view_as_real(t)
-        global_shape = None if global_shape is None else (*global_shape, 2)
-        offset = None if offset is None else (*offset, 0)
-    shape = tuple(t.shape)
-    global_shape = shape if global_shape is None else tuple(global_shape)
-    offset = (0,) * len(shape) if offset is None else tuple(offset)
-    flat = t.contiguous().view(_INT_VIEW[t.element_size()]).reshape(-1)
-    plan = _plans.get((shape, global_shape, offset, flat.element_size(), flat.device))
-    if plan is None:
-        plan = _plans[(shape, global_shape, offset, flat.element_size(), flat.device)] = _plan(
-            shape, global_shape, offset, flat.element_size(), flat.device)
-    head, body, shifts = plan
-    total = _words(flat[head:head + body]).sum()
-    if shifts is not None:  # the elements outside whole words: unsigned, shifted to their place in a word
-        rest = flat if body == 0 else torch.cat([flat[:head], flat[head + body:]])
-        total = total + _unsigned_sum(rest, shifts)
-    return total
-
-
-_plans: dict[tuple, tuple[int, int, torch.Tensor | None]] = {}  # a piece's layout -> how to sum it
-
-
-def _plan(shape, global_shape, offset, size: int, device) -> tuple[int, int, torch.Tensor | None]:
-    """How ``int_sum`` sums a piece: (head, body, shifts): the elements ``head:head+body`` are whole
-    words; every other element (in order: those before, then after) is shifted left by ``shifts`` bits."""
-    per = _WORD // size  # elements per word
-    numel = 1
-    for n in shape:
-        numel *= n
-    if per == 1 or (shape and shape[-1] % per == 0 and offset[-1] % per == 0 and global_shape[-1] % per == 0):
-        return 0, numel, None  # every row starts on a word: the words are the piece's own
-    strides = [1] * len(global_shape)
-    for d in range(len(global_shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * global_shape[d + 1]
-    # One run of the global order when the piece spans every dimension after the first it cuts, and
-    # only one index of those before it.
-    cut = next((d for d in range(len(shape)) if shape[d] != global_shape[d]), len(shape))
-    if cut == len(shape) or (all(shape[d] == 1 for d in range(cut))
-                             and all(shape[d] == global_shape[d] for d in range(cut + 1, len(shape)))):
-        start = sum(o * s for o, s in zip(offset, strides))
-        head = min((-start) % per, numel)
-        body = (numel - head) // per * per
-        where = torch.cat([torch.arange(start, start + head), torch.arange(start + head + body, start + numel)])
-    else:  # sharded on an inner dimension, out of step with the words: each element's place from its index
-        head = body = 0
-        where = torch.zeros((), dtype=torch.int64)
-        for d in range(len(shape)):
-            where = where.unsqueeze(-1) + (torch.arange(shape[d]) + offset[d]) * strides[d]
-        where = where.reshape(-1)
-    return head, body, ((where % per) * (8 * size)).to(device) if where.numel() else None
 
 
 def local_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, str, torch.Tensor]]:
     """``(name, offset key, local tensor)`` for this rank's piece of every parameter (``params/NAME``) and
-    optimizer state tensor (``optim/NAME/KEY``), in a fixed order; ``piece_sum`` sums one."""
+    optimizer state tensor (``optim/NAME/KEY``), in a fixed order; ``word_sums.piece_sum`` sums one."""
     out: list[tuple[str, str, torch.Tensor]] = []
     names = {}
     for name, p in model.named_parameters():
         names[id(p)] = name
-        out.append((f"params/{name}", _local(p)[1], p))
+        out.append((f"params/{name}", piece_of(p)[1], p))
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(optimizer.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        out.append((f"optim/{names.get(id(p), '?')}/{key}", _local(value)[1], value))
+                        out.append((f"optim/{names.get(id(p), '?')}/{key}", piece_of(value)[1], value))
     return out
-
-
-def piece_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``piece_sum`` of each tensor, as one int64 vector on their device. Plain one-element tensors
-    (AdamW's step counters: one per parameter) are read together, a few ops for all of them: such a
-    tensor's value is its one element's bits, unsigned."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    single: dict[int, list[int]] = {}  # element size -> indices of one-element plain tensors
-    for i, t in enumerate(tensors):
-        if type(t) is torch.Tensor and t.numel() == 1 and not t.is_complex() and t.dtype != torch.bool:
-            single.setdefault(t.element_size(), []).append(i)
-        else:
-            out[i] = piece_sum(t)
-    for size, idx in single.items():
-        view = _INT_VIEW[size]
-        bits = torch.stack([tensors[i].detach().reshape(()).view(view) for i in idx]).to(torch.int64)
-        if size < _WORD:
-            bits = bits & ((1 << (8 * size)) - 1)
-        for j, i in enumerate(idx):
-            out[i] = bits[j]
-    if not out:
-        return torch.zeros(0, dtype=torch.int64)
-    device = out[0].device  # the step counters may sit on the host beside an accelerator's weights
-    return torch.stack([o.to(device) for o in out])
-
-
-def piece_sum(t: torch.Tensor) -> torch.Tensor:
-    """``int_sum`` of this rank's piece of ``t`` (a plain tensor or a DTensor), placed in the whole."""
-    if (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor) \
-            and t.dim() and t.is_contiguous() and not t.is_complex() and t.dtype != torch.bool \
-            and (t.shape[-1] * t.element_size()) % _WORD == 0 and (t.storage_offset() * t.element_size()) % _WORD == 0:
-        return t.detach().view(torch.int64).sum()  # the common case: a whole tensor of whole words
-    local, _, offset = _local(t)
-    return int_sum(local, tuple(t.shape), offset)
 
 
 def assign_owners(keys: dict[int, list[tuple[str, str]]],
