@@ -142,6 +142,7 @@ def test_streams_survive_a_killed_replica_token_for_token(routed):
         assert (text, usage) == (want, want_usage) and len(ids) == 1
     health = wait_healthy(routed, restarts=1)  # the dead replica is back, with the weights the other serves
     assert all(r["ok"] for r in health["replicas"]) and versions(routed) == [1, 1], health
+    assert [r["weight_version"] for r in health["replicas"]] == [1, 1], health  # the router's /health names them
     assert "replica" in routed.output() and "starting it again" in routed.output()
     assert [s.result()[0] for s in streams(routed.url)] == [text for text, _, _ in expected]
     drafts = [0.0, 0.0]  # proposed, kept: the replicas did speculate, with drafts kept and rejected

@@ -75,6 +75,7 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
     starting = [False] * n  # restarted, its port not known yet (or its weights not caught up)
     draining = [False] * n  # finishing its requests before a weight update: takes no new ones
     last_update: dict = {}  # the last weight update every replica took, for a replica started again
+    weights_seen: list = [None] * n  # the weight version each replica's /health last named
     routed = {"content-type": "application/json", **({HEADER: secret} if secret else {})}
 
     async def check(i: int) -> bool:
@@ -84,8 +85,9 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             r = await client.get(backends[i] + "/health", timeout=10.0)
             up[i] = r.status_code == 200
             reachable = True
-        except httpx.HTTPError:
-            up[i], reachable = False, False
+            weights_seen[i] = r.json().get("weight_version") if up[i] else None
+        except (httpx.HTTPError, ValueError):
+            up[i], reachable, weights_seen[i] = False, False, None
         now = time.monotonic()
         failing_since[i] = None if up[i] else failing_since[i] or now
         if (fleet is not None and not up[i] and fleet.procs[i].poll() is None
@@ -274,8 +276,9 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
     async def health():
         ok = await asyncio.gather(*(check(i) for i in range(n)))
         return JSONResponse({"status": "ok" if all(ok) else "degraded", "replicas": [
-            {"url": b, "ok": k, "in_flight": f, "served": s, "restarts": r}
-            for b, k, f, s, r in zip(backends, ok, in_flight, served, restarts)]}, 200 if any(ok) else 503)
+            {"url": b, "ok": k, "in_flight": f, "served": s, "restarts": r, "weight_version": v}
+            for b, k, f, s, r, v in zip(backends, ok, in_flight, served, restarts, weights_seen)]},
+            200 if any(ok) else 503)
 
     @app.post("/v1/weights")
     async def weights(request: Request):
