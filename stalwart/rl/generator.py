@@ -33,6 +33,7 @@ sampler's own log-probabilities are from the re-scored ones (``sampler_gap``).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -157,7 +158,9 @@ class GeneratorActor(Actor):
                 raise WeightSyncError("no weight link")
             state = receive_weights(self.link_, version, reference, self.engine.weight_version, into=self.device)
         except (WeightSyncError, RuntimeError) as e:
-            failed = e
+            # Kept as a message: the exception's traceback would hold the frames that hold the link, and
+            # with them its connections, which must close now so that the senders fail instead of waiting.
+            failed = f"{type(e).__name__}: {e}"
         except BaseException:  # anything else: the link is dropped all the same (the senders fail at once)
             self.link_ = None
             raise
@@ -169,18 +172,19 @@ class GeneratorActor(Actor):
         else:
             def read() -> dict[str, Any]:
                 if failed is not None:
-                    raise failed
+                    raise WeightSyncError(failed)
                 return state
 
             try:  # the members agree first: a sync that failed on one installs on none
                 self.engine.update_weights(read, version)
             except (WeightSyncError, RuntimeError, UserError) as e:
-                failed = failed or e
+                failed = failed or f"{type(e).__name__}: {e}"
             if failed is None and self.scorer is not None:
                 copy_full_state(self.scorer, state)
         if failed is not None:
             self.link_ = None
-            return {"ok": False, "error": f"{type(failed).__name__}: {failed}", "version": self.engine.weight_version}
+            gc.collect()  # whatever else still holds the link: its connections close now, not later
+            return {"ok": False, "error": failed, "version": self.engine.weight_version}
         return {"ok": True, "version": self.engine.weight_version, "recv_s": recv_s,
                 "load_s": time.perf_counter() - t0 - recv_s, "bytes": sum(t.numel() * t.element_size()
                                                                           for t in state.values())}
