@@ -213,9 +213,8 @@ class CheckpointManager:
         return pending.final
 
     def _drop_partials(self) -> None:
-        """Remove ``.tmp-step-*`` directories: once a save has committed none is being written (one save
-        is in flight at a time), so any left is a killed save's (a process killed mid-write), which would
-        otherwise hold its disk space until a save of the same step. Never fails the save."""
+        """Remove ``.tmp-step-*`` directories: after a commit none is being written (one save in flight),
+        so any left is a killed save's, holding disk space. Never fails the save."""
         for path in sorted(self.root.glob(".tmp-step-*")):
             try:
                 shutil.rmtree(path)
