@@ -139,8 +139,8 @@ def test_the_process_limit_binds(sandbox):
 
 
 # Every environment a program can read: its own, and that of each process whose /proc/<pid>/environ
-# opens (PID 1 is bubblewrap's init, readable by the sandbox user). It prints the variable names of
-# its own and of PID 1's, and the places where the host's secret shows.
+# opens (PID 1 is the runner, non-dumpable: its environ does not open). It prints the variable names
+# of its own and of PID 1's (None: unreadable), and the places where the host's secret shows.
 ENVIRONMENTS = """import json, os
 secret = SECRET.encode()
 seen, pid1 = [], None
@@ -165,7 +165,7 @@ def test_no_process_in_the_sandbox_sees_the_hosts_environment(sandbox, monkeypat
     run = sandbox.run(ENVIRONMENTS.replace("SECRET", repr(secret), 1), "")
     assert run.returncode == 0, run
     seen = json.loads(run.stdout)
-    assert seen == {"own": sorted([*ENV, "PWD"]), "pid1": sorted(ENV), "seen": []}  # bubblewrap sets PWD
+    assert seen == {"own": sorted([*ENV, "PWD"]), "pid1": None, "seen": []}  # bubblewrap sets PWD
 
 
 # Fills /tmp and /dev/shm with 1 MiB files (the file-size limit) until a write fails, and tries the
@@ -297,6 +297,57 @@ def test_no_program_changes_another_cases_result_or_forges_the_report(scorer):
     assert sandbox.score("import os\nos.kill(os.getppid(), 9)", ADD) == Verdict(
         0.0, 0, 2, "case 0: sandbox runner killed by SIGKILL (cases 1-1 not run)")
     assert sandbox.score(PROC_ACCESS, ADD[:1]) == Verdict(1.0, 1, 1, "passed")
+
+
+# Leaves all it can behind after printing the answer: a process in a session of its own, files in
+# /tmp/work and /dev/shm, and a System V shared memory segment (through ctypes).
+LEAVES = """import ctypes, os
+a, b = map(int, input().split())
+print(a + b, flush=True)
+open('/tmp/work/left', 'w').write('x')
+open('/dev/shm/left', 'w').write('x')
+libc = ctypes.CDLL(None)
+assert libc.shmget(1234, 4096, 0o1600) >= 0
+if os.fork() == 0:
+    os.setsid()
+    import time
+    time.sleep(30)
+"""
+
+# Prints the answer only if nothing of an earlier program is left: no process but itself, its program
+# runner and PID 1, nothing in /tmp/work or /dev/shm, no System V IPC object; and the start time of
+# PID 1 (the runner), so the test can tell the programs shared one sandbox.
+FINDS = """import os
+others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, os.getpid(), os.getppid())]
+ipc = [k for k in ('shm', 'sem', 'msg') if open(f'/proc/sysvipc/{k}').read().count(chr(10)) > 1]
+left = others + os.listdir('/tmp/work') + os.listdir('/dev/shm') + ipc
+a, b = map(int, input().split())
+print(a + b if not left else left, open('/proc/1/stat').read().split()[21])
+"""
+
+
+@pytest.mark.e2e
+def test_programs_batched_in_one_sandbox_leave_nothing_to_each_other_and_cannot_stop_it(sandbox):
+    """One sandbox runs several programs one after another (its runner is PID 1): each program finds
+    nothing of the ones before, one that kills its program runner or tries PID 1 fails alone, one past
+    its time fails alone, and each verdict equals the program's own sandbox's."""
+    kill_all = "import os\nos.kill(1, 9)\nos.kill(-1, 9)\nprint(3)"
+    sleeps = "import time\ntime.sleep(60)"
+    jobs = [(LEAVES, ADD), (FINDS, ADD), (kill_all, ADD), (FINDS, ADD), (sleeps, ADD), (LEAVES, ADD),
+            (FINDS, ADD)]
+    t0 = time.monotonic()
+    runs = sandbox.execute_many([(src, [c.input for c in cases]) for src, cases in jobs])
+    assert time.monotonic() - t0 < 3 * LIMITS.wall_seconds  # a timeout costs its own allowance only
+    finds = [runs[i][0] for i in (1, 3, 6)]
+    assert [[r.stdout.split()[0] for r in rs] for rs in finds] == [["3", "42"]] * 3, runs
+    assert len({r.stdout.split()[1] for rs in finds for r in rs}) == 1  # one runner throughout: PID 1 lived
+    assert runs[2] == ([], "sandbox runner killed by SIGKILL") and runs[4][0][0].returncode is None
+    answer = FINDS.replace(", open('/proc/1/stat').read().split()[21])", ")")
+    jobs = [(answer if src == FINDS else src, cases) for src, cases in jobs]
+    verdicts = sandbox.score_many(jobs)
+    assert verdicts[2] == Verdict(0.0, 0, 2, "case 0: sandbox runner killed by SIGKILL (cases 1-1 not run)")
+    assert [v.reward for v in verdicts] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    assert verdicts == [sandbox.score(src, cases) for src, cases in jobs]
 
 
 @pytest.mark.unit

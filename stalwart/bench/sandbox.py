@@ -3,7 +3,8 @@
 Each program is a code-task family's reference solution (cycling through every family), scored by
 `Sandbox.score` against `--cases` of its hidden test cases under the default sandbox limits, the way
 a reward worker scores a rollout. Each repeat times the same programs serially and then with each
-`--threads` count sharing one `Sandbox`, and prints one JSON line per measurement with the machine's
+`--threads` count sharing one `Sandbox`, each time both with a sandbox per program and batched (the
+programs dealt into one share per thread, each share run in one sandbox, as a reward worker does), and prints one JSON line per measurement with the machine's
 load average at the time (the sandbox is CPU-bound: other work on the machine slows it). With `--url`
 (a running `stalwart rl sandbox --serve`, its own limits), each repeat then times the same programs
 through the service with the reward workers' client (`via`: local or service).
@@ -30,17 +31,21 @@ def _workload(programs: int, cases: int) -> list:
     return items
 
 
-def measure(sandbox, items: list, threads: int) -> dict:
-    """Programs/s of scoring every item with `threads` threads; every reference must pass."""
+def measure(sandbox, items: list, threads: int, batched: bool) -> dict:
+    """Programs/s of scoring every item with `threads` threads, a sandbox per program or the items
+    dealt into one share per thread (`score_spread`, as a reward worker does); every reference must
+    pass."""
+    from stalwart.rl.sandbox import score_spread
+
     start = time.perf_counter()
-    if threads == 1:
-        verdicts = [sandbox.score(src, cases) for src, cases in items]
-    else:
-        with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(threads) as pool:
+        if batched:
+            verdicts = score_spread(sandbox, pool, items, threads)
+        else:
             verdicts = list(pool.map(lambda item: sandbox.score(*item), items))
     seconds = time.perf_counter() - start
     failed = [v.reason for v in verdicts if v.reward != 1.0]
-    return {"threads": threads, "programs": len(items), "seconds": round(seconds, 3),
+    return {"threads": threads, "batched": batched, "programs": len(items), "seconds": round(seconds, 3),
             "programs_per_s": round(len(items) / seconds, 2), "failed": len(failed),
             "first_failure": failed[0] if failed else "", "loadavg_1m": os.getloadavg()[0]}
 
@@ -74,6 +79,7 @@ def main(argv: list[str]) -> int:
     for r in range(args.repeats):
         for via, scorer in scorers.items():
             for t in [1, *threads]:
-                print(json.dumps({"repeat": r, "via": via, "cases": args.cases, **measure(scorer, items, t)}),
-                      flush=True)
+                for batched in (False, True):
+                    print(json.dumps({"repeat": r, "via": via, "cases": args.cases,
+                                      **measure(scorer, items, t, batched)}), flush=True)
     return 0

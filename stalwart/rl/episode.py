@@ -118,6 +118,7 @@ class VisibleTests:
         self.spec, self.tok, self.eos = spec, tok, eos
         self.sandbox = open_sandbox(cfg, urls, retry_s)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="visible-tests")
+        self.threads = threads
         self.verdicts: dict[tuple[str, str], Any] = {}
         self.newline = tok.encode("\n").ids
 
@@ -126,14 +127,14 @@ class VisibleTests:
 
     def check(self, jobs: list[tuple[str, list[int]]]) -> list[Any]:
         """(instance key, program tokens) -> the sandbox's verdict on its visible tests, in order."""
-        from stalwart.rl.sandbox import Case
+        from stalwart.rl.sandbox import Case, score_spread
 
         keys = [(key, self.text(prog)) for key, prog in jobs]
         todo = list(dict.fromkeys(k for k in keys if k not in self.verdicts))
         if len(self.verdicts) + len(todo) > CACHE_LIMIT:
             self.verdicts.clear()
-        run = lambda k: self.sandbox.score(k[1], [Case(i, o) for i, o in self.spec.visible[k[0]]])  # noqa: E731
-        self.verdicts.update(zip(todo, self.pool.map(run, todo)))
+        jobs = [(prog, [Case(i, o) for i, o in self.spec.visible[key]]) for key, prog in todo]
+        self.verdicts.update(zip(todo, score_spread(self.sandbox, self.pool, jobs, self.threads)))
         return [self.verdicts[k] for k in keys]
 
     def feedback(self, key: str, verdict: Any, after: list[int]) -> list[int]:

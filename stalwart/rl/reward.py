@@ -1,7 +1,7 @@
 """The reward worker actor: scores generated programs against hidden test cases in the sandbox.
 
 One actor process runs up to ``threads`` sandboxes at once (each sandbox is its own bubblewrap process
-tree, so threads here only wait), or, with ``workers.sandbox_urls``, has that many programs at once
+tree running a share of the programs one after another, so threads here only wait), or, with ``workers.sandbox_urls``, has that many programs at once
 scored by the sandbox services. A program that hangs, crashes or misbehaves costs its own reward
 (0, with the sandbox's reason); the worker itself never runs any of it.
 """
@@ -20,6 +20,7 @@ class RewardActor(Actor):
     def __init__(self) -> None:
         self.sandbox = None
         self.pool: ThreadPoolExecutor | None = None
+        self.threads = 1
         self.busy_s = 0.0
 
     @endpoint
@@ -36,16 +37,18 @@ class RewardActor(Actor):
 
         self.sandbox = open_sandbox(sandbox_cfg, urls, retry_s)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sandbox")
+        self.threads = threads
         return os.getpid()
 
     @endpoint
     def score(self, jobs: list[tuple[str, list[tuple[str, str]]]]) -> dict[str, Any]:
         """jobs: (program source, [(input, expected output), ...]) -> one verdict per job, in order:
         (reward, passed, total, reason)."""
-        from stalwart.rl.sandbox import Case
+        from stalwart.rl.sandbox import Case, score_spread
 
         t0 = time.perf_counter()
-        verdicts = list(self.pool.map(lambda job: self.sandbox.score(job[0], [Case(i, o) for i, o in job[1]]), jobs))
+        cased = [(source, [Case(i, o) for i, o in cases]) for source, cases in jobs]
+        verdicts = score_spread(self.sandbox, self.pool, cased, self.threads)
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         return {"verdicts": [(v.reward, v.passed, v.total, v.reason) for v in verdicts], "seconds": seconds,

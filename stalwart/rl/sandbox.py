@@ -1,149 +1,73 @@
-"""Run an untrusted program against test cases: bubblewrap for isolation, rlimits for resources.
+"""Run untrusted programs against test cases: bubblewrap for isolation, rlimits for resources.
 
-Each program gets one `bwrap` sandbox for all its cases: new user, PID, network, IPC, UTS and cgroup
-namespaces (no network at all, no other process visible, no further user namespace), the root file
-system made of read-only `/usr` (and its `/lib`, `/bin` links) only, the program and the trusted
-runner (`sandbox_runner.py`) bound read-only, and `--die-with-parent`. The only writable places are
-`/tmp` (the working directory is in it) and `/dev/shm`, each a fresh tmpfs of `sandbox.memory_mb`:
-files live in memory the address-space limit does not see, so the mounts' size bounds them (the root
-and `/dev` are remounted read-only). Bubblewrap itself starts with `ENV` as its whole environment,
-not the host's: it is the sandbox's PID 1, whose /proc/1/environ any program may read. `prlimit` caps
-CPU time, address space, file size (which also caps stdout: it goes to a file) and open files; the
-runner caps processes. Run as root, the sandbox drops to the unprivileged user `nobody` first, so the
-process limit binds (the kernel does not count processes against root's limit).
+A `bwrap` sandbox runs a batch of up to BATCH programs, one after another, each against all its cases:
+new user, PID, network, IPC, UTS and cgroup namespaces (no network at all, no other process visible,
+no further user namespace), the root file system made of read-only `/usr` (and its `/lib`, `/bin`
+links) only, the programs and the trusted runner (`sandbox_runner.py`) bound read-only, and
+`--die-with-parent`. The only writable places are `/tmp` (the working directory is in it) and
+`/dev/shm`, each a tmpfs of `sandbox.memory_mb`: files live in memory the address-space limit does not
+see, so the mounts' size bounds them (the root and `/dev` are remounted read-only). Bubblewrap itself
+starts with `ENV` as its whole environment, not the host's. `prlimit` caps CPU time, address space,
+file size (which also caps stdout: it goes to a file) and open files; the runner caps processes. Run
+as root, the sandbox drops to the unprivileged user `nobody` first, so the process limit binds (the
+kernel does not count processes against root's limit).
 
-The host sends the runner only the cases' inputs. The runner runs each case in a forked child with
-its own wall-clock bound and CPU clock, kills every other process of the sandbox after it, and
-reports stdout, exit status and time per case; the host compares with the expected outputs. The
-runner is non-dumpable and no child holds its report pipe, so a program cannot forge another case's
-result; killing the runner only fails the cases not yet reported.
+The host sends the runner only the cases' inputs. The runner is the sandbox's PID 1 (no process in the
+sandbox can signal it); it forks a program runner per program, which runs each case in a forked child
+with its own wall-clock bound and CPU clock, and after each case every other process of the sandbox is
+killed, /tmp and /dev/shm emptied and System V IPC objects removed, so a program finds nothing of
+another case or of an earlier program. The runners report stdout, exit status and time per case; the
+host compares with the expected outputs. The runners are non-dumpable and no child holds a report
+pipe, so a program cannot forge another case's result; killing its program runner fails only its own
+cases not yet reported. Starting a sandbox (namespaces, mounts, an interpreter) costs about twice
+what running a short program's three cases does, so batching is most of the throughput.
 
 What it does not stop: it shares the host kernel (a kernel exploit escapes it); CPU and memory
 bandwidth are shared (a program can slow its neighbours within its CPU-time limit); a program sees
-the inputs of its other cases (never their expected outputs); System V shared memory of the sandbox's
-IPC namespace is not bounded by `sandbox.memory_mb`; and on kernels before 5.14 the process
-limit counts every process of the sandbox user, so there it is that user's current count plus
-`sandbox.processes`.
+the inputs of its other cases and those of the other programs in its batch (never an expected
+output); System V shared memory within a case is not bounded by `sandbox.memory_mb`; and on kernels
+before 5.14 the process limit counts every process of the sandbox user, so there it is that user's
+current count plus `sandbox.processes`.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.config.rl import SandboxConfig
-from stalwart.errors import UserError
+from stalwart.rl.verdicts import (  # noqa: F401  (re-exported: the sandbox's API)
+    STDERR_TAIL,
+    Case,
+    Run,
+    SandboxError,
+    Verdict,
+    cases_from,
+    parse_cases,
+    parse_reports,
+    runner_failure,
+    verdict_of,
+)
 
 NOBODY = 65534
 RUNNER = "/sandbox/runner.py"
 RUNNER_SOURCE = Path(__file__).with_name("sandbox_runner.py")
 WORK = "/tmp/work"
-STDERR_TAIL = 400
 MAX_SOURCE = 64 * 1024
 # The environment of everything the sandbox starts, bubblewrap included, and of the programs.
 ENV = {"PATH": "/usr/bin:/bin", "HOME": WORK, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
        "PYTHONDONTWRITEBYTECODE": "1"}
 BWRAP_SIZE = (0, 8)  # the first bubblewrap with `--size` for a tmpfs
-
-
-class SandboxError(UserError):
-    """The sandbox cannot run here (no bubblewrap, no interpreter) or its input is malformed."""
-
-
-@dataclass(frozen=True)
-class Case:
-    input: str
-    output: str
-
-
-@dataclass(frozen=True)
-class Run:
-    """One execution: what the program printed and how it ended."""
-    stdout: str
-    returncode: int | None  # None: killed by the wall-clock timer
-    seconds: float
-    stderr_tail: str = ""
-    failure: str = ""  # why the sandbox reported nothing for this run (its runner died or timed out)
-
-    @property
-    def killed_by(self) -> int:
-        """The signal that ended the program (bubblewrap reports it as exit status 128 + n), or 0."""
-        code = self.returncode or 0
-        return -code if code < 0 else code - 128 if 128 < code < 128 + 65 else 0
-
-    @property
-    def out_of_time(self) -> bool:
-        return self.returncode is None or self.killed_by == signal.SIGXCPU
-
-    @property
-    def reason(self) -> str:
-        if self.failure:
-            return self.failure
-        if self.returncode is None:
-            return "wall-clock timeout"
-        if self.killed_by:
-            name = signal.Signals(self.killed_by).name
-            return {"SIGXCPU": "CPU-time limit", "SIGXFSZ": "output or file-size limit",
-                    "SIGKILL": "killed (CPU-time or memory limit)"}.get(name, f"killed by {name}")
-        if self.returncode != 0:
-            last = self.stderr_tail.strip().splitlines()[-1:] or [""]
-            return f"exit status {self.returncode}" + (f": {last[0][:160]}" if last[0] else "")
-        return "ok"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    reward: float
-    passed: int
-    total: int
-    reason: str
-
-    def as_dict(self) -> dict[str, float | int | str]:
-        return {"reward": self.reward, "passed": self.passed, "total": self.total, "reason": self.reason}
-
-    def to_json(self) -> str:
-        return json.dumps(self.as_dict())
-
-    @classmethod
-    def from_dict(cls, data: object, where: str) -> Verdict:
-        """A verdict as `as_dict` wrote it, checked field by field (it came over the network)."""
-        if not (isinstance(data, dict) and set(data) == {"reward", "passed", "total", "reason"}
-                and isinstance(data["reward"], (int, float)) and not isinstance(data["reward"], bool)
-                and all(type(data[k]) is int for k in ("passed", "total")) and isinstance(data["reason"], str)
-                and 0 <= data["passed"] <= data["total"]):
-            raise SandboxError(f"{where}: not a verdict ({str(data)[:200]})")
-        return cls(float(data["reward"]), data["passed"], data["total"], data["reason"])
-
-
-def parse_cases(text: str, where: str) -> list[Case]:
-    """A JSON list of {"input": str, "output": str}; anything else is refused by name."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SandboxError(f"{where}: not JSON ({e.msg} at line {e.lineno}); expected a list of "
-                           '{"input": ..., "output": ...} cases') from None
-    return cases_from(data, where)
-
-
-def cases_from(data: object, where: str) -> list[Case]:
-    """Cases from parsed JSON (a list of {"input": str, "output": str}); anything else is refused by name."""
-    if not isinstance(data, list) or not data:
-        raise SandboxError(f'{where}: expected a non-empty JSON list of {{"input": ..., "output": ...}} cases')
-    cases = []
-    for i, item in enumerate(data):
-        if not (isinstance(item, dict) and isinstance(item.get("input"), str)
-                and isinstance(item.get("output"), str)):
-            raise SandboxError(f'{where}: case {i} must be an object with string fields "input" and "output"')
-        cases.append(Case(item["input"], item["output"]))
-    return cases
+BATCH = 32  # programs one sandbox runs, one after another
+BATCH_CPU_S = 60  # CPU-time limit of a batch's runner itself (each program runner gets sandbox.cpu_seconds)
 
 
 def syntax_error(source: str) -> str:
@@ -211,47 +135,6 @@ def _namespaced_nproc() -> bool:
         return False
 
 
-def parse_reports(data: bytes, total: int, max_output: int) -> tuple[list[Run], bool]:
-    """The runner's records (see sandbox_runner.py), in case order, up to the first one that is
-    missing, truncated or malformed; and whether everything was well formed. Sizes are checked
-    before anything is sliced: no record may claim more than `max_output` bytes of stdout or
-    STDERR_TAIL of stderr, nor more cases than `total`."""
-    runs: list[Run] = []
-    pos = 0
-    while pos < len(data):
-        end = data.find(b"\n", pos, pos + 200)
-        fields = data[pos:end].split(b" ") if end >= 0 else []
-        if len(fields) != 7 or fields[0] != b"case" or fields[1] != str(len(runs)).encode() \
-                or fields[2] not in (b"exit", b"signal", b"timeout") or len(runs) >= total:
-            return runs, False
-        try:
-            number, seconds = int(fields[3]), float(fields[4])
-            n_out, n_err = int(fields[5]), int(fields[6])
-        except ValueError:
-            return runs, False
-        if not (0 <= number < 256 and 0 <= n_out <= max_output and 0 <= n_err <= STDERR_TAIL
-                and 0 <= seconds < 1e6) or end + 1 + n_out + n_err > len(data):
-            return runs, False
-        out = data[end + 1:end + 1 + n_out].decode(errors="replace")
-        err = data[end + 1 + n_out:end + 1 + n_out + n_err].decode(errors="replace")
-        code = {b"exit": number, b"signal": -number, b"timeout": None}[fields[2]]
-        runs.append(Run(out, code, seconds, err))
-        pos = end + 1 + n_out + n_err
-    return runs, True
-
-
-def _runner_failure(code: int | None, parsed_ok: bool, stderr: str) -> str:
-    """Why the runner reported no more cases."""
-    if code is None:
-        return "sandbox wall-clock limit (the whole run)"
-    if code < 0 or 128 < code < 128 + 65:
-        return f"sandbox runner killed by {signal.Signals(-code if code < 0 else code - 128).name}"
-    if code != 0:
-        last = stderr.strip().splitlines()[-1:] or [""]
-        return f"sandbox runner failed (exit status {code}{': ' + last[0][:160] if last[0] else ''})"
-    return "sandbox runner output ended early" if parsed_ok else "malformed sandbox runner output"
-
-
 class Sandbox:
     """Runs programs under the limits of one `SandboxConfig`; safe to share between threads."""
 
@@ -283,7 +166,8 @@ class Sandbox:
 
     def _command(self, folder: Path, nproc: int) -> list[str]:
         c = self.cfg
-        limits = [f"--cpu={c.cpu_seconds}:{c.cpu_seconds + 1}", f"--as={c.memory_mb << 20}",
+        # The runner's own CPU budget covers a batch; it gives each program runner c.cpu_seconds.
+        limits = [f"--cpu={BATCH_CPU_S}:{BATCH_CPU_S + 1}", f"--as={c.memory_mb << 20}",
                   f"--fsize={int(c.file_size_mb * (1 << 20))}", f"--nofile={c.open_files}", "--core=0"]
         if not self.namespaced_nproc:
             limits.append(f"--nproc={nproc}")
@@ -297,24 +181,41 @@ class Sandbox:
                 "--size", tmpfs, "--tmpfs", "/tmp", "--dir", WORK, "--chdir", WORK,
                 "--ro-bind", str(folder), "/sandbox", "--remount-ro", "/dev", "--remount-ro", "/",
                 "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-                "--clearenv", *(a for name, value in ENV.items() for a in ("--setenv", name, value)),
+                "--as-pid-1", "--clearenv", *(a for name, value in ENV.items() for a in ("--setenv", name, value)),
                 self.python, "-I", RUNNER]
 
+    def execute_many(self, jobs: list[tuple[str, list[str]]]) -> list[tuple[list[Run], str]]:
+        """Run each job (source, its cases' inputs), up to BATCH programs one after another in a
+        sandbox. Per job: the runs its program runner reported, in order, and why it reported no more
+        ('' when it reported every case or stopped after one ran out of time). If a sandbox ends early,
+        the job in progress gets that failure and the jobs after it run in a fresh sandbox."""
+        results: list[tuple[list[Run], str]] = []
+        while len(results) < len(jobs):
+            results += self._batch(jobs[len(results):len(results) + BATCH])
+        return results
+
     def execute(self, source: str, inputs: list[str]) -> tuple[list[Run], str]:
-        """Run `source` on each input in one sandbox: the runs the runner reported, in order, and why
-        it reported no more ('' when it reported every case or stopped after one ran out of time)."""
+        """Run `source` on each input in a sandbox of its own (see `execute_many`)."""
+        return self.execute_many([(source, inputs)])[0]
+
+    def _batch(self, jobs: list[tuple[str, list[str]]]) -> list[tuple[list[Run], str]]:
+        """One sandbox for `jobs`: the result of each job its runner finished, and of the one in
+        progress when it ended early (at least one result)."""
         c = self.cfg
-        # The runner's own limit counts bubblewrap's init and itself besides the program's processes.
+        # The runner's own limit counts itself and the program runner besides the program's processes.
         nproc = c.processes + 2 if self.namespaced_nproc else _user_processes(self.uid) + c.processes
-        request = [f"{len(inputs)} {c.wall_seconds!r} {nproc}\n".encode()]
-        for text in inputs:
-            data = text.encode()
-            request += [f"{len(data)}\n".encode(), data]
+        request = [f"{len(jobs)} {nproc} {c.cpu_seconds}\n".encode()]
+        for _, inputs in jobs:
+            request.append(f"{len(inputs)} {c.wall_seconds!r}\n".encode())
+            for text in inputs:
+                data = text.encode()
+                request += [f"{len(data)}\n".encode(), data]
         with tempfile.TemporaryDirectory(prefix="stalwart-sandbox-") as tmp:
             os.chmod(tmp, 0o711)  # the sandbox user reaches only the folder bound in
             folder = Path(tmp) / "sandbox"
             folder.mkdir(mode=0o755)
-            (folder / "program.py").write_text(source)
+            for i, (source, _) in enumerate(jobs):
+                (folder / f"program-{i}.py").write_text(source)
             (folder / "runner.py").write_bytes(self.runner)
             for f in folder.iterdir():
                 f.chmod(0o644)
@@ -322,17 +223,79 @@ class Sandbox:
                 proc = subprocess.Popen(self._command(folder, nproc), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=err, env=ENV, start_new_session=True)
                 try:
-                    out, _ = proc.communicate(b"".join(request), timeout=c.wall_seconds * len(inputs) + 2.0)
-                    code: int | None = proc.returncode
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    out, _ = proc.communicate()
-                    code = None
+                    data, ends, stop = self._collect(proc, b"".join(request), [len(inputs) for _, inputs in jobs])
+                finally:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    proc.stdout.close()
                 err.seek(max(0, os.fstat(err.fileno()).st_size - STDERR_TAIL))
                 stderr = err.read().decode(errors="replace")
-        runs, ok = parse_reports(out, len(inputs), int(c.file_size_mb * (1 << 20)))
-        done = len(runs) == len(inputs) or (runs and runs[-1].out_of_time)
-        return runs, "" if ok and done else _runner_failure(code, ok, stderr)
+        results = []
+        max_output = int(c.file_size_mb * (1 << 20))
+        for i in range(min(len(ends) + 1, len(jobs))):
+            n = len(jobs[i][1])
+            runs, ok = parse_reports(bytes(data[i]), n, max_output)
+            done = len(runs) == n or bool(runs and runs[-1].out_of_time)
+            if i < len(ends):
+                failure = "" if ok and done else runner_failure(ends[i], ok, stderr)
+            elif stop == "malformed":
+                failure = "malformed sandbox runner output"
+            else:  # the runner ended, or this program is past its allowance (None: a timeout)
+                failure = runner_failure(None if stop == "timeout" else proc.returncode, ok, stderr)
+            results.append((runs, failure))
+        return results
+
+    def _collect(self, proc: subprocess.Popen, request: bytes, cases: list[int]) -> tuple[list[bytearray], list, str]:
+        """Send the request and read the runner's frames until every program has ended, the runner's
+        output ends ('ended'), the program in progress is past its wall-clock allowance ('timeout') or a
+        frame is malformed ('malformed'): each program's records, how each program runner that ended
+        did (exit status, -signal, None: out of time), and why the reading stopped ('' if all ended)."""
+        try:
+            proc.stdin.write(request)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        limit = int(self.cfg.file_size_mb * (1 << 20)) + STDERR_TAIL + 200
+        data = [bytearray() for _ in cases]
+        ends: list[int | None] = []
+        buf = bytearray()
+        fd = proc.stdout.fileno()
+        deadline = time.monotonic() + self.cfg.wall_seconds * cases[0] + 2.0
+        while len(ends) < len(cases):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return data, ends, "timeout"
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return data, ends, "ended"
+            buf += chunk
+            while len(ends) < len(cases):
+                nl = buf.find(b"\n", 0, 100)
+                fields = bytes(buf[:nl]).split(b" ") if nl >= 0 else []
+                i = len(ends)
+                if fields[:2] == [b"data", str(i).encode()] and len(fields) == 3 and fields[2].isdigit():
+                    n = int(fields[2])
+                    if len(data[i]) + n > limit * cases[i]:
+                        return data, ends, "malformed"
+                    if len(buf) < nl + 1 + n:
+                        break
+                    data[i] += buf[nl + 1:nl + 1 + n]
+                    del buf[:nl + 1 + n]
+                elif fields[:2] == [b"end", str(i).encode()] and len(fields) == 4 \
+                        and fields[2] in (b"exit", b"signal", b"timeout") and fields[3].isdigit():
+                    number = int(fields[3])
+                    ends.append({b"exit": number, b"signal": -number, b"timeout": None}[fields[2]])
+                    del buf[:nl + 1]
+                    if len(ends) < len(cases):
+                        deadline = time.monotonic() + self.cfg.wall_seconds * cases[len(ends)] + 2.0
+                elif nl >= 0 or len(buf) >= 100:
+                    return data, ends, "malformed"
+                else:
+                    break
+        return data, ends, ""
 
     def run(self, source: str, stdin: str) -> Run:
         """One execution of `source` on `stdin` (a sandbox of its own)."""
@@ -346,28 +309,26 @@ class Sandbox:
         report (killed, or the whole sandbox out of time). A program that does not parse fails every
         case without starting a sandbox: the host only parses its text (capped in length), it never
         runs any of it. Expected outputs never enter the sandbox."""
-        bad = syntax_error(source)
-        if bad:
-            return Verdict(0.0, 0, len(cases), bad)
-        runs, failure = self.execute(source, [c.input for c in cases])
-        passed, first_failure = 0, ""
-        for i, case in enumerate(cases):
-            if i >= len(runs):
-                first_failure = first_failure or f"case {i}: {failure}" + _not_run(i, len(cases))
-                break
-            run = runs[i]
-            if run.returncode == 0 and run.stdout.strip() == case.output.strip():
-                passed += 1
-                continue
-            if not first_failure:
-                why = run.reason if run.reason != "ok" else "wrong answer"
-                first_failure = f"case {i}: {why}"
-            if run.out_of_time:
-                first_failure += _not_run(i, len(cases))
-                break
-        reason = "passed" if passed == len(cases) else first_failure
-        return Verdict(passed / len(cases), passed, len(cases), reason)
+        return self.score_many([(source, cases)])[0]
+
+    def score_many(self, jobs: list[tuple[str, list[Case]]]) -> list[Verdict]:
+        """`score` of each (source, cases) job, in order, up to BATCH programs per sandbox (each
+        program's cases as isolated from the other programs' as from each other)."""
+        verdicts = [Verdict(0.0, 0, len(cases), syntax_error(source)) for source, cases in jobs]
+        run = [i for i, v in enumerate(verdicts) if not v.reason]
+        results = self.execute_many([(jobs[i][0], [c.input for c in jobs[i][1]]) for i in run])
+        for i, (runs, failure) in zip(run, results):
+            verdicts[i] = verdict_of(jobs[i][1], runs, failure)
+        return verdicts
 
 
-def _not_run(i: int, total: int) -> str:
-    return f" (cases {i + 1}-{total - 1} not run)" if i + 1 < total else ""
+def score_spread(scorer, pool, jobs: list[tuple[str, list[Case]]], ways: int) -> list[Verdict]:
+    """`scorer.score_many` of `jobs` dealt round-robin into `ways` parts run on `pool` (a local
+    sandbox then starts one sandbox per part, not per program): the verdicts in the jobs' order."""
+    parts = [jobs[k::ways] for k in range(ways) if jobs[k::ways]]
+    verdicts: list[Verdict] = [None] * len(jobs)  # type: ignore[list-item]
+    for k, got in enumerate(pool.map(scorer.score_many, parts)):
+        verdicts[k::ways] = got
+    return verdicts
+
+

@@ -1,25 +1,39 @@
-"""The trusted runner inside the reward sandbox: runs one program against each case's input, in order.
+"""The trusted runner inside the reward sandbox: runs each of a batch of programs against its cases.
 
-It is started by `stalwart.rl.sandbox` as `python3 -I /sandbox/runner.py` inside bubblewrap and uses
-only the standard library (the sandbox holds no Stalwart). It never sees an expected output: the host
-sends only the inputs, on stdin, framed as
+It is started by `stalwart.rl.sandbox` as `python3 -I /sandbox/runner.py`, the sandbox's PID 1
+(bubblewrap --as-pid-1: the kernel keeps from it every signal a process of the sandbox sends but
+SIGCHLD, whose handler only wakes it; it reaps the sandbox's orphans), and uses only the standard
+library (the sandbox holds no Stalwart). It never sees an expected output: the host sends the
+programs' cases' inputs, on stdin, framed as
 
-    <n cases> <wall seconds> <process limit>\\n   then, per case:   <bytes>\\n<input bytes>
+    <n programs> <process limit> <CPU seconds>\\n   then, per program:   <n cases> <wall seconds>\\n
+    then, per case of it:   <bytes>\\n<input bytes>
 
-and it answers, on stdout, one record per case it ran, in order:
+Program `i` is the file /sandbox/program-<i>.py, bound read-only with this runner.
+
+Each program runs in a child forked from this runner (the *program runner*), which runs each case in
+a child of its own: that child takes the input on fd 0 (a pipe), a fresh unnamed file in /tmp/work as
+fd 1 (RLIMIT_FSIZE caps it) and another as fd 2, closes every other descriptor (so no child holds a
+report pipe) and runs the program as `__main__` in that forked interpreter (see `_run_program`). The
+case's wall clock is bounded; then every other process in the sandbox is killed (`kill(-1)` in the PID
+namespace spares only the killer and this runner), /tmp and /dev/shm are emptied and the System V
+IPC objects removed, and only then is the case's output read and the next case started.
+The program runner writes one record per case it ran, in order, into a pipe this runner reads:
 
     case <i> exit|signal|timeout <code or signal number> <seconds> <stdout bytes> <stderr bytes>\\n
     <stdout><stderr tail>
 
-For each case it forks a child that takes the input on fd 0 (a pipe), a fresh unnamed file in
-/tmp/work as fd 1 (RLIMIT_FSIZE caps it) and another as fd 2, closes every other descriptor (so no
-child holds the report pipe) and runs the program as `__main__` in that forked interpreter (see
-`_run_program`). The child's wall clock is bounded; then every other process in the sandbox is
-killed (`kill(-1)` in the PID namespace spares only this runner and bubblewrap's init), /tmp and
-/dev/shm are emptied, and only then is the child's output read and the next case started. The runner
-makes itself non-dumpable first, so no program can reach its memory or descriptors through /proc or
-ptrace. After a case that ran out of time (wall clock or CPU) it stops: the host counts the rest as
-not run.
+and this runner passes those bytes on to stdout as they come, as frames, then says how the program
+runner ended (its whole wall clock is bounded too), then cleans up as after a case:
+
+    data <i> <bytes>\\n<bytes>          (any number of them)
+    end <i> exit|signal|timeout <code or signal number>\\n
+
+Every process is made non-dumpable first, so no program can reach a runner's memory or descriptors
+through /proc or ptrace. After a case that ran out of time (wall clock or CPU) its program runner
+stops: the host counts the rest as not run. A program that kills its program runner fails only its
+own remaining cases; if this runner ends early anyway, the host runs the programs after the one in
+progress in a fresh sandbox.
 """
 
 import ctypes
@@ -29,13 +43,16 @@ import resource
 import select
 import sys
 import time
-from _signal import SIGKILL, SIGXCPU  # `signal` itself imports enum: slow
+from _signal import SIG_DFL, SIGCHLD, SIGKILL, SIGXCPU, set_wakeup_fd  # `signal` imports enum: slow
+from _signal import signal as handle
 
-PROGRAM = "/sandbox/program.py"
+PROGRAM = "/sandbox/program-{}.py"
 WORK = "/tmp/work"
 STDERR_TAIL = 400
 PR_SET_DUMPABLE = 4
 PIPE_MAX = 1 << 20
+IPC_RMID = 0
+LIBC = None  # the C library (prctl, System V IPC removal), loaded by main
 
 
 def _read_exactly(fd: int, n: int) -> bytes:
@@ -59,10 +76,15 @@ def _read_line(fd: int) -> bytes:
     return line
 
 
-def read_request(fd: int) -> tuple[float, int, list[bytes]]:
-    n, wall, nproc = _read_line(fd).split()
-    inputs = [_read_exactly(fd, int(_read_line(fd))) for _ in range(int(n))]
-    return float(wall), int(nproc), inputs
+def read_request(fd: int) -> tuple[int, int, list[tuple[float, list[bytes]]]]:
+    """The process limit, a program's CPU-time limit and, per program, its wall-clock limit per case
+    and its cases' inputs."""
+    n, nproc, cpu = _read_line(fd).split()
+    programs = []
+    for _ in range(int(n)):
+        cases, wall = _read_line(fd).split()
+        programs.append((float(wall), [_read_exactly(fd, int(_read_line(fd))) for _ in range(int(cases))]))
+    return int(nproc), int(cpu), programs
 
 
 def _exit_status(code) -> int:
@@ -78,7 +100,7 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _run_program(code) -> int:
+def _run_program(code, path: str) -> int:
     """The program as `python3 -I program.py` would run it, in this forked interpreter: a fresh
     `__main__` module, sys.argv and the std streams on fds 0-2, SystemExit's status, an uncaught
     exception's traceback on stderr with status 1, then (as interpreter shutdown does) a join of
@@ -94,10 +116,10 @@ def _run_program(code) -> int:
         setattr(sys, name, stream)
         setattr(sys, "__" + name + "__", stream)
     main = type(sys)("__main__")
-    main.__file__ = PROGRAM
+    main.__file__ = path
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
-    sys.argv = [PROGRAM]
+    sys.argv = [path]
     try:
         if isinstance(code, BaseException):
             raise code
@@ -128,13 +150,13 @@ def _run_program(code) -> int:
     return status
 
 
-def _child(fds: tuple[int, int, int], code) -> None:
+def _child(fds: tuple[int, int, int], code, path: str) -> None:
     status = 1
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        status = _run_program(code)
+        status = _run_program(code, path)
     finally:
         os._exit(status)
 
@@ -175,12 +197,37 @@ def _empty(path: str) -> None:
             pass
 
 
+def _remove_ipc() -> None:
+    """Remove every System V shared memory segment, semaphore set and message queue of the sandbox's
+    IPC namespace (only its own processes, all killed by now, could have made them)."""
+    for kind, remove in (("shm", lambda i: LIBC.shmctl(i, IPC_RMID, None)),
+                         ("sem", lambda i: LIBC.semctl(i, 0, IPC_RMID)),
+                         ("msg", lambda i: LIBC.msgctl(i, IPC_RMID, None))):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 1 and fields[1].isdigit():
+                remove(int(fields[1]))
+
+
+def clean() -> None:
+    """Leave nothing of the last case behind: /tmp and /dev/shm emptied, System V IPC removed."""
+    _empty("/tmp")
+    _empty("/dev/shm")
+    _remove_ipc()
+    os.makedirs(WORK, exist_ok=True)
+
+
 def _tail(fd: int, limit: int) -> bytes:
     size = os.fstat(fd).st_size
     return os.pread(fd, min(size, limit), max(0, size - limit))
 
 
-def run_case(code, data: bytes, wall: float) -> tuple[str, int, float, bytes, bytes]:
+def run_case(code, data: bytes, wall: float, path: str) -> tuple[str, int, float, bytes, bytes]:
     out = os.open(WORK, os.O_TMPFILE | os.O_RDWR, 0o600)
     err = os.open(WORK, os.O_TMPFILE | os.O_RDWR, 0o600)
     r, w = os.pipe()
@@ -192,7 +239,7 @@ def run_case(code, data: bytes, wall: float) -> tuple[str, int, float, bytes, by
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child((r, out, err), code)
+        _child((r, out, err), code, path)
     os.close(r)
     os.set_blocking(w, False)
     pidfd = os.pidfd_open(pid)
@@ -234,9 +281,7 @@ def run_case(code, data: bytes, wall: float) -> tuple[str, int, float, bytes, by
     for fd in (w, pidfd):
         if fd >= 0:
             os.close(fd)
-    _empty("/tmp")
-    _empty("/dev/shm")
-    os.makedirs(WORK, exist_ok=True)
+    clean()
     stdout = os.pread(out, os.fstat(out).st_size, 0)
     stderr = _tail(err, STDERR_TAIL)
     os.close(out)
@@ -248,28 +293,106 @@ def run_case(code, data: bytes, wall: float) -> tuple[str, int, float, bytes, by
     return "exit", os.WEXITSTATUS(status), seconds, stdout, stderr
 
 
-def main() -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        os.write(2, b"runner: cannot make itself non-dumpable\n")
-        return 3
-    wall, nproc, inputs = read_request(0)
-    null = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    with open(PROGRAM, "rb") as f:
+def run_cases(path: str, wall: float, inputs: list[bytes]) -> None:
+    """The program runner: each case of the program at `path` in turn, one record per case on fd 1."""
+    with open(path, "rb") as f:
         source = f.read()
     try:
-        code = compile(source, PROGRAM, "exec", dont_inherit=True)
+        code = compile(source, path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as e:
         code = e  # raised in each case's child, reported on its stderr like the interpreter would
     for i, data in enumerate(inputs):
-        kind, number, seconds, stdout, stderr = run_case(code, data, wall)
+        kind, number, seconds, stdout, stderr = run_case(code, data, wall, path)
         head = f"case {i} {kind} {number} {seconds:.6f} {len(stdout)} {len(stderr)}\n".encode()
         _write_all(1, head + stdout + stderr)
         if kind == "timeout" or (kind == "signal" and number == SIGXCPU):
             break
+
+
+def _reap(pid: int) -> int | None:
+    """Reap every child that has ended (as PID 1 this runner inherits the sandbox's orphans): the wait
+    status of `pid` if it was among them."""
+    status = None
+    while True:
+        try:
+            done, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if not done:
+            return status
+        if done == pid:
+            status = st
+
+
+def run_program(index: int, wall: float, inputs: list[bytes], cpu: int, wake: int) -> bytes:
+    """Run program `index` in a program runner, passing its records on as `data` frames as they come;
+    then kill what is left, clean up, and return its `end` line."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # each case's child starts at zero
+            handle(SIGCHLD, SIG_DFL)
+            set_wakeup_fd(-1)
+            os.close(wake)
+            os.close(r)
+            os.dup2(w, 1)
+            os.close(w)
+            run_cases(PROGRAM.format(index), wall, inputs)
+        finally:
+            os._exit(0)
+    os.close(w)
+    poll = select.poll()
+    poll.register(r, select.POLLIN)
+    poll.register(wake, select.POLLIN)
+    deadline = time.monotonic() + wall * len(inputs) + 1.0
+    status, eof = None, False
+    while not (eof and status is not None):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for fd, _ in poll.poll(left * 1000):
+            if fd == wake:
+                os.read(wake, 4096)
+            elif fd == r:
+                data = os.read(r, 1 << 16)
+                if data:
+                    _write_all(1, f"data {index} {len(data)}\n".encode() + data)
+                else:
+                    poll.unregister(r)
+                    eof = True
+        status = _reap(pid) if status is None else status
+    os.close(r)
+    kill_others(time.monotonic() + 1.0)
+    clean()
+    if status is None:
+        return f"end {index} timeout 0\n".encode()
+    if os.WIFSIGNALED(status):
+        return f"end {index} signal {os.WTERMSIG(status)}\n".encode()
+    return f"end {index} exit {os.WEXITSTATUS(status)}\n".encode()
+
+
+def main() -> int:
+    global LIBC
+    LIBC = ctypes.CDLL(None, use_errno=True)
+    if LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        os.write(2, b"runner: cannot make itself non-dumpable\n")
+        return 3
+    if os.getpid() != 1:
+        os.write(2, b"runner: must be the sandbox's PID 1 (bubblewrap --as-pid-1)\n")
+        return 3
+    nproc, cpu, programs = read_request(0)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    handle(SIGCHLD, lambda *_: None)  # wakes the poll above through `wake` when a process ends
+    set_wakeup_fd(wake_w)
+    for index, (wall, inputs) in enumerate(programs):
+        _write_all(1, run_program(index, wall, inputs, cpu, wake_r))
     return 0
 
 
