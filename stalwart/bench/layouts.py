@@ -15,7 +15,7 @@ from pathlib import Path
 
 from stalwart.config.arguments import ArgumentParser
 from stalwart.paths import RunPaths
-from stalwart.runtime.device import DEVICES, check_device
+from stalwart.runtime.settings import DEVICES
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
@@ -54,6 +54,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="auto", choices=DEVICES, help="where each layout trains (auto = cuda if available)")
     a = p.parse_args(argv)
+    from stalwart.runtime.device import check_device  # imports torch: after the flags are parsed
+
     check_device(a.device, max(LAYOUTS[n][0] for n in LAYOUTS if not a.only or n in a.only.split(",")), "--device")
     names = [n for n in LAYOUTS if not a.only or n in a.only.split(",")]
     results = {}

@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 
 from stalwart.config.arguments import ArgumentParser
-from stalwart.runtime.device import DEVICES, check_device
+from stalwart.runtime.settings import DEVICES
 
 REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256, ffn_hidden=768,
                  tie_embeddings=False)
@@ -189,6 +189,8 @@ def main(argv: list[str]) -> int:
                    help="after timing, profile this many steps on rank 0 and print the per-op breakdown")
     a = p.parse_args(argv)
     procs = [int(x) for x in a.procs.split(",")]
+    from stalwart.runtime.device import check_device  # imports torch: after the flags are parsed
+
     kind = check_device(a.device, max(procs), "--device")
     cores = os.cpu_count() or 1
     results = []

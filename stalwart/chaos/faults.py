@@ -20,9 +20,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from stalwart.chaos.job import Job
 from stalwart.paths import snapshot_step
+
+if TYPE_CHECKING:  # chaos/job.py loads torch; `stalwart chaos` reads KINDS before it parses its flags
+    from stalwart.chaos.job import Job
 
 KINDS = ("kill", "stop", "slow", "disk_full", "partition", "corrupt_snapshot")
 RESTARTING = ("kill", "stop", "partition", "corrupt_snapshot")  # the group is restarted after these

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from stalwart.config.arguments import ArgumentParser
-from stalwart.observe.fingerprints import compare_runs
 from stalwart.paths import RunPaths
 
 
@@ -50,6 +49,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("run_b", help="another run directory")
     p.add_argument("--tensors", action="store_true", help="also name the first tensor that differs")
     args = p.parse_args(argv)
+    from stalwart.observe.fingerprints import compare_runs  # the observe package loads torch
+
     run_a, run_b = Path(args.run_a), Path(args.run_b)
     step, line = compare_runs(run_a, run_b)
     print(line)

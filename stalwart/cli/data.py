@@ -8,10 +8,6 @@ import time
 from pathlib import Path
 
 from stalwart.config.arguments import ArgumentParser
-from stalwart.data.corpus import Corpus, DataError
-from stalwart.data.prepare import TOKENIZER, parse_inputs, prepare
-from stalwart.data.prepared import open_prepared
-from stalwart.data.tokenizer import eos_id, load_tokenizer, train_on
 
 USAGE = "usage: stalwart data {prepare,inspect} ...   (stalwart data prepare --help)"
 
@@ -74,6 +70,10 @@ class _Bar:
 
 
 def _tokenizer(args, sources, out: Path):
+    from stalwart.data.corpus import Corpus
+    from stalwart.data.prepare import TOKENIZER
+    from stalwart.data.tokenizer import load_tokenizer, train_on
+
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
     if (out / TOKENIZER).is_file():  # an interrupted prepare continues with its own tokenizer
@@ -88,8 +88,12 @@ _FLAGS = {"data.path": "--input", "data.text_field": "--text-field", "data.decod
 
 def prepare_main(argv: list[str]) -> int:
     """Errors from the shared readers name the config fields; here they name this command's flags."""
+    args = _prepare_parser().parse_args(argv)
+    # the readers (numpy, tokenizers) only once the flags are parsed
+    from stalwart.data.corpus import DataError
+
     try:
-        return _prepare(argv)
+        return _prepare(args)
     except DataError as e:
         msg = str(e)
         for field, flag in _FLAGS.items():
@@ -97,8 +101,11 @@ def prepare_main(argv: list[str]) -> int:
         raise DataError(msg) from None
 
 
-def _prepare(argv: list[str]) -> int:
-    args = _prepare_parser().parse_args(argv)
+def _prepare(args: argparse.Namespace) -> int:
+    from stalwart.data.corpus import DataError
+    from stalwart.data.prepare import parse_inputs, prepare
+    from stalwart.data.tokenizer import eos_id
+
     if args.workers < 1:
         raise DataError(f"--workers must be at least 1 (got {args.workers})")
     if not 0 <= args.val_fraction <= 0.5:
@@ -126,6 +133,8 @@ def inspect_main(argv: list[str]) -> int:
     p.add_argument("dir")
     p.add_argument("--verify", action="store_true", help="recompute every shard's sha256 and compare")
     args = p.parse_args(argv)
+    from stalwart.data.prepared import open_prepared
+
     data = open_prepared(args.dir)
     data.verify(full=args.verify)
     ix = data.index

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from stalwart.checkpoint.run_checkpoint import load_run_model
 from stalwart.config.arguments import ArgumentParser
-from stalwart.runtime.device import DEVICES, resolve_device
+from stalwart.runtime.settings import DEVICES
 
 
 def main(argv: list[str]) -> int:
@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
 
     from stalwart.data.tokenizer import eos_id
     from stalwart.generate import sample
+    from stalwart.runtime.device import resolve_device
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     device = resolve_device(a.device)  # a device this machine lacks: one line, before reading anything

@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 
 from stalwart.procs import die_with_parent
-from stalwart.runtime.device import check_device, is_accelerator
-from stalwart.serve.http import bind
 from stalwart.serve.options import device_setting, parse, usage
 
 
@@ -40,7 +38,10 @@ def main(argv: list[str]) -> int:
         return 0
     cfg, source, port_file, weights_file = parse(argv)
     layout = cfg.layout
+    # torch and the web server (seconds to import) only once the command line and config are valid
     from stalwart.infer.load import check_layout, read_args
+    from stalwart.runtime.device import check_device, is_accelerator
+    from stalwart.serve.http import bind
 
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
     if cfg.engine.speculative == "draft":  # a draft with another vocabulary is one line now (its tokenizer: on load)
@@ -114,6 +115,8 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
 def replica_env(env: dict[str, str], kind: str, index: int, procs: int) -> dict[str, str]:
     """Replica ``index``'s environment: on an accelerator, its own ``procs`` GPUs of those visible (the
     preflight checked there are enough), so each replica's local ranks 0.. are different GPUs."""
+    from stalwart.runtime.device import is_accelerator
+
     if not is_accelerator(kind):
         return env
     visible = env.get("CUDA_VISIBLE_DEVICES")

@@ -10,9 +10,7 @@ from __future__ import annotations
 from stalwart.cli.extras import require
 from stalwart.config.core import ConfigError
 from stalwart.config.loading import job_help, parse_train_argv
-from stalwart.launch.local import launch, preflight, supervised
-from stalwart.runtime.group import launched_by_torchrun
-from stalwart.train.worker import worker_main
+from stalwart.runtime.settings import launched_by_torchrun
 
 INTRO = """usage: stalwart train [--config FILE_OR_NAME] [--nproc-per-node N] [--controller] [--section.key VALUE ...]
 
@@ -40,6 +38,13 @@ def _nproc(opts: dict, default: int) -> int:
     return n
 
 
+def _worker(cfg) -> int:
+    """This process trains: one worker, or a rank torchrun started."""
+    from stalwart.train.worker import worker_main
+
+    return worker_main(cfg)
+
+
 def _controller(cfg, nproc: int) -> int:
     require("monarch", "--controller")
     from stalwart.controller.driver import run_controller
@@ -53,11 +58,14 @@ def main(argv: list[str]) -> int:
         return 0
     opts, cfg = parse_train_argv(argv)
     if launched_by_torchrun():
-        return worker_main(cfg)
+        return _worker(cfg)
     nproc = _nproc(opts, cfg.launch.nproc_per_node)
+    # torch and its elastic agent (seconds to import) only once the command line and config are valid
+    from stalwart.launch.local import launch, preflight, supervised
+
     preflight(cfg, nproc)
     if opts.get("--controller"):
         return _controller(cfg, nproc)
     if nproc == 1 and not supervised(cfg):
-        return worker_main(cfg)
+        return _worker(cfg)
     return launch(argv, nproc, cfg)

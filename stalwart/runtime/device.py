@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from stalwart.errors import UserError
+from stalwart.runtime.settings import DEVICES
 
-DEVICES = ("auto", "cpu", "cuda")
 # Where host-side work happens whatever the device: random generators that must give the same numbers
 # on every device (seeded initialisation, sampling), staging buffers, numpy views.
 HOST = torch.device("cpu")

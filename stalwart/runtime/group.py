@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from stalwart.runtime.device import CPU_BACKEND, HOST, LOOPBACK, backend_for, is_accelerator, resolve_device
 from stalwart.runtime.env import DistEnv
+from stalwart.runtime.settings import launched_by_torchrun
 from stalwart.runtime.standalone import wait_for_members
 
 
@@ -53,10 +54,6 @@ def init_group(device: torch.device, rank: int, world_size: int, store: dist.Sto
     dist.init_process_group(backend=backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if is_accelerator(device) else None)
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def env_of_launcher(device_request: str | torch.device, setting: str = "--device") -> DistEnv:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stalwart.config import ConfigError, help_text, load
 from stalwart.config.loading import split_args
 from stalwart.config.serve import ServeConfig
-from stalwart.infer.load import Source
+
+if TYPE_CHECKING:
+    from stalwart.infer.load import Source
 
 USAGE = """usage: stalwart serve (--run RUN_DIR [--checkpoint DIR] | --hf DIR) [--host 127.0.0.1] [--port P]
                       [--tp N] [--pp N] [--replicas N] [--device auto|cpu|cuda] [--config FILE]
@@ -52,6 +55,8 @@ def parse(argv: list[str]) -> tuple[ServeConfig, Source, Path | None, Path | Non
     for flag in ("--run", "--hf"):
         if flag in flags and not Path(flags[flag]).is_dir():
             raise ConfigError(f"{flag}: {flags[flag]} is not a directory")
+    from stalwart.infer.load import Source  # imports torch: only once the command line is valid
+
     source = (Source(run=Path(flags["--run"]), checkpoint=flags.get("--checkpoint")) if "--run" in flags
               else Source(hf=Path(flags["--hf"])))
     port_file = Path(flags["--port-file"]) if "--port-file" in flags else None
