@@ -15,6 +15,7 @@ resumed the request from its first i tokens.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -42,33 +43,52 @@ class TokenDraws:
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
-    """Scaled logits with everything outside top-k / the top-p nucleus set to -inf. logits: (vocab,)."""
+    """Scaled logits with everything outside top-k / the top-p nucleus set to -inf. logits: (..., vocab),
+    each row on its own."""
     logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
 
 
+def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                gens: list[Callable[[], torch.Generator]]) -> list[int]:
+    """One token per row of logits (rows, vocab), fp32 on the host, all rows sampled alike: the most
+    likely at temperature 0, else row i drawn with the generator ``gens[i]()`` returns (called just
+    before its draw; greedy calls none).
+
+    The draw is ``torch.multinomial``'s own for one sample, made for every row at once: q ~ Exp(1) drawn
+    from the row's generator, the token argmax(p / q). So each row's token is the one
+    ``torch.multinomial(p, 1, generator=...)`` draws for it alone, whatever else is in the batch."""
+    if temperature <= 0.0:
+        return logits.argmax(-1).tolist()
+    probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    if not bool(((probs >= 0) & (probs < float("inf"))).all()):  # NaN fails both, as in multinomial
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    q = torch.empty_like(probs)
+    for row, gen in zip(q, gens):
+        row.exponential_(1, generator=gen())
+    return (probs / q).argmax(-1).tolist()
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               gen: torch.Generator, allowed: torch.Tensor | None = None) -> int:
-    """One token from one row of logits (vocab,), fp32 on the host: the most likely at temperature 0,
-    else one draw from ``gen`` (greedy draws nothing, so it leaves ``gen`` as it was).
+               gen: torch.Generator | None, allowed: torch.Tensor | None = None) -> int:
+    """One token from one row of logits (vocab,), fp32 on the host (``next_tokens`` of that row): the
+    most likely at temperature 0, else one draw from ``gen`` (greedy draws nothing, so it leaves
+    ``gen`` as it was).
 
     ``allowed`` (vocab,) bool, when given, is a mask (a structured output's grammar): every other token
     is set to -inf first, greedy or not. Without it the logits are used as they are."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return next_tokens(logits[None], temperature, top_k, top_p, [lambda: gen])[0]
 
 
 @torch.no_grad()

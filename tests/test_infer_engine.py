@@ -13,7 +13,8 @@ from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
 from stalwart.generate import sample
 from stalwart.infer.blocks import BlockPool
-from stalwart.infer.engine import Engine, RequestError
+from stalwart.infer.engine import Engine
+from stalwart.infer.outputs import RequestError
 from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.infer.scheduler import Scheduler, Sequence
 from stalwart.infer.text import TextTail

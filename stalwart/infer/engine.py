@@ -27,8 +27,9 @@ from stalwart.errors import UserError
 from stalwart.infer.attention import (KVCache, StepContext, StepLayout, build_layout, decode_mode,
                                       install_paged_attention)
 from stalwart.infer.blocks import BlockPool
+from stalwart.infer.outputs import Output, RequestError
 from stalwart.generate import TokenDraws
-from stalwart.infer.sampling import Choice, SamplingParams, sample_row, score_rows, stops_on
+from stalwart.infer.sampling import Choice, SamplingParams, sample_rows, score_rows, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
 from stalwart.infer.speculative import Drafts, build_speculator
 from stalwart.infer.structured import GrammarState, Grammars
@@ -36,28 +37,6 @@ from stalwart.infer.text import TextTail
 from stalwart.models.llama import pack_fused_weights
 from stalwart.models.moe import Routing, route_dtype
 from stalwart.runtime.device import HOST
-
-
-class RequestError(UserError, ValueError):
-    """A request the engine cannot take (too long, bad parameters); the message says why, ``param``
-    names the request field to change."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class Output:
-    """What one step produced for one request."""
-
-    rid: str
-    choices: list[Choice]  # tokens generated this step (0 or 1)
-    text: str  # text newly safe to show (stop strings held back until they cannot match)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    weight_version: int = 0
-    prompt: list[Choice] | None = None  # the prompt's log-probabilities (asked for), with the first output
 
 
 @dataclass
@@ -227,17 +206,35 @@ class Engine:
         for state, n in scored:  # prompt rows, after the sampled ones: scored before the first sample
             self._score(state, logits[at:at + n])
             at += n
+        choices = self._sample(sampled, drafts, logits)
         outputs, at = [], 0
         for piece in sampled:
             state, d = self.requests[piece.seq.rid], drafts.get(piece.seq.rid)
             k = len(d.fed) if d else 0
             if d:  # k + 1 rows: verify the drafts, emit what is kept and one more token
                 outputs.append(self.speculator.advance(state, logits[at:at + k + 1], d,
-                                                       lambda c, s=state: self._advance(s, None, c)))
+                                                       lambda c, s=state: self._advance(s, c)))
             else:
-                outputs.append(self._advance(state, logits[at]))
+                outputs.append(self._advance(state, choices.get(piece.seq.rid)))
             at += k + 1
         return outputs
+
+    def _sample(self, sampled: list[Piece], drafts: dict[str, Drafts], logits: torch.Tensor) -> dict[str, Choice]:
+        """The next token of every sampled request without drafts, all rows at once (``sample_rows``)."""
+        rows, rids, at = [], [], 0
+        for piece in sampled:
+            state, d = self.requests[piece.seq.rid], drafts.get(piece.seq.rid)
+            if not d and state.params.max_tokens > 0:
+                grammar = state.grammar
+                rows.append(at)
+                rids.append((state, grammar.allowed() if grammar else None))
+            at += (len(d.fed) if d else 0) + 1
+        if not rows:
+            return {}
+        got = sample_rows(logits[rows] if len(rows) < len(logits) else logits,
+                          [(s.params, lambda s=s: s.draws.at(len(s.generated)), s.generated, allowed)
+                           for s, allowed in rids], self.eos_id)
+        return {s.seq.rid: c for (s, _), c in zip(rids, got)}
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits (len(batch.rows), vocab) of the requested stream offsets (None on a rank without them)."""
@@ -320,9 +317,9 @@ class Engine:
         slots = torch.tensor(seq.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
         return self.routes[slots.to(self.device)].to(HOST)
 
-    def _advance(self, state: RequestState, logits: torch.Tensor | None, choice: Choice | None = None) -> Output:
-        """Sample the request's next token from ``logits`` (or take ``choice``, a token speculative
-        decoding verified), append it, and decide whether the request is finished."""
+    def _advance(self, state: RequestState, choice: Choice | None) -> Output:
+        """Append ``choice``, the request's next token (sampled by ``_sample``, or verified by speculative
+        decoding; None when the request generates nothing), and decide whether the request is finished."""
         seq = state.seq
         prompt = state.prompt_choices if state.params.prompt_logprobs is not None and seq.prompt_len == len(
             seq.tokens) else None  # the first output carries the prompt's scores
@@ -331,10 +328,6 @@ class Engine:
             del self.requests[seq.rid]
             return Output(seq.rid, [], "", True, "length", self.weight_version, prompt)
         grammar = state.grammar
-        if choice is None:
-            gen = state.draws.at(len(state.generated)) if state.params.temperature > 0.0 else None
-            choice = sample_row(logits, state.params, gen, state.generated, self.eos_id,
-                                allowed=grammar.allowed() if grammar else None)
         seq.tokens.append(choice.token)
         self.tokens_generated += 1
         if grammar is not None:

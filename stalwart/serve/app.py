@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from stalwart.comm.live import NotPublishing, NothingPublished
 from stalwart.comm.weight_sync import WeightSyncError
 from stalwart.errors import UserError
-from stalwart.infer.engine import Output, RequestError
+from stalwart.infer.outputs import Output, RequestError
 from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.serve.chat import ChatFormat
 from stalwart.serve.errors import ApiError, error_body, install_error_handlers

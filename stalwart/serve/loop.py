@@ -29,7 +29,8 @@ from typing import Callable, Union
 from stalwart.comm.live import Address, receive_next
 from stalwart.comm.weight_sync import OutOfOrder
 from stalwart.errors import UserError
-from stalwart.infer.engine import Engine, Output, RequestError
+from stalwart.infer.engine import Engine
+from stalwart.infer.outputs import Output, RequestError
 from stalwart.infer.load import source_from
 from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.paths import RunPaths
