@@ -158,6 +158,32 @@ def test_packed_rows_line_up_targets_old_logprobs_and_mask():
     assert pack_group(g, np.zeros(3), 8, 0, 0.5, 1, False)[1][..., ON_POLICY].max() == 0.0
 
 
+def test_a_trimmed_micro_batch_keeps_every_trained_position_and_the_same_loss():
+    """rollout.trim cuts the positions past every row's last trained token; with a causal model the
+    kept positions' logits are unchanged, so the objective is the same (every aggregation)."""
+    from stalwart.models.flavors import TransformerArgs
+    from stalwart.models.llama import Transformer
+    from stalwart.rl.objective import GRPOObjective
+    from stalwart.rl.rollout import MASK, pack_group, trim
+
+    torch.manual_seed(0)
+    g = _group(1, 0, [1.0, 0.0, 0.5])  # responses of 3, 1 and 3 tokens after a 3-token prompt
+    inputs, rows = pack_group(g, np.array([1.0, -1.0, 0.0]), 12, 0, 0.25, 0, False)
+    routes = np.zeros((3, 12, 2, 1))
+    cut = trim((inputs, rows, routes))
+    last = max(int(np.nonzero(r[:, MASK])[0][-1]) for r in rows)
+    assert [a.shape[1] for a in cut] == [last + 1] * 3 and last + 1 < 12
+    assert (cut[1][..., MASK].sum() == rows[..., MASK].sum()) and (cut[0] == inputs[:, :last + 1]).all()
+    model = Transformer(TransformerArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=16, ffn_hidden=64,
+                                        max_seq_len=16))
+    for how in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        obj = GRPOObjective(0.2, 0.2, how, 0.0)
+        with torch.no_grad():
+            full = obj(model(torch.from_numpy(inputs)), torch.from_numpy(rows))
+            short = obj(model(torch.from_numpy(cut[0])), torch.from_numpy(cut[1]))
+        assert float(short) == pytest.approx(float(full), rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize("how,algorithm", [("token-mean", "grpo"), ("seq-mean-token-sum", "grpo"),
                                            ("seq-mean-token-mean", "grpo"), ("token-mean", "rloo"),
                                            ("seq-mean-token-sum-norm", "dr_grpo")])

@@ -252,6 +252,14 @@ class RLConfig:
     workers: WorkersConfig = section(WorkersConfig, "How many actors each mesh has.")
     sandbox: SandboxConfig = section(SandboxConfig, "Where generated programs run: bubblewrap plus rlimits.")
 
+    def trims_rows(self) -> bool:
+        """Whether the trainers cut each micro-batch's trailing positions no row trains on
+        (``rollout.trim``: the same loss on fewer positions): only where nothing needs the fixed row
+        shape, i.e. with the generator's own log-probabilities (exact mode re-scores on that shape) and a
+        layout whose forward takes any length (no tensor, context or pipeline split)."""
+        p = self.parallelism
+        return self.rl.logprobs == "engine" and max(p.tp, p.cp, p.pp) == 1
+
     def exact_on_trainers(self) -> bool:
         """Whether the trainer mesh computes the exact old log-probabilities itself (a no-grad pass of its own
         forward before the step's first update) instead of the generators' re-scoring copy: a plain

@@ -91,6 +91,7 @@ class Decodes:
     start: int = 0
     stride: int = 0
     table: torch.Tensor | None = None  # (count, blocks) block tables, when batched
+    context: torch.Tensor | None = None  # (count * ctx,) cache slots of contexts of one length (bitwise mode)
 
 
 @dataclass
@@ -146,7 +147,7 @@ def build_layout(spans: list[tuple[int, int, int, list[int]]], block_size: int, 
     if group:
         _group_prefills(layout, singles, window)
     else:
-        layout.spans = singles
+        layout.spans = _equal_decodes(layout, singles, window, device)
     for s in layout.spans:  # masks, once for every layer
         if 0 < window < s.ctx or not (s.q_len == 1 or s.fresh):
             k_pos = torch.arange(s.ctx)
@@ -218,6 +219,28 @@ def _group_decodes(layout: StepLayout, runs: list[list[tuple[int, int, int]]], w
         layout.decodes.append(Decodes(
             _stream_rows([r for _, r, _ in run], device), len(run), longest,
             _decode_mask(lengths, longest, window), run[0][0], run[1][0] - run[0][0]))
+
+
+def _equal_decodes(layout: StepLayout, singles: list[Span], window: int, device: torch.device) -> list[Span]:
+    """Bitwise mode: decodes whose contexts are equally long share one call over their gathered keys,
+    each row with the very shape it has alone (no padding, no mask), so with the same bits (a batch of
+    such calls computes each row as the row alone does: tests/test_infer_engine.py). The spans left."""
+    alike: dict[int, list[Span]] = {}
+    rest = []
+    for s in singles:
+        if s.q_len == 1 and not s.fresh and not 0 < window < s.ctx:
+            alike.setdefault(s.ctx, []).append(s)
+        else:
+            rest.append(s)
+    for ctx, group in alike.items():
+        if len(group) == 1:
+            rest += group
+            continue
+        slots = torch.cat([s.context if s.context is not None else torch.arange(s.start, s.start + ctx, device=device)
+                           for s in group])
+        layout.decodes.append(Decodes(_stream_rows([s.q_start for s in group], device), len(group), ctx, None,
+                                      context=slots))
+    return rest
 
 
 def _group_prefills(layout: StepLayout, singles: list[Span], window: int) -> None:
@@ -354,7 +377,12 @@ class PagedAttention(nn.Module):
     def _decode(self, q, group: Decodes, gqa: bool) -> torch.Tensor:
         """The group's attention output, (count, heads, head_dim)."""
         qq = q[0, :, group.rows].transpose(0, 1)  # (count, heads, head_dim)
-        if group.table is None:
+        if group.context is not None:  # as each row's own call would gather its keys
+            shape = (group.count, group.ctx, *self.cache.k.shape[1:])
+            kk = self.cache.k.index_select(0, group.context).view(shape).transpose(1, 2)
+            vv = self.cache.v.index_select(0, group.context).view(shape).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qq.unsqueeze(2), kk, vv, enable_gqa=gqa)
+        elif group.table is None:
             kk, vv = self.cache.run(group.start, group.stride, group.count, group.ctx)
             o = F.scaled_dot_product_attention(qq.unsqueeze(2), kk, vv, attn_mask=group.mask, enable_gqa=gqa)
         else:

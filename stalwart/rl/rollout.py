@@ -141,6 +141,15 @@ def row_length(prompt_len: int, max_tokens: int, turns: int = 1, feedback_tokens
     return prompt_len + turns * max_tokens + (turns - 1) * feedback_tokens - 1
 
 
+def trim(packed: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """A packed micro-batch without its trailing positions that no row trains on (past every row's last
+    masked token): the model is causal, so the kept positions' outputs, and the loss, are the same math.
+    Every array of ``packed`` (inputs, rows, routing replays) is cut along its position axis."""
+    used = np.nonzero(packed[1][..., MASK].any(axis=0))[0]
+    n = int(used[-1]) + 1 if len(used) else 1
+    return tuple(a[:, :n] for a in packed)
+
+
 def pack_group(group: Group, adv: np.ndarray, length: int, pad: int, weight: float, trainer_version: int,
                use_ref: bool) -> tuple[np.ndarray, np.ndarray]:
     """(inputs (k, length) int64, rows (k, length, CHANNELS) float64) of one group: inputs are prompt +

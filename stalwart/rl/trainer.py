@@ -142,6 +142,7 @@ class PolicyTrainerActor(Actor):
         import torch.distributed as dist
 
         from stalwart.rl.objective import STATS, GRPOObjective, masked_cross_entropy, summarize
+        from stalwart.rl.rollout import trim
         from stalwart.runtime.device import HOST
 
         t0 = time.perf_counter()
@@ -152,8 +153,9 @@ class PolicyTrainerActor(Actor):
         records, stats = [], torch.zeros(len(STATS), dtype=torch.float64)
         score_s = self._score_exact(updates[1:]) if self.phase == "rl" and self.cfg.exact_on_trainers() else None
         replays, missing = [], 0  # the first update's routing replays (their counts are the step's figures)
+        cut = self.phase == "rl" and self.cfg.trims_rows()
         for j, micro in enumerate(updates):
-            batches = [_batch(*packed) for packed in micro]
+            batches = [_batch(*(trim(packed) if cut else packed)) for packed in micro]
             if j == 0:
                 replays += [b.routing for b in batches if b.routing is not None]
                 missing += sum(_unrecorded(*packed) for packed in micro if len(packed) > 2)
