@@ -390,7 +390,7 @@ def main() -> int:
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     handle(SIGCHLD, lambda *_: None)  # wakes the poll above through `wake` when a process ends
-    set_wakeup_fd(wake_w)
+    set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     for index, (wall, inputs) in enumerate(programs):
         _write_all(1, run_program(index, wall, inputs, cpu, wake_r))
     return 0
