@@ -404,6 +404,28 @@ def test_the_service_reports_health_and_metrics_and_refuses_bad_requests_by_name
 
 
 @pytest.mark.e2e
+def test_a_batch_through_the_service_runs_in_one_sandbox_with_the_local_verdicts(service, sandbox):
+    """The client's score_many sends one request per 32 programs; the service runs each batch in one
+    sandbox and answers each program's local verdict; a batch too long or with a malformed program is
+    refused by name."""
+    instances = [Instance(fam.name, fam.params[0]) for fam in FAMILIES[:5]]
+    jobs = [(inst.solution, inst.cases(2, seed=i)) for i, inst in enumerate(instances)]
+    jobs += [("print(0)", ADD), ("print(int(input()", ADD), ("import os\nos.kill(os.getppid(), 9)", ADD)]
+    client = SandboxClient([service], retry_s=60)
+    got = client.score_many(jobs)
+    assert got == sandbox.score_many(jobs) == [sandbox.score(src, cases) for src, cases in jobs]
+    assert [v.reward for v in got] == [1.0] * 5 + [0.0] * 3
+    score = f"{service}/v1/score"
+    one = {"program": "print(1)", "cases": [{"input": "", "output": "1"}]}
+    assert httpx.post(score, json={"programs": [one] * 2}).json() == {"verdicts": [
+        {"reward": 1.0, "passed": 1, "total": 1, "reason": "passed"}] * 2}
+    many = httpx.post(score, json={"programs": [one] * 33})
+    assert many.status_code == 413 and "service.max_programs" in many.json()["error"]
+    bad = httpx.post(score, json={"programs": [one, {"program": 1, "cases": []}]})
+    assert bad.status_code == 400 and bad.json()["error"].startswith("programs[1]: ")
+
+
+@pytest.mark.e2e
 def test_a_full_service_answers_429_and_the_client_waits_its_turn(service):
     """Six programs of 1 s at once on 2 sandboxes with 2 places to wait: two are refused at once with
     Retry-After; through the client every one is scored, the refused ones after waiting."""

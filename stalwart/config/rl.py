@@ -49,7 +49,9 @@ class SandboxServiceConfig:
     queue: int = option("Requests the service holds waiting beyond those running; a request past them is answered "
                         "429 with Retry-After (back-pressure: the client tries another service or waits).", 64, min=0)
     retry_after_s: float = option("Retry-After of a 429 (busy) answer, seconds.", 1.0, min=0.0)
-    max_cases: int = option("Test cases one request may carry (a request with more is refused, 413).", 64, min=1)
+    max_cases: int = option("Test cases one program may carry (a request with more is refused, 413).", 64, min=1)
+    max_programs: int = option("Programs one batch request may carry, run one after another in one sandbox (a "
+                               "request with more is refused, 413).", 32, min=1)
     max_request_mb: float = option("Largest request body, MiB (a larger one is refused unread, 413).", 4.0,
                                    min=0.001)
 

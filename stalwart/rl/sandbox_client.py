@@ -1,5 +1,6 @@
 """A reward worker's side of the sandbox service (``sandbox_service.py``): the same
-``score(source, cases) -> Verdict`` as a local ``Sandbox``, run by whichever listed service takes it.
+``score(source, cases) -> Verdict`` and ``score_many(jobs)`` as a local ``Sandbox``, run by whichever
+listed service takes it (``score_many`` sends up to 32 programs per request: one sandbox there).
 
 Requests start at the services in turn (round-robin over the calls, so threads and workers spread
 out). A service that is busy (429, 503), failing (5xx) or unreachable is skipped for the next one; once
@@ -16,10 +17,12 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
-from stalwart.rl.sandbox import Case, SandboxError, Verdict
+from stalwart.rl.sandbox import BATCH, Case, SandboxError, Verdict
 
 BACKOFF_S = (0.1, 2.0)  # first and largest wait between rounds over every service
 
@@ -38,11 +41,22 @@ class SandboxClient:
         self._lock = threading.Lock()
 
     def score_many(self, jobs: list[tuple[str, list[Case]]]) -> list[Verdict]:
-        """`score` of each job in turn (one request each: a service batches nothing across requests)."""
-        return [self.score(source, cases) for source, cases in jobs]
+        """`score` of each job, in order: up to BATCH programs per request, which the service runs one
+        after another in one sandbox."""
+        verdicts: list[Verdict] = []
+        for k in range(0, len(jobs), BATCH):
+            part = jobs[k:k + BATCH]
+            body = {"programs": [_job(source, cases) for source, cases in part]}
+            verdicts += self._post(body, lambda data, url, part=part: _verdicts(data, url, part))
+        return verdicts
 
     def score(self, source: str, cases: list[Case]) -> Verdict:
-        body = {"program": source, "cases": [{"input": c.input, "output": c.output} for c in cases]}
+        return self._post(_job(source, cases), lambda data, url: _verdicts({"verdicts": [data]}, url,
+                                                                          [(source, cases)])[0])
+
+    def _post(self, body: dict, parse: Callable[[object, str], Any]) -> Any:
+        """POST ``body`` to the services in turn until one answers (``parse`` of its JSON), as the
+        module's docstring says."""
         with self._lock:
             first = next(self._turn)
         deadline = time.monotonic() + self.retry_s
@@ -50,8 +64,8 @@ class SandboxClient:
         asked = 0.0  # the longest Retry-After of this round
         for attempt in itertools.count():
             url = self.urls[(first + attempt) % len(self.urls)]
-            got = self._try(url, body, cases, last)
-            if isinstance(got, Verdict):
+            got = self._try(url, body, parse, last)
+            if not isinstance(got, float):
                 return got
             asked = max(asked, got)
             if (attempt + 1) % len(self.urls) == 0:  # every service tried this round: wait, then again
@@ -67,9 +81,9 @@ class SandboxClient:
         raise SandboxError(f"workers.sandbox_urls: no sandbox service scored a program within "
                            f"workers.sandbox_retry_s ({self.retry_s:g} s) ({seen})")
 
-    def _try(self, url: str, body: dict, cases: list[Case], last: dict[str, str]) -> Verdict | float:
-        """One request to ``url``: its verdict, or the wait it asked for (0: none) after recording in
-        ``last`` why it gave none. A refusal that would repeat is raised."""
+    def _try(self, url: str, body: dict, parse: Callable[[object, str], Any], last: dict[str, str]) -> Any:
+        """One request to ``url``: its parsed answer, or the wait it asked for (a float, 0: none) after
+        recording in ``last`` why it gave none. A refusal that would repeat is raised."""
         try:
             resp = self.http.post(f"{url}/v1/score", json=body)
         except httpx.HTTPError as e:  # unreachable, reset, timed out: the next service may answer
@@ -77,12 +91,10 @@ class SandboxClient:
             return 0.0
         if resp.status_code == 200:
             try:
-                verdict = Verdict.from_dict(resp.json(), f"sandbox service {url}")
+                data = resp.json()
             except ValueError:
                 raise SandboxError(f"sandbox service {url}: the answer is not JSON") from None
-            if verdict.total != len(cases):
-                raise SandboxError(f"sandbox service {url}: a verdict on {verdict.total} cases for {len(cases)} sent")
-            return verdict
+            return parse(data, url)
         message = _message(resp)
         if resp.status_code in (400, 404, 405, 413, 422):
             raise SandboxError(f"sandbox service {url} refused the program ({resp.status_code}: {message})")
@@ -91,6 +103,21 @@ class SandboxClient:
             return max(0.0, float(resp.headers.get("retry-after", 0)))
         except ValueError:
             return 0.0
+
+
+def _job(source: str, cases: list[Case]) -> dict:
+    return {"program": source, "cases": [{"input": c.input, "output": c.output} for c in cases]}
+
+
+def _verdicts(data: object, url: str, jobs: list[tuple[str, list[Case]]]) -> list[Verdict]:
+    """The verdicts of a batch answer ({"verdicts": [...]}), each checked against the cases sent."""
+    if not (isinstance(data, dict) and isinstance(data.get("verdicts"), list) and len(data["verdicts"]) == len(jobs)):
+        raise SandboxError(f"sandbox service {url}: not {len(jobs)} verdicts ({str(data)[:200]})")
+    verdicts = [Verdict.from_dict(v, f"sandbox service {url}") for v in data["verdicts"]]
+    for v, (_, cases) in zip(verdicts, jobs):
+        if v.total != len(cases):
+            raise SandboxError(f"sandbox service {url}: a verdict on {v.total} cases for {len(cases)} sent")
+    return verdicts
 
 
 def open_sandbox(cfg: object, urls: list[str] | None, retry_s: float) -> object:

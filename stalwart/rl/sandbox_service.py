@@ -7,12 +7,15 @@ gets the same verdict either way.
 
     POST /v1/score   {"program": str, "cases": [{"input": str, "output": str}, ...]}
                      -> 200 {"reward": float, "passed": int, "total": int, "reason": str}
+                     or a batch, run one after another in one sandbox (``Sandbox.score_many``):
+                     {"programs": [{"program": ..., "cases": ...}, ...]} -> 200 {"verdicts": [...]}
     GET  /health     -> {"status": "ok", "running": n, "waiting": n, "concurrency": n, "queue": n}
     GET  /metrics    -> Prometheus text
 
 JSON only: a body is parsed by ``json.loads`` and checked field by field, never unpickled. Per request:
-at most ``service.max_request_mb`` of body (a larger one is refused before it is read, 413) and
-``service.max_cases`` cases (413); malformed JSON or fields are a 400 naming what is wrong.
+at most ``service.max_request_mb`` of body (a larger one is refused before it is read, 413),
+``service.max_programs`` programs and ``service.max_cases`` cases per program (413); malformed JSON or
+fields are a 400 naming what is wrong. A batch takes one sandbox.
 
 Bounded concurrency with back-pressure: ``service.concurrency`` sandboxes run at once and at most
 ``service.queue`` more requests wait; a request beyond them is answered at once with 429 and
@@ -85,7 +88,8 @@ class ServiceMetrics:
                                 ["passed"], registry=r)
         self.cases = Counter("stalwart_sandbox_cases", "Test cases of the programs scored.", registry=r)
         self.seconds = Histogram("stalwart_sandbox_program_seconds", "Scoring one program, its sandbox start "
-                                 "included (the wait in the queue not).", buckets=SECONDS_BUCKETS, registry=r)
+                                 "included (a batch's share of it; the wait in the queue not).",
+                                 buckets=SECONDS_BUCKETS, registry=r)
         self.wait = Histogram("stalwart_sandbox_queue_seconds", "A request's wait for a free sandbox.",
                               buckets=SECONDS_BUCKETS, registry=r)
         Gauge("stalwart_sandbox_running", "Programs running now.", registry=r).set_function(
@@ -100,6 +104,50 @@ def sandboxes_at_once(cfg: SandboxServiceConfig) -> int:
     """``service.concurrency``, or two per CPU core: a sandbox spends part of its time starting processes
     (bubblewrap, the interpreter), so two per core score more programs per second than one."""
     return cfg.concurrency or 2 * (os.cpu_count() or 1)
+
+
+class Refusal(Exception):
+    """A request the service will not run: its HTTP status, outcome label and one-line reason."""
+
+    def __init__(self, status: int, outcome: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.outcome = status, outcome
+
+
+def parse_jobs(data: object, cfg: SandboxServiceConfig) -> tuple[list[tuple[str, list]], bool]:
+    """The (program, cases) jobs of a request body and whether it was a batch; a Refusal names what
+    is wrong."""
+    batch = isinstance(data, dict) and set(data) == {"programs"}
+    if batch:
+        items = data["programs"]
+        if not isinstance(items, list) or not items:
+            raise Refusal(400, "bad_request", '"programs" must be a non-empty list of {"program", "cases"} objects')
+        if len(items) > cfg.max_programs:
+            raise Refusal(413, "too_large", f"{len(items)} programs; this service takes at most {cfg.max_programs} "
+                                            "per request (service.max_programs)")
+    else:
+        items = [data]
+    jobs = []
+    for i, item in enumerate(items):
+        at = f"programs[{i}]: " if batch else ""
+        if not (isinstance(item, dict) and set(item) == {"program", "cases"} and isinstance(item["program"], str)):
+            raise Refusal(400, "bad_request", at + 'the body must be an object with exactly "program" (a string) '
+                                                  'and "cases"')
+        try:
+            cases = cases_from(item["cases"], "cases")
+        except SandboxError as e:
+            raise Refusal(400, "bad_request", at + str(e)) from None
+        try:  # what the sandbox writes as files and pipes: lone surrogates are valid JSON but not UTF-8
+            for text in (item["program"], *(t for c in cases for t in (c.input, c.output))):
+                text.encode()
+        except UnicodeEncodeError:
+            raise Refusal(400, "bad_request", at + "the program and cases must be UTF-8 text (no lone "
+                                                   "surrogates)") from None
+        if len(cases) > cfg.max_cases:
+            raise Refusal(413, "too_large", f"{at}{len(cases)} cases; this service takes at most {cfg.max_cases} "
+                                            "per program (service.max_cases)")
+        jobs.append((item["program"], cases))
+    return jobs, batch
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -120,12 +168,12 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
         metrics.requests.labels(outcome=outcome).inc()
         return _error(status, message, headers)
 
-    def run(program: str, cases: list, queued_at: float) -> tuple[object, float]:
+    def run(jobs: list, queued_at: float) -> tuple[list, float]:
         admission.start()
         metrics.wait.observe(time.monotonic() - queued_at)
         t0 = time.monotonic()
         try:
-            return sandbox.score(program, cases), time.monotonic() - t0
+            return sandbox.score_many(jobs), time.monotonic() - t0
         finally:
             admission.leave(started=True)
 
@@ -146,39 +194,29 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
         except (ValueError, RecursionError):
             return refuse(400, "bad_request", 'the body must be JSON: {"program": str, "cases": [{"input": str, '
                                               '"output": str}, ...]}')
-        if not (isinstance(data, dict) and set(data) == {"program", "cases"} and isinstance(data["program"], str)):
-            return refuse(400, "bad_request", 'the body must be an object with exactly "program" (a string) and '
-                                              '"cases"')
         try:
-            cases = cases_from(data["cases"], "cases")
-        except SandboxError as e:
-            return refuse(400, "bad_request", str(e))
-        try:  # what the sandbox writes as files and pipes: lone surrogates are valid JSON but not UTF-8
-            for text in (data["program"], *(t for c in cases for t in (c.input, c.output))):
-                text.encode()
-        except UnicodeEncodeError:
-            return refuse(400, "bad_request", "the program and cases must be UTF-8 text (no lone surrogates)")
-        if len(cases) > cfg.max_cases:
-            return refuse(413, "too_large", f"{len(cases)} cases; this service takes at most {cfg.max_cases} per "
-                                            "request (service.max_cases)")
+            jobs, batch = parse_jobs(data, cfg)
+        except Refusal as r:
+            return refuse(r.status, r.outcome, str(r))
         if not admission.enter():
             retry = max(1, math.ceil(cfg.retry_after_s))
             return refuse(429, "busy", f"all {concurrency} sandboxes are busy and {cfg.queue} requests wait; "
                                        "retry later or elsewhere", {"Retry-After": str(retry)})
         future = None
         try:
-            future = pool.submit(run, data["program"], cases, time.monotonic())
-            verdict, seconds = await asyncio.wrap_future(future)
+            future = pool.submit(run, jobs, time.monotonic())
+            verdicts, seconds = await asyncio.wrap_future(future)
         except Exception as e:  # noqa: BLE001 - the sandbox could not run (not the program: that is a verdict)
             return refuse(500, "error", f"the sandbox failed: {type(e).__name__}: {e}")
         finally:
             if future is None:
                 admission.leave(started=False)
         metrics.requests.labels(outcome="ok").inc()
-        metrics.programs.labels(passed=str(verdict.passed == verdict.total).lower()).inc()
-        metrics.cases.inc(verdict.total)
-        metrics.seconds.observe(seconds)
-        return verdict.as_dict()
+        for verdict in verdicts:
+            metrics.programs.labels(passed=str(verdict.passed == verdict.total).lower()).inc()
+            metrics.cases.inc(verdict.total)
+            metrics.seconds.observe(seconds / len(verdicts))
+        return {"verdicts": [v.as_dict() for v in verdicts]} if batch else verdicts[0].as_dict()
 
     @app.get("/health")
     async def health():
