@@ -221,20 +221,20 @@ class Engine:
 
     def _sample(self, sampled: list[Piece], drafts: dict[str, Drafts], logits: torch.Tensor) -> dict[str, Choice]:
         """The next token of every sampled request without drafts, all rows at once (``sample_rows``)."""
-        rows, rids, at = [], [], 0
+        rows, items, at = [], [], 0
         for piece in sampled:
             state, d = self.requests[piece.seq.rid], drafts.get(piece.seq.rid)
             if not d and state.params.max_tokens > 0:
                 grammar = state.grammar
                 rows.append(at)
-                rids.append((state, grammar.allowed() if grammar else None))
+                items.append((state, grammar.allowed() if grammar else None))
             at += (len(d.fed) if d else 0) + 1
         if not rows:
             return {}
         got = sample_rows(logits[rows] if len(rows) < len(logits) else logits,
                           [(s.params, lambda s=s: s.draws.at(len(s.generated)), s.generated, allowed)
-                           for s, allowed in rids], self.eos_id)
-        return {s.seq.rid: c for (s, _), c in zip(rids, got)}
+                           for s, allowed in items], self.eos_id)
+        return {s.seq.rid: c for (s, _), c in zip(items, got)}
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits (len(batch.rows), vocab) of the requested stream offsets (None on a rank without them)."""
