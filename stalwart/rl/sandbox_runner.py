@@ -1,39 +1,35 @@
 """The trusted runner inside the reward sandbox: runs each of a batch of programs against its cases.
 
-It is started by `stalwart.rl.sandbox` as `python3 -I /sandbox/runner.py`, the sandbox's PID 1
-(bubblewrap --as-pid-1: the kernel keeps from it every signal a process of the sandbox sends but
-SIGCHLD, whose handler only wakes it; it reaps the sandbox's orphans), and uses only the standard
-library (the sandbox holds no Stalwart). It never sees an expected output: the host sends the
-programs' cases' inputs, on stdin, framed as
+`stalwart.rl.sandbox` starts it as `python3 -I /sandbox/runner.py`, the sandbox's PID 1 (bubblewrap
+--as-pid-1: the kernel keeps from it every signal a process of the sandbox sends but SIGCHLD, whose
+handler only wakes it; it reaps the orphans). Standard library only (the sandbox holds no Stalwart). It
+never sees an expected output: the host sends only the cases' inputs, on stdin, framed as
 
-    <n programs> <process limit> <CPU seconds>\\n   then, per program:   <n cases> <wall seconds>\\n
-    then, per case of it:   <bytes>\\n<input bytes>
+    <n programs> <process limit> <CPU seconds>\n   then, per program:   <n cases> <wall seconds>\n
+    then, per case of it:   <bytes>\n<input bytes>
 
-Program `i` is the file /sandbox/program-<i>.py, bound read-only with this runner.
+Program `i` is the file /sandbox/program-<i>.py, bound read-only with this runner. Each program runs in
+a forked *program runner*, which runs each case in a child of its own: input on fd 0 (a pipe), a fresh
+unnamed file in /tmp/work as fd 1 (RLIMIT_FSIZE caps it) and another as fd 2, every other descriptor
+closed (no child holds a report pipe), the program run as `__main__` in that forked interpreter
+(`_run_program`). The case's wall clock is bounded; then every other process but this runner is killed
+(`kill(-1)`), /tmp and /dev/shm are emptied and the System V IPC objects removed, and only then is the
+case's output read and the next case started. The program runner writes one record per case, in order,
+into a pipe this runner reads:
 
-Each program runs in a child forked from this runner (the *program runner*), which runs each case in
-a child of its own: that child takes the input on fd 0 (a pipe), a fresh unnamed file in /tmp/work as
-fd 1 (RLIMIT_FSIZE caps it) and another as fd 2, closes every other descriptor (so no child holds a
-report pipe) and runs the program as `__main__` in that forked interpreter (see `_run_program`). The
-case's wall clock is bounded; then every other process in the sandbox is killed (`kill(-1)` in the PID
-namespace spares only the killer and this runner), /tmp and /dev/shm are emptied and the System V
-IPC objects removed, and only then is the case's output read and the next case started.
-The program runner writes one record per case it ran, in order, into a pipe this runner reads:
-
-    case <i> exit|signal|timeout <code or signal number> <seconds> <stdout bytes> <stderr bytes>\\n
+    case <i> exit|signal|timeout <code or signal number> <seconds> <stdout bytes> <stderr bytes>\n
     <stdout><stderr tail>
 
-and this runner passes those bytes on to stdout as they come, as frames, then says how the program
-runner ended (its whole wall clock is bounded too), then cleans up as after a case:
+This runner passes those bytes on to stdout as they come, then says how the program runner ended (its
+whole wall clock is bounded too) and cleans up as after a case:
 
-    data <i> <bytes>\\n<bytes>          (any number of them)
-    end <i> exit|signal|timeout <code or signal number>\\n
+    data <i> <bytes>\n<bytes>          (any number of them)
+    end <i> exit|signal|timeout <code or signal number>\n
 
-Every process is made non-dumpable first, so no program can reach a runner's memory or descriptors
-through /proc or ptrace. After a case that ran out of time (wall clock or CPU) its program runner
-stops: the host counts the rest as not run. A program that kills its program runner fails only its
-own remaining cases; if this runner ends early anyway, the host runs the programs after the one in
-progress in a fresh sandbox.
+Every process is non-dumpable (set first, inherited), so no program can reach a runner's memory or
+descriptors through /proc or ptrace. After a case out of time (wall clock or CPU) the program runner
+stops: the host counts the rest as not run. A program that kills its program runner fails only its own
+remaining cases; if this runner ends early anyway, the host runs the later programs in a fresh sandbox.
 """
 
 import ctypes
@@ -310,8 +306,7 @@ def run_cases(path: str, wall: float, inputs: list[bytes]) -> None:
 
 
 def _reap(pid: int) -> int | None:
-    """Reap every child that has ended (as PID 1 this runner inherits the sandbox's orphans): the wait
-    status of `pid` if it was among them."""
+    """Reap every ended child (PID 1 inherits the orphans): `pid`'s wait status if it was among them."""
     status = None
     while True:
         try:
@@ -325,8 +320,7 @@ def _reap(pid: int) -> int | None:
 
 
 def run_program(index: int, wall: float, inputs: list[bytes], cpu: int, wake: int) -> bytes:
-    """Run program `index` in a program runner, passing its records on as `data` frames as they come;
-    then kill what is left, clean up, and return its `end` line."""
+    """Run program `index` in a program runner, its records passed on as `data` frames; its `end` line."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
