@@ -40,7 +40,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from stalwart.asgi import bind, run
 from stalwart.config.rl import SandboxServiceConfig
-from stalwart.errors import UserError
 from stalwart.rl.sandbox import Sandbox, SandboxError, cases_from
 
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
