@@ -1,4 +1,5 @@
 import ast
+import contextlib
 import dataclasses
 import inspect
 from pathlib import Path
@@ -131,38 +132,31 @@ def test_bad_shapes_are_rejected():
 
 
 def test_packed_projections_train_bit_for_bit_like_the_concatenation():
-    """The fused q/k/v and gate/up projections read their back-to-back weights in place: loss, gradients and
-    AdamW updates are the bits of the concatenating forward (``torch.cat`` of the weights every call)."""
+    """The fused q/k/v and gate/up projections read their back-to-back weights in place, and their
+    hand-written backward passes (RoPE on q and k, SwiGLU) write the pieces' gradients into one tensor:
+    loss, gradients and AdamW updates are the bits of autograd's own graph of the concatenating forward
+    (``torch.cat`` of the weights every call, the output split, RoPE and ``silu(gate) * up``)."""
     import copy
 
     import torch.nn.functional as F
 
-    import stalwart.models.llama as llama
+    from stalwart.models import fused
 
     packed = build()
     attention = packed.layers["0"].attention
-    assert llama._back_to_back([attention.wq.weight, attention.wk.weight, attention.wv.weight]) is not None
+    assert fused.back_to_back([attention.wq.weight, attention.wk.weight, attention.wv.weight]) is not None
     plain = copy.deepcopy(packed)
     for block in plain.layers.values():  # each weight its own storage again: the concatenating path
         for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
                     block.feed_forward.w3):
             lin.weight.data = lin.weight.detach().clone()
-    concat = llama.fused_linear
-
-    def concatenating(x, linears):
-        weights = [lin.weight for lin in linears]
-        return F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
-
     tokens = torch.randint(0, ARGS.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, packed)]
     for _ in range(2):
         losses = []
-        for model, fused in ((plain, concatenating), (packed, concat)):
-            llama.fused_linear = fused
-            try:
+        for model, mode in ((plain, fused.plain_autograd), (packed, contextlib.nullcontext)):
+            with mode():
                 loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            finally:
-                llama.fused_linear = concat
             loss.backward()
             losses.append(loss)
         assert torch.equal(*losses)
@@ -173,4 +167,34 @@ def test_packed_projections_train_bit_for_bit_like_the_concatenation():
             opt.zero_grad()
     for a, b in zip(plain.parameters(), packed.parameters()):
         assert torch.equal(a, b)
-    assert llama._back_to_back([attention.wq.weight, attention.wk.weight, attention.wv.weight]) is not None
+    assert fused.back_to_back([attention.wq.weight, attention.wk.weight, attention.wv.weight]) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hand_written_backward_passes_equal_autograds_bit_for_bit(dtype):
+    """RotaryQKV and SwiGLU against autograd's graph of the same expressions, gradient by gradient, in
+    fp32 and bf16 (RoPE computes in fp32 either way), with grouped-query heads and a non-contiguous
+    output gradient (as attention's backward hands it)."""
+    from stalwart.models import fused
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 24, generator=gen).to(dtype)
+    lin = [torch.nn.Linear(24, n, bias=False).to(dtype) for n in (32, 16, 16, 40, 40)]
+    rope = torch.randn(5, 4, 2, generator=gen)
+    grads = {}
+    for name, mode in (("plain", fused.plain_autograd), ("hand", contextlib.nullcontext)):
+        xx = x.clone().requires_grad_()
+        with mode():
+            q, k, v = fused.project_qkv(xx, tuple(lin[:3]), rope, 8)
+            h = fused.swiglu(xx, lin[3], lin[4])
+        out = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+        assert out[0].shape == (2, 5, 4, 8) and out[1].shape == (2, 5, 2, 8)
+        g = torch.randn(2, 5, 4 * 8 + 2 * 2 * 8 + 40, generator=torch.Generator().manual_seed(2)).to(dtype)
+        torch.autograd.backward([*out, h], [g[..., :32].unflatten(-1, (4, 8)).transpose(1, 2).contiguous().transpose(1, 2),
+                                            g[..., 32:48].unflatten(-1, (2, 8)), g[..., 48:64].unflatten(-1, (2, 8)),
+                                            g[..., 64:]])
+        grads[name] = [xx.grad] + [m.weight.grad for m in lin]
+        for m in lin:
+            m.weight.grad = None
+    for a, b in zip(grads["plain"], grads["hand"]):
+        assert a.dtype == dtype and torch.equal(a, b)

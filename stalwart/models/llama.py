@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart.models.flavors import TransformerArgs
+from stalwart.models.fused import back_to_back, plain_weights, project_qkv, swiglu
 from stalwart.models.moe import MoE, Routing
 
 
@@ -42,91 +43,16 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (x[2i], x[2i+1]) by position-dependent angles, as one complex multiply.
-
-    x: (batch, seq, heads, head_dim); rope: (seq, head_dim/2, 2) holding (cos, sin).
-    """
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (b, s, h, d/2)
-    freqs = torch.view_as_complex(rope.float().contiguous()).unsqueeze(1)  # (s, 1, d/2)
-    return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
-
-
-def _plain(*weights: torch.Tensor) -> bool:
-    """Whether these weights are ordinary tensors (one device, or FSDP's gathered copies), so their
-    projections may run as one matmul. A tensor subclass (a tensor-parallel DTensor shard, whose module
-    hooks redistribute its input and output) keeps the per-module path."""
-    return all(type(w) in (torch.Tensor, nn.Parameter) for w in weights)
-
-
-def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """``tuple(lin(x) for lin in linears)`` as one matmul over the concatenated weights when they are
-    plain tensors: the input is read once and one larger GEMM runs faster than several small ones.
-    Weights that ``pack_fused_weights`` laid back to back are used as they lie (the same values as
-    their concatenation, without copying them every call), with or without gradients."""
-    weights = [lin.weight for lin in linears]
-    if not _plain(*weights):
-        return tuple(lin(x) for lin in linears)
-    rows = [w.shape[0] for w in weights]
-    if torch.compiler.is_compiling():  # the compiler sees through the concatenation (and not storage pointers)
-        return F.linear(x, torch.cat(weights)).split(rows, dim=-1)
-    if not torch.is_grad_enabled():
-        packed = _back_to_back(weights)
-        return F.linear(x, torch.cat(weights) if packed is None else packed).split(rows, dim=-1)
-    return _PackedLinear.apply(x, *weights).split(rows, dim=-1)
-
-
-class _PackedLinear(torch.autograd.Function):
-    """``F.linear(x, torch.cat(weights))`` with its autograd, reading back-to-back weights in place.
-
-    The backward runs the very matmuls autograd runs for ``linear`` of a concatenation (``mm`` of the
-    output's gradient with the weights; the weights' gradient as one ``mm``, split into each weight's
-    rows), so the values are the same bits; only the copy of the weights is gone (weights that do not
-    lie back to back are concatenated here, as before)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        packed = _back_to_back(list(weights))
-        if packed is None:
-            packed = torch.cat(weights)
-        ctx.rows = [w.shape[0] for w in weights]
-        ctx.save_for_backward(x, packed)
-        return F.linear(x, packed)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, packed = ctx.saved_tensors
-        grad2d = grad.reshape(-1, grad.shape[-1])  # (tokens, sum of rows)
-        grad_x = grad2d.mm(packed).view(x.shape) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[1:]):
-            return (grad_x,) + (None,) * len(ctx.rows)
-        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1]))  # (sum of rows, in)
-        return (grad_x, *grad_w.split(ctx.rows))
-
-
-def _back_to_back(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The weights' concatenation along rows as a view, when they lie back to back in one storage."""
-    first = weights[0]
-    offset = first.storage_offset()
-    for w in weights:
-        if (not w.is_contiguous() or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or w.storage_offset() != offset):
-            return None
-        offset += w.numel()
-    rows = sum(w.shape[0] for w in weights)
-    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
-
-
 @torch.no_grad()
 def pack_fused_weights(model: nn.Module) -> None:
     """Lay each attention's q/k/v weights, and each feed-forward's gate and up weights, back to back
     in one tensor (the parameters stay the same objects, their data views of it), so inference's
-    ``fused_linear`` reads them in place. Values, and so outputs, are unchanged."""
+    ``fused.fused_linear`` reads them in place. Values, and so outputs, are unchanged."""
     for module in model.modules():
         groups = ((module.wq, module.wk, module.wv) if isinstance(module, Attention)
                   else (module.w1, module.w3) if isinstance(module, FeedForward) else ())
         weights = [lin.weight for lin in groups]
-        if not weights or not _plain(*weights) or _back_to_back(weights) is not None:
+        if not weights or not plain_weights(*weights) or back_to_back(weights) is not None:
             continue
         packed = torch.cat([w.detach() for w in weights])
         for w, part in zip(weights, packed.split([w.shape[0] for w in weights])):
@@ -173,15 +99,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         bs, seq, _ = x.shape
-        # (batch, seq, heads, head_dim); -1 heads so a tensor-parallel shard sees its local heads.
-        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv))
-        q, k, v = (t.view(bs, seq, -1, self.head_dim) for t in (q, k, v))
         # Positions default to 0..seq-1 of the sequence as seen *here* (after a sequence-parallel
         # all-gather it is the full sequence); context parallelism passes its chunks' true offsets.
         if positions is None:
             positions = torch.arange(seq, device=x.device)
-        rope = rope_table[positions]
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # (batch, seq, heads, head_dim), q and k rotated; -1 heads so a tensor-parallel shard sees its local heads.
+        q, k, v = project_qkv(x, (self.wq, self.wk, self.wv), rope_table[positions], self.head_dim)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
@@ -196,8 +119,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_linear(x, (self.w1, self.w3))
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(x, self.w1, self.w3))
 
 
 class TransformerBlock(nn.Module):
