@@ -35,6 +35,31 @@ def test_peak_is_measured_once_then_cached_and_an_override_wins(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_peak_cached_under_load_is_measured_again_on_a_quieter_machine(tmp_path, monkeypatch):
+    """The 1-minute load average is the one thing faked: the matmuls are measured for real."""
+    from stalwart.metrics import mfu
+
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    key = mfu.cache_key(cpu, torch.float32)
+    cache = PeakCache(tmp_path / "peaks.json")
+    cache.store(key, 1e-6, {f"{key}|load": 9.0})  # 1 MFLOP/s, as if measured with the cores shared
+    monkeypatch.setattr(mfu, "load_average", lambda: 8.5)  # not quieter enough: the cached figure stands
+    assert matmul_peak(cpu, torch.float32, cache).tflops == 1e-6
+    monkeypatch.setattr(mfu, "load_average", lambda: 0.5)
+    again = matmul_peak(cpu, torch.float32, cache)
+    assert again.source == "measured now" and again.tflops > 1e-3
+    assert cache.load()[f"{key}|load"] == 0.5 and matmul_peak(cpu, torch.float32, cache).source == "cached"
+    cache.store(key, 1e3, {f"{key}|load": 9.0})  # higher than this CPU can do: measuring again keeps it
+    kept = matmul_peak(cpu, torch.float32, cache)
+    assert kept.tflops == 1e3 and "measured again" in kept.detail
+    assert matmul_peak(cpu, torch.float32, cache).source == "cached"  # the quieter load recorded: not again
+    legacy = PeakCache(tmp_path / "legacy.json")
+    legacy.store(key, 1e-6)  # cached before loads were recorded: measured again once
+    assert matmul_peak(cpu, torch.float32, legacy).source == "measured now"
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_cast_computes_in_bf16_and_keeps_fp32_master_gradients(checkpointing):
     torch.manual_seed(0)
