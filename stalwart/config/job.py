@@ -292,7 +292,7 @@ class MetricsConfig:
         "fingerprint_full): a changed bit is caught within this many logged steps, a diverging step (which "
         "changes every parameter) at once. 1 = every tensor every time.", 4, min=1)
     peak_tflops: float = option("Peak dense TFLOP/s of one device, in the precision that runs, for MFU; 0 = "
-                                "the GPU's spec sheet, or the matmul peak measured once per machine and cached "
+                                "the GPU's spec sheet, or the matmul peak measured on this machine and cached "
                                 "in ~/.cache/stalwart/matmul_peaks.json.", 0.0, min=0.0)
     progress: bool = option("Show a progress bar on rank 0 (plain log lines when stdout is not a terminal).",
                             True)

@@ -4,7 +4,8 @@ MFU is model FLOP/s over the peak of the precision that actually ran. The peak c
 the configured ``metrics.peak_tflops``; a GPU's spec sheet; otherwise a square-matmul measurement
 in that precision with the current thread count, cached per machine (CPU model or device name, torch
 version, threads) in ``~/.cache/stalwart/matmul_peaks.json`` (``$XDG_CACHE_HOME`` respected), so it
-is measured once per machine rather than at every start. Every peak says where it came from:
+is measured once per machine rather than at every start (again when the machine is quieter than it was
+then: ``matmul_peak``). Every peak says where it came from:
 "configured", "spec sheet", "measured now" or "cached".
 """
 
