@@ -22,8 +22,11 @@ def test_auto_picks_bfloat16_only_where_it_is_clearly_faster():
 
 
 @pytest.mark.unit
-def test_peak_is_measured_once_then_cached_and_an_override_wins(tmp_path):
+def test_peak_is_measured_once_then_cached_and_an_override_wins(tmp_path, monkeypatch):
+    from stalwart.metrics import mfu
+
     torch.set_num_threads(1)
+    monkeypatch.setattr(mfu, "load_average", lambda: 3.0)  # a steady load (a real one may fall between the calls)
     cache = PeakCache(tmp_path / "peaks.json")
     cpu = torch.device("cpu")
     first = matmul_peak(cpu, torch.float32, cache)
