@@ -25,6 +25,7 @@ from conftest import REPO, cli_env, run_cli
 from stalwart.config.rl import SandboxConfig
 from stalwart.rl.sandbox import (
     ENV,
+    KEYRING_FILTER,
     NOBODY,
     Case,
     Run,
@@ -32,6 +33,7 @@ from stalwart.rl.sandbox import (
     SandboxError,
     Verdict,
     _user_processes,
+    keyring_filter,
     parse_reports,
 )
 from stalwart.rl.sandbox_client import SandboxClient
@@ -348,6 +350,26 @@ def test_programs_batched_in_one_sandbox_leave_nothing_to_each_other_and_cannot_
     assert verdicts[2] == Verdict(0.0, 0, 2, "case 0: sandbox runner killed by SIGKILL (cases 1-1 not run)")
     assert [v.reward for v in verdicts] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
     assert verdicts == [sandbox.score(src, cases) for src, cases in jobs]
+
+
+# Tries to leave a key in the user keyring (shared by every process of the sandbox's user namespace) and
+# to find one: every keyring call is refused (EPERM), so nothing passes from one program to the next.
+KEYS = """import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+add_key, keyctl = {'x86_64': (248, 250), 'aarch64': (217, 219)}[platform.machine()]
+errors = []
+for call in ((add_key, b'user', b'left', b'secret', 6, -4), (keyctl, 10, -4, b'user', b'left', 0)):
+    errors.append(ctypes.get_errno() if libc.syscall(*call) == -1 else 0)
+a, b = map(int, input().split())
+print(a + b if errors == [1, 1] else errors)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(KEYRING_FILTER is None, reason="no keyring filter for this architecture")
+def test_programs_cannot_reach_the_kernel_keyring(sandbox):
+    assert sandbox.score_many([(KEYS, ADD), (KEYS, ADD)]) == [Verdict(1.0, 2, 2, "passed")] * 2
+    assert keyring_filter("riscv64") is None and len(keyring_filter("aarch64")) == 8 * 9
 
 
 @pytest.mark.unit

@@ -16,7 +16,10 @@ The host sends the runner only the cases' inputs. The runner is the sandbox's PI
 sandbox can signal it); it forks a program runner per program, which runs each case in a forked child
 with its own wall-clock bound and CPU clock, and after each case every other process of the sandbox is
 killed, /tmp and /dev/shm emptied and System V IPC objects removed, so a program finds nothing of
-another case or of an earlier program. The runners report stdout, exit status and time per case; the
+another case or of an earlier program. A seccomp filter (``KEYRING_FILTER``) refuses the kernel keyring
+calls (``add_key``, ``request_key``, ``keyctl``: the user keyring is shared by every process of the
+sandbox's user namespace, so one program could leave a key for the next) and every system call of another
+ABI (i386, x32), which would reach them by other numbers. The runners report stdout, exit status and time per case; the
 host compares with the expected outputs. The runners are non-dumpable and no child holds a report
 pipe, so a program cannot forge another case's result; killing its program runner fails only its own
 cases not yet reported. Starting a sandbox (namespaces, mounts, an interpreter) costs about twice
@@ -34,9 +37,11 @@ from __future__ import annotations
 
 import ast
 import os
+import platform
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import time
@@ -97,6 +102,26 @@ def find_python(configured: str) -> str:
             return real
     raise SandboxError(f"sandbox.python: no interpreter under /usr among {candidates} (the sandbox binds only "
                        "/usr); install python3 from the system's packages or set sandbox.python")
+
+
+def keyring_filter(machine: str) -> bytes | None:
+    """A classic-BPF seccomp program (what ``bwrap --add-seccomp-fd`` reads) that fails ``add_key``,
+    ``request_key`` and ``keyctl`` with EPERM, and every system call made through another ABI (i386's
+    ``int 0x80``, x32's numbers) the same way; None on an architecture it does not know."""
+    known = {"x86_64": (0xC000003E, (248, 249, 250), 0x40000000), "aarch64": (0xC00000B7, (217, 218, 219), None)}
+    if machine not in known:
+        return None
+    arch, calls, x32 = known[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO | EPERM
+    checks = ([(jge, x32)] if x32 else []) + [(jeq, n) for n in calls]
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]  # seccomp_data.arch, .nr
+    prog += [(op, len(checks) - i, 0, k) for i, (op, k) in enumerate(checks)]  # each jumps to the deny
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
+
+
+KEYRING_FILTER = keyring_filter(platform.machine())
 
 
 def _bwrap_version(bwrap: str) -> tuple[int, ...]:
@@ -164,7 +189,7 @@ class Sandbox:
                 root += ["--ro-bind", f"/{link}", f"/{link}"]
         self._root = root
 
-    def _command(self, folder: Path, nproc: int) -> list[str]:
+    def _command(self, folder: Path, nproc: int, seccomp_fd: int | None = None) -> list[str]:
         c = self.cfg
         # The runner's own CPU budget covers a batch; it gives each program runner c.cpu_seconds.
         limits = [f"--cpu={BATCH_CPU_S}:{BATCH_CPU_S + 1}", f"--as={c.memory_mb << 20}",
@@ -181,7 +206,8 @@ class Sandbox:
                 "--size", tmpfs, "--tmpfs", "/tmp", "--dir", WORK, "--chdir", WORK,
                 "--ro-bind", str(folder), "/sandbox", "--remount-ro", "/dev", "--remount-ro", "/",
                 "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-                "--as-pid-1", "--clearenv", *(a for name, value in ENV.items() for a in ("--setenv", name, value)),
+                "--as-pid-1", *(["--add-seccomp-fd", str(seccomp_fd)] if seccomp_fd is not None else []),
+                "--clearenv", *(a for name, value in ENV.items() for a in ("--setenv", name, value)),
                 self.python, "-I", RUNNER]
 
     def execute_many(self, jobs: list[tuple[str, list[str]]]) -> list[tuple[list[Run], str]]:
@@ -219,9 +245,11 @@ class Sandbox:
             (folder / "runner.py").write_bytes(self.runner)
             for f in folder.iterdir():
                 f.chmod(0o644)
-            with open(Path(tmp) / "stderr", "w+b") as err:
-                proc = subprocess.Popen(self._command(folder, nproc), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=err, env=ENV, start_new_session=True)
+            (Path(tmp) / "seccomp").write_bytes(KEYRING_FILTER or b"")
+            with open(Path(tmp) / "stderr", "w+b") as err, open(Path(tmp) / "seccomp", "rb") as bpf:
+                fd = bpf.fileno() if KEYRING_FILTER else None
+                proc = subprocess.Popen(self._command(folder, nproc, fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=err, env=ENV, start_new_session=True, pass_fds=(fd,) if fd else ())
                 try:
                     data, ends, stop = self._collect(proc, b"".join(request), [len(inputs) for _, inputs in jobs])
                 finally:
