@@ -249,7 +249,8 @@ class Sandbox:
             with open(Path(tmp) / "stderr", "w+b") as err, open(Path(tmp) / "seccomp", "rb") as bpf:
                 fd = bpf.fileno() if KEYRING_FILTER else None
                 proc = subprocess.Popen(self._command(folder, nproc, fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=err, env=ENV, start_new_session=True, pass_fds=() if fd is None else (fd,))
+                                        stderr=err, env=ENV, start_new_session=True,
+                                        pass_fds=() if fd is None else (fd,))
                 try:
                     data, ends, stop = self._collect(proc, b"".join(request), [len(inputs) for _, inputs in jobs])
                 finally:
