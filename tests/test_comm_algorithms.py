@@ -1,7 +1,7 @@
 """Every custom collective algorithm equals the built-in gloo collective, on real process groups.
 
-One gloo job per world size runs the whole matrix (algorithm x size x dtype x op), on the world group
-and on a sub-group that excludes rank 0 (so group ranks and global ranks differ).
+One gloo job of 8 ranks runs the whole matrix (algorithm x size x dtype x op) on groups of 2, 3, 4, 5, 6
+and 8 ranks, and on sub-groups that exclude rank 0 (so group ranks and global ranks differ).
 """
 
 from __future__ import annotations
@@ -79,33 +79,47 @@ def _run_matrix(group, me: int, p: int, placement: Placement, tag: str, full: bo
     return checked, bad
 
 
-def check_world(rank: int, world: int) -> tuple[int, list[str]]:
-    # Two ranks per host (the last host short when the world is odd) so hierarchical has real structure.
-    placement = Placement.from_hosts([r // 2 for r in range(world)])
-    checked, bad = _run_matrix(None, rank, world, placement, f"world{world}", True)
-    if world >= 5:
-        members = list(range(1, world, 2)) + [2]  # excludes rank 0; group rank != global rank
-        sub = dist.new_group(sorted(members))
+SIZES = (2, 3, 4, 5, 6, 8)  # odd and even, one and several "hosts", up to a short last host
+
+
+def check_sizes(rank: int, world: int) -> dict[int, tuple[int, list[str]]]:
+    """The matrix on a group of each of ``SIZES`` ranks (0..p-1; the largest is the world group itself)
+    inside one job, and on a sub-group excluding rank 0 from 5 ranks up: one job's start-up (about 2.5 s
+    of CPU per spawned rank) instead of one per size. Every rank creates every group, in the same order
+    (``new_group`` is collective over the world); ranks outside a group go on to the next one."""
+    out = {}
+    for p in SIZES:
+        group = None if p == world else dist.new_group(list(range(p)))
+        members = sorted(list(range(1, p, 2)) + [2]) if p >= 5 else []  # excludes rank 0: group rank != global
+        sub = dist.new_group(members) if members else None
+        if rank >= p:
+            continue
+        # Two ranks per host (the last host short when p is odd) so hierarchical has real structure.
+        placement = Placement.from_hosts([r // 2 for r in range(p)])
+        checked, bad = _run_matrix(group, rank, p, placement, f"size{p}", True)
         if rank in members:
-            c, b = _run_matrix(sub, dist.get_rank(sub), len(members), placement, f"sub{sorted(members)}", False)
+            c, b = _run_matrix(sub, dist.get_rank(sub), len(members), placement, f"size{p} sub{members}", False)
             checked, bad = checked + c, bad + b
+        out[p] = (checked, bad)
     # Multi-dimensional and non-contiguous tensors keep their shape and layout.
     t = torch.arange(12.0).reshape(3, 4).t() + rank
     ref = t.contiguous().clone()
     dist.all_reduce(ref)
     all_reduce(t, None, "sum", "rhd")
     if not torch.equal(t, ref):
-        bad.append("non-contiguous all_reduce")
-    return checked, bad
+        out[world][1].append("non-contiguous all_reduce")
+    return out
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8])
-def test_algorithms_match_builtin(world: int) -> None:
-    results = run_workers(check_world, world, timeout_s=240)
-    for checked, bad in results:
-        assert not bad, "\n".join(bad[:20])
-    assert results[0][0] >= 120  # the matrix really ran
+def test_algorithms_match_builtin() -> None:
+    results = run_workers(check_sizes, max(SIZES), timeout_s=240)
+    for rank, sizes in enumerate(results):
+        assert sorted(sizes) == [p for p in SIZES if rank < p]
+        for checked, bad in sizes.values():
+            assert not bad, "\n".join(bad[:20])
+    for p in SIZES:
+        assert results[0][p][0] >= 120  # the matrix really ran at every size
 
 
 # -------------------------------------------------------------------------------------------------
