@@ -7,8 +7,8 @@ import pytest
 
 from stalwart.config import ConfigError
 from stalwart.models.flavors import FLAVORS as MODEL_FLAVORS
-from stalwart.planner.serving import (ServingRequest, host_presets, plan, ring_all_reduce_s, shape_from_args,
-                                      stage_boundaries, tp_invalid_reason)
+from stalwart.planner.serving import (ServingRequest, evaluate, host_presets, host_s, plan, ring_all_reduce_s,
+                                      shape_from_args, stage_boundaries, tp_invalid_reason)
 from stalwart.cli.serve_plan import main
 from stalwart.planner.shapes import FLAVORS
 
@@ -116,6 +116,30 @@ def test_a_tpot_bound_shrinks_the_throughput_batch():
         assert p.tpot_s * 1e3 <= bound_ms
     same = next(p for p in bounded.ranked if (p.tp, p.pp) == (free.tp, free.pp))
     assert same.batch_limit == "max_tpot" and same.batch < free.batch
+
+
+@pytest.mark.unit
+def test_host_work_adds_on_a_cpu_and_overlaps_on_an_accelerator():
+    """A small model's step is its host's work: on the cpu preset it adds to the roofline (the time per
+    token of the debug model is milliseconds, as measured, not the roofline's microseconds); on a GPU
+    preset given host terms the step is the longer of the two, so a model whose device time is below the
+    host's gains nothing from tensor parallelism."""
+    shape = shape_from_args(MODEL_FLAVORS["tiny"])
+    req = dataclasses.replace(REQ, prompt_tokens=3, output_tokens=64, context_tokens=160)
+    cpu = PRESETS["cpu"]
+    bare = dataclasses.replace(cpu, host_layer_us=0.0, host_seq_layer_us=0.0, host_step_us=0.0, host_token_us=0.0)
+    with_host, without = evaluate(shape, cpu, req, 1, 1), evaluate(shape, bare, req, 1, 1)
+    host1 = host_s(shape, cpu, 1)
+    assert host1 == pytest.approx(1e-6 * (shape.n_layers * (480 + 9) + 520 + 390))
+    assert with_host.tpot_batch1_s == pytest.approx(without.tpot_batch1_s + host1)
+    assert with_host.tpot_s == pytest.approx(without.tpot_s + host_s(shape, cpu, with_host.batch))
+    gpu = dataclasses.replace(PRESETS["h100"], host_layer_us=450.0)
+    for tp in (1, 2):
+        p, device_only = evaluate(shape, gpu, req, tp, 1), evaluate(shape, PRESETS["h100"], req, tp, 1)
+        compute = device_only.tpot_batch1_s - device_only.tp_comm_batch1_s
+        assert compute < host_s(shape, gpu, 1)
+        assert p.tpot_batch1_s == pytest.approx(host_s(shape, gpu, 1) + p.tp_comm_batch1_s)
+    assert plan(shape, gpu, dataclasses.replace(req, target="latency")).ranked[0].tp == 1
 
 
 @pytest.mark.unit

@@ -58,6 +58,14 @@ class HostsSection:
     intra_host_latency_us: float = option("Link latency inside a host, microseconds.", 0.0, min=0.0)
     inter_host_gb_per_s: float = option("Link bandwidth between hosts per device, GB/s.", 0.0, min=0.0)
     inter_host_latency_us: float = option("Link latency between hosts, microseconds.", 0.0, min=0.0)
+    host_layer_us: float = option("The host's work per layer per forward pass (dispatching its operators), "
+                                  "microseconds (negative = the preset's).", -1.0)
+    host_seq_layer_us: float = option("The host's work per sequence and layer per forward pass, microseconds "
+                                      "(negative = the preset's).", -1.0)
+    host_step_us: float = option("The host's work per forward pass (scheduling, head, sampler), microseconds "
+                                 "(negative = the preset's).", -1.0)
+    host_token_us: float = option("The host's work per sequence per step (its token sampled, detokenized and "
+                                  "streamed), microseconds (negative = the preset's).", -1.0)
 
 
 @dataclass
@@ -111,6 +119,8 @@ def build_hosts(h: HostsSection) -> HostSpec:
         changes["flops_per_s"] = h.gflops * 1e9
     if h.headroom_gb >= 0:
         changes["headroom_gb"] = h.headroom_gb
+    changes |= {k: getattr(h, k) for k in ("host_layer_us", "host_seq_layer_us", "host_step_us", "host_token_us")
+                if getattr(h, k) >= 0}
     return dataclasses.replace(base, hosts=h.hosts, **changes)
 
 

@@ -2,9 +2,15 @@
 
 Pure functions of a model shape, the hosts and the traffic; no I/O, no clocks. For each placement the
 planner predicts the weight shard and paged KV cache per device, the decode step (a roofline of the
-matmul FLOPs against the weight and KV bytes every step reads, plus tensor-parallel all-reduces and
-pipeline sends), the time to first token and the output tokens/s of all replicas, ranks the placements
-by the target and says in a few lines why the winner wins.
+matmul FLOPs against the weight and KV bytes every step reads, the host's own work for the step, plus
+tensor-parallel all-reduces and pipeline sends), the time to first token and the output tokens/s of all
+replicas, ranks the placements by the target and says in a few lines why the winner wins.
+
+The host's work (``HostSpec.host_*``): dispatching each layer's operators, a step's scheduling, head and
+sampling, and each sequence's token (sampled, detokenized, streamed to its client). On a CPU it runs on
+the cores that compute, so it adds to the roofline; on an accelerator it overlaps the device's work
+(launches are asynchronous), so the step takes the longer of the two. For a small model these fixed
+costs are the step: without them the plan was 60x-660x off on the CPU (docs/serving.md, Placement).
 
 Model of a replica (tp ranks per stage, pp stages, consecutive devices; tp groups never cross a host):
 
@@ -47,6 +53,14 @@ class HostSpec:
     intra_host_latency_us: float
     inter_host_gb_per_s: float           # link between hosts, per device
     inter_host_latency_us: float
+    # The host's work per forward pass (measured, docs/serving.md): per layer, plus per sequence and layer
+    # (attention's per-sequence bookkeeping); per step (scheduling, the head, the sampler's loop); per
+    # sequence and step (its token sampled, detokenized and streamed to the client).
+    host_layer_us: float = 0.0
+    host_seq_layer_us: float = 0.0
+    host_step_us: float = 0.0
+    host_token_us: float = 0.0
+    host_overlaps: bool = True           # the host's work overlaps the device's (an accelerator), else adds
 
     @property
     def devices(self) -> int:
@@ -58,10 +72,21 @@ def host_presets() -> dict[str, HostSpec]:
     NVLink inside a host and a NIC per GPU between hosts, derated by the training cost model's
     efficiencies so that both planners read the same hardware the same way."""
     net = Network()
+    # cpu: measured on that VM (2026-11-28, one thread, idle): an engine step of the debug model (dim 64)
+    # with 2 and 6 layers at batch 1 and 32 gives 480 us per layer, 9 us per sequence and layer, 280 us per
+    # step and 29 us per sequence; `stalwart serve` with 1 and 32 greedy streams (OpenAI's client on the
+    # same cores) adds 240 us per step and 360 us per streamed token; a gloo all-reduce of 64 floats
+    # between two processes takes 597 us (median; 4.1 ms at p90), i.e. 300 us per ring hop.
     out = {"cpu": HostSpec("2-core CPU VM", hosts=1, procs_per_host=2, memory_gb=10.0, headroom_gb=1.0,
                            flops_per_s=50e9, memory_gb_per_s=10.0, intra_host_gb_per_s=5.0,
-                           intra_host_latency_us=50.0, inter_host_gb_per_s=10.0 / 8, inter_host_latency_us=100.0)}
+                           intra_host_latency_us=300.0, inter_host_gb_per_s=10.0 / 8, inter_host_latency_us=300.0,
+                           host_layer_us=480.0, host_seq_layer_us=9.0, host_step_us=520.0, host_token_us=390.0,
+                           host_overlaps=False)}
     for key, gpu in GPUS.items():
+        # No host terms: the GPU presets plan an engine whose host keeps ahead of the device (CUDA graphs,
+        # as vLLM's). Stalwart's eager engine does not: on one H200 (docs/gpu.md) the 125M model's decode
+        # step took 5.8 ms at batch 1 for 12 layers against a 0.1 ms roofline, about 450 us of host work
+        # per layer; plan it with --hosts.host_layer_us 450 (docs/serving.md, Placement).
         out[key.lower()] = HostSpec(
             gpu.name, hosts=1, procs_per_host=net.gpus_per_host, memory_gb=gpu.hbm_gb, headroom_gb=4.0,
             flops_per_s=gpu.bf16_tflops * 1e12 * GEMM_EFFICIENCY,
@@ -157,13 +182,23 @@ def _roofline_s(flops: float, nbytes: float, hosts: HostSpec) -> float:
     return max(flops / hosts.flops_per_s, nbytes / (hosts.memory_gb_per_s * 1e9))
 
 
+def host_s(shape: ModelShape, hosts: HostSpec, seqs: int) -> float:
+    """The host's seconds for one forward pass over ``seqs`` sequences, each emitting a token: every layer
+    is dispatched once per step (by each tensor-parallel rank at once; by each pipeline stage in turn, so
+    all layers count whatever pp is)."""
+    per_layer = hosts.host_layer_us + seqs * hosts.host_seq_layer_us
+    return 1e-6 * (shape.n_layers * per_layer + hosts.host_step_us + seqs * hosts.host_token_us)
+
+
 def step_s(shape: ModelShape, hosts: HostSpec, req: ServingRequest, tp: int, pp: int, replicas: int,
-           tokens: int, context: float) -> tuple[float, float, float]:
-    """(total, tp comm, pp comm) seconds of one forward over `tokens` new tokens (a decode step of
-    `tokens` sequences, or a prefill of `tokens` prompt tokens), each attending to `context` tokens.
+           tokens: int, context: float, seqs: int | None = None) -> tuple[float, float, float]:
+    """(total, tp comm, pp comm) seconds of one forward over `tokens` new tokens of `seqs` sequences
+    (default `tokens`: a decode step; a prefill is one sequence's prompt), each attending to `context`
+    tokens.
 
     Every stage reads its weight shard once and the KV of every attended token; stages run one after
-    another, so the per-layer cost is summed over all layers whatever pp is.
+    another, so the per-layer cost is summed over all layers whatever pp is. The host's work
+    (``host_s``) adds to the device's on a CPU and overlaps it on an accelerator.
     """
     h, f = shape.dim, shape.ffn_hidden
     layer_flops = 2 * tokens * (h * (h + 2 * shape.kv_dim) + h * h + 3 * h * f) + 4 * tokens * context * h
@@ -171,6 +206,8 @@ def step_s(shape: ModelShape, hosts: HostSpec, req: ServingRequest, tp: int, pp:
     head_flops = 2 * tokens * shape.vocab_size * h
     compute = (shape.n_layers * _roofline_s(layer_flops / tp, layer_bytes / tp, hosts)
                + _roofline_s(head_flops / tp, shape.vocab_size * h * req.param_bytes / tp, hosts))
+    host = host_s(shape, hosts, tokens if seqs is None else seqs)
+    compute = max(compute, host) if hosts.host_overlaps else compute + host
     message = tokens * h * req.param_bytes
     tp_comm = 2 * shape.n_layers * ring_all_reduce_s(message, tp, hosts.intra_host_gb_per_s,
                                                      hosts.intra_host_latency_us)
@@ -201,7 +238,7 @@ def evaluate(shape: ModelShape, hosts: HostSpec, req: ServingRequest, tp: int, p
     elif max_batch < 1:
         reason = f"the KV cache ({kv_tokens:,} tokens) holds no sequence of {seq_tokens:,} tokens"
     mid = req.prompt_tokens + req.output_tokens / 2          # mean attended context while decoding
-    ttft = step_s(shape, hosts, req, tp, pp, replicas, req.prompt_tokens, req.prompt_tokens / 2)[0]
+    ttft = step_s(shape, hosts, req, tp, pp, replicas, req.prompt_tokens, req.prompt_tokens / 2, seqs=1)[0]
     tpot1, tp_comm1, _ = step_s(shape, hosts, req, tp, pp, replicas, 1, mid)
     batch, limit = min(max_batch, req.max_batch), "kv memory" if max_batch <= req.max_batch else "max_batch"
     batch = max(batch, 1)
