@@ -25,6 +25,15 @@ class RunCheckpoint:
     args: object  # TransformerArgs
 
 
+def run_paths(run_dir: Path) -> RunPaths:
+    """``run_dir``'s paths, or RunDirError when it is not a run directory. Imports nothing heavy, so a
+    command checks its ``--run`` before it loads torch."""
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise RunDirError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
+    return paths
+
+
 def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunCheckpoint:
     from stalwart.checkpoint.manager import CheckpointManager
     from stalwart.config import load
@@ -32,9 +41,7 @@ def open_run_checkpoint(run_dir: Path, checkpoint: str | None = None) -> RunChec
     from stalwart.data.tokenizer import load_tokenizer
     from stalwart.models.flavors import resolve_args
 
-    paths = RunPaths(run_dir)
-    if not paths.config.is_file():
-        raise RunDirError(f"{run_dir} is not a run directory (no config.toml); pass --run runs/<name>")
+    paths = run_paths(run_dir)
     cfg = load(JobConfig, paths.config)
     tokenizer = load_tokenizer(paths.tokenizer)
     manager = CheckpointManager(paths.checkpoints, CheckpointConfig(resume=checkpoint or "auto"), 0, 1,

@@ -22,10 +22,12 @@ class ExportCliError(UserError):
 
 def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Export ``run_dir``'s newest complete checkpoint (or ``checkpoint``) to ``out``; returns the checkpoint."""
+    from stalwart.checkpoint.run_checkpoint import open_run_checkpoint, run_paths
+
+    run_paths(run_dir)  # not a run directory: one line, before torch loads
     from stalwart.checkpoint.inspect import load_flat
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from stalwart.checkpoint.run_checkpoint import open_run_checkpoint
     from stalwart.checkpoint.safe_io import UnsafeCheckpointError, describe_load_failure
     from stalwart.data.tokenizer import EOS
     from stalwart.export.hf import export_hf, first_shape_mismatch, model_shapes, shape_words, weight_files

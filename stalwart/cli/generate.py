@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stalwart.checkpoint.run_checkpoint import load_run_model
+from stalwart.checkpoint.run_checkpoint import load_run_model, run_paths
 from stalwart.config.arguments import ArgumentParser
 from stalwart.runtime.settings import DEVICES
 
@@ -31,6 +31,7 @@ def main(argv: list[str]) -> int:
         p.error(f"--top-k must be at least 0 (got {a.top_k})")
     if not 0 <= a.seed < 2**63:
         p.error(f"--seed must be within [0, 2^63) (got {a.seed})")
+    run_paths(Path(a.run))  # not a run directory: one line, before torch loads
     import torch
 
     from stalwart.data.tokenizer import eos_id

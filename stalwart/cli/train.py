@@ -60,10 +60,12 @@ def main(argv: list[str]) -> int:
     if launched_by_torchrun():
         return _worker(cfg)
     nproc = _nproc(opts, cfg.launch.nproc_per_node)
-    # torch and its elastic agent (seconds to import) only once the command line and config are valid
-    from stalwart.launch.local import launch, preflight, supervised
+    from stalwart.launch.preflight import preflight
 
-    preflight(cfg, nproc)
+    preflight(cfg, nproc)  # torch only for its last checks (the device, a resumed checkpoint's shape)
+    # torch and its elastic agent (seconds to import) only once the command line, config and job are valid
+    from stalwart.launch.local import launch, supervised
+
     if opts.get("--controller"):
         return _controller(cfg, nproc)
     if nproc == 1 and not supervised(cfg):

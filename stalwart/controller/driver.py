@@ -259,7 +259,7 @@ class Controller:
 
 def run_controller(cfg: JobConfig, nproc: int) -> int:
     """``stalwart train --controller``: the whole job from this process; returns the exit code. The
-    CLI's preflight (``launch.local.preflight``, shared with the SPMD path) has checked the layout, the
+    CLI's preflight (``launch.preflight``, shared with the SPMD path) has checked the layout, the
     data and the device (``training.device`` on this host for ``nproc`` actors) before any actor exists."""
     from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
     from stalwart.train.worker import format_summary

@@ -1,0 +1,51 @@
+"""Check a training job before any process starts (one clear line, exit 2): the layout, the model it
+splits, the data, the global batch; then, with torch, the device and a resumed run's checkpoint shape.
+
+Imports nothing heavy until the checks that need torch, which come last: ``stalwart train`` with a data
+path that does not exist or a layout that does not divide the world size answers in a fraction of a
+second (``tests/test_cli_startup.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from stalwart.config.job import JobConfig
+from stalwart.data.corpus import Corpus
+from stalwart.data.mixture import parse_mix
+from stalwart.data.prepared import is_prepared, open_prepared
+from stalwart.data.tokenizer import load_tokenizer
+from stalwart.models.flavors import resolve_args
+from stalwart.parallel.dims import LayoutError, ParallelDims, virtual_stages
+from stalwart.paths import RunPaths
+
+
+def preflight(cfg: JobConfig, nproc: int) -> None:
+    """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    dims = ParallelDims.resolve(cfg.parallelism, world)
+    paths = RunPaths.of(cfg.run)
+    vocab = load_tokenizer(paths.tokenizer).get_vocab_size() if paths.tokenizer.is_file() else 256
+    args = resolve_args(cfg.model, vocab, cfg.data.seq_len)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.data.seq_len,
+                     virtual_stages(cfg.parallelism, dims), args.moe.n_experts if args.moe else 0)
+    if is_prepared(cfg.data.path):
+        data = open_prepared(cfg.data.path)
+        data.verify(full=False)
+        if cfg.data.mix:
+            parse_mix(cfg.data.mix, data.names)
+    else:
+        Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
+    per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
+    if per_rank is None or per_rank % cfg.training.micro_batch:
+        raise LayoutError(
+            f"training.global_batch ({cfg.training.global_batch}) must split into {dims.dp} data-parallel ranks x "
+            f"whole micro-batches of {cfg.training.micro_batch}; e.g. set --training.global_batch "
+            f"{dims.dp * cfg.training.micro_batch}")
+    # With torch from here on.
+    from stalwart.runtime.device import check_device
+    from stalwart.train.checkpointer import Checkpointer
+
+    check_device(cfg.training.device, nproc, "training.device")
+    if paths.tokenizer.is_file():  # a run to resume: its checkpoint must fit the config's model
+        Checkpointer.refuse_other_shape(cfg.checkpoint, paths, args)
