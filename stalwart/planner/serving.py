@@ -76,7 +76,8 @@ def host_presets() -> dict[str, HostSpec]:
     # with 2 and 6 layers at batch 1 and 32 gives 480 us per layer, 9 us per sequence and layer, 280 us per
     # step and 29 us per sequence; `stalwart serve` with 1 and 32 greedy streams (OpenAI's client on the
     # same cores) adds 240 us per step and 360 us per streamed token; a gloo all-reduce of 64 floats
-    # between two processes takes 597 us (median; 4.1 ms at p90), i.e. 300 us per ring hop.
+    # between two processes takes 597 us (median; 4.1 ms at p90), i.e. 300 us per ring hop (between hosts
+    # not measured: taken as no lower).
     out = {"cpu": HostSpec("2-core CPU VM", hosts=1, procs_per_host=2, memory_gb=10.0, headroom_gb=1.0,
                            flops_per_s=50e9, memory_gb_per_s=10.0, intra_host_gb_per_s=5.0,
                            intra_host_latency_us=300.0, inter_host_gb_per_s=10.0 / 8, inter_host_latency_us=300.0,
