@@ -143,3 +143,25 @@ def test_backends_follow_the_device():
     assert backend_for(HOST) == "gloo"
     assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"  # host tensors keep gloo beside NCCL
     assert not is_accelerator(HOST) and is_accelerator(torch.device("cuda", 0))
+
+
+def test_a_store_port_is_free_and_outside_the_range_connections_draw_from():
+    """A job's store port is chosen seconds before rank 0 binds it: no connection opened in between may
+    take it, so it is drawn below the ephemeral range, for the agent's workers too."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous import api as rdzv_api
+
+    from stalwart.launch.agent import patched_agent
+    from stalwart.runtime.settings import LOOPBACK, _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = {free_port(LOOPBACK) for _ in range(20)} | {free_port() for _ in range(20)}
+    assert len(ports) > 30 and all(10000 <= p < low for p in ports), sorted(ports)
+    for port in ports:  # each is free now
+        with socket.socket() as s:
+            s.bind((LOOPBACK, port))
+    torch_own = rdzv_api.get_free_port
+    with patched_agent(object):
+        assert rdzv_api.get_free_port is free_port
+    assert rdzv_api.get_free_port is torch_own

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,12 +21,7 @@ import torch.multiprocessing as mp
 
 from stalwart.runtime.device import HOST, LOOPBACK
 from stalwart.runtime.group import join
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from stalwart.runtime.settings import free_port
 
 
 def init_gloo(rank: int, world_size: int, addr: str, port: int, timeout_s: float = 120.0) -> None:

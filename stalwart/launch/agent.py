@@ -47,6 +47,7 @@ from stalwart.paths import RunPaths
 from stalwart.procs import pid_alive
 from stalwart.runtime.device import LOOPBACK
 from stalwart.runtime.group import bound_tcp_store, listen_on
+from stalwart.runtime.settings import free_port
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 
@@ -165,20 +166,24 @@ class SupervisedAgent(LocalElasticAgent):
 
 @contextlib.contextmanager
 def patched_agent(factory):
-    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments), and the
-    rendezvous store listen on its endpoint's address only."""
+    """torch's launch_agent builds a LocalElasticAgent; make it build ours (same arguments), the
+    rendezvous store listen on its endpoint's address only, and the port of the store rank 0 serves
+    be one no connection can take before rank 0 binds it (``runtime.settings.free_port``)."""
     from torch.distributed.launcher import api
 
+    from torch.distributed.elastic.rendezvous import api as rdzv_api
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as rdzv
 
     # NOTE: the rendezvous store is built by torch's c10d backend, which binds every interface; ours
-    # binds only the endpoint's address (the same arguments otherwise).
-    saved = api.LocalElasticAgent, rdzv.TCPStore
-    api.LocalElasticAgent, rdzv.TCPStore = factory, bound_tcp_store
+    # binds only the endpoint's address (the same arguments otherwise). torch's port for the workers'
+    # store is any free one (bind to port 0), from the range every outgoing connection draws from, and
+    # the seconds until rank 0 binds it (torch loading) are enough for one to take it.
+    saved = api.LocalElasticAgent, rdzv.TCPStore, rdzv_api.get_free_port
+    api.LocalElasticAgent, rdzv.TCPStore, rdzv_api.get_free_port = factory, bound_tcp_store, free_port
     try:
         yield
     finally:
-        api.LocalElasticAgent, rdzv.TCPStore = saved
+        api.LocalElasticAgent, rdzv.TCPStore, rdzv_api.get_free_port = saved
 
 
 class _DropMessage:

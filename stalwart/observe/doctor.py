@@ -16,11 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from stalwart.runtime.settings import LOOPBACK, free_port
 
 
 def _timed(fn: Any, iters: int) -> float:
@@ -36,7 +32,7 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], q: Any) -> N
     import torch
     import torch.distributed as dist
 
-    from stalwart.runtime.device import HOST, LOOPBACK
+    from stalwart.runtime.device import HOST
     from stalwart.runtime.group import join
 
     torch.set_num_threads(opts["threads"])
@@ -119,7 +115,7 @@ def health_check(nproc: int = 2, matmul_n: int = 512, mb: int = 4, iters: int = 
     """Run the check on ``nproc`` local processes. ``slow_rank`` injects a slow rank (for tests)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port(LOOPBACK)
     opts = {"matmul_n": matmul_n, "mb": mb, "iters": iters, "threads": threads, "timeout_s": timeout_s,
             "slow_rank": slow_rank}
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, opts, q), daemon=True) for r in range(nproc)]

@@ -11,14 +11,13 @@ from __future__ import annotations
 import torch
 
 from stalwart.errors import UserError
-from stalwart.runtime.settings import DEVICES
+from stalwart.runtime.settings import DEVICES, LOOPBACK
 
 # Where host-side work happens whatever the device: random generators that must give the same numbers
 # on every device (seeded initialisation, sampling), staging buffers, numpy views.
 HOST = torch.device("cpu")
 CPU_BACKEND = "gloo"
 _ACCELERATOR_BACKEND = {"cuda": "nccl"}
-LOOPBACK = "127.0.0.1"
 
 
 class DeviceUnavailable(UserError):
