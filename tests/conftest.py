@@ -134,9 +134,30 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+_preloaded: list = []  # this process's PreloadedCli, once started (None: fresh interpreters)
+
+
+def _preloaded_cli():
+    if not _preloaded:
+        from preloaded_cli import PreloadedCli
+
+        server = None if os.environ.get("STALWART_TEST_FRESH_CLI") == "1" else PreloadedCli(cli_env(), REPO)
+        if server is not None and not server.ready():
+            server.close()
+            server = None
+        _preloaded.append(server)
+    return _preloaded[0]
+
+
 def run_cli(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "stalwart", *args], capture_output=True, text=True,
-                          env=cli_env(), cwd=REPO, timeout=timeout)
+    """``python -m stalwart ARGS`` to its end, output captured; forked from a preloaded interpreter
+    (tests/preloaded_cli.py) unless ``STALWART_TEST_FRESH_CLI=1``."""
+    cmd = [sys.executable, "-m", "stalwart", *args]
+    server = _preloaded_cli()
+    if server is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=timeout)
+    else:
+        proc = server.run(cmd, cli_env(), REPO, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"stalwart {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-4000:]}")
