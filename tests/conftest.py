@@ -149,15 +149,21 @@ def _preloaded_cli():
     return _preloaded[0]
 
 
-def run_cli(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m stalwart ARGS`` to its end, output captured; forked from a preloaded interpreter
+def popen_cli(*args: str, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen([python, -m, stalwart, *args], **kwargs)`` (environment ``cli_env()`` and
+    working directory the repository unless given), forked from a preloaded interpreter
     (tests/preloaded_cli.py) unless ``STALWART_TEST_FRESH_CLI=1``."""
-    cmd = [sys.executable, "-m", "stalwart", *args]
+    kwargs.setdefault("env", cli_env())
+    kwargs.setdefault("cwd", REPO)
     server = _preloaded_cli()
-    if server is None:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=timeout)
-    else:
-        proc = server.run(cmd, cli_env(), REPO, timeout)
+    return (subprocess.Popen if server is None else server.popen)([sys.executable, "-m", "stalwart", *args], **kwargs)
+
+
+def run_cli(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m stalwart ARGS`` to its end, output captured (``popen_cli``)."""
+    from preloaded_cli import run
+
+    proc = run(lambda **kw: popen_cli(*args, **kw), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"stalwart {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-4000:]}")

@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import REPO, cli_env
+from conftest import popen_cli
 
 from stalwart.metrics.records import read_jsonl
 from stalwart.paths import RunPaths
@@ -25,8 +24,8 @@ def journal(run_dir: Path) -> list[dict]:
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stalwart", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cli_env(), cwd=REPO)
+    return popen_cli(*args, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def kill_when(proc: subprocess.Popen, run_dir: Path, moment: Callable[[list[dict]], bool],

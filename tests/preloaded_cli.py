@@ -6,11 +6,12 @@ Each xdist worker starts one server (``python tests/preloaded_cli.py SOCKET``) a
 server imports what ``stalwart.launch.fork.preload`` names (torch, its compiler stack, the trainer) and
 the command-line modules, and nothing else: it runs no torch operation and starts no thread, so a fork
 of it is a clean process, as the training launcher's forked workers are. For each command it forks a
-handler, which forks the command's process (so the server never waits) and reports its pid and exit
-status. The command's process is what ``python -m stalwart ARGS`` would be after its imports: standard
-input from /dev/null, standard output and error on the caller's files, the caller's environment and
-working directory, ``sys.argv`` and ``__main__`` as under ``-m``, non-daemon threads joined and atexit
-handlers run before it exits with the command's status.
+handler, which forks the command's process (so the server never waits), tells the client its pid
+and, when it ends, its exit status. The command's process is what ``python -m stalwart ARGS`` would be
+after its imports: the caller's standard streams, environment, working directory, session or process
+group and umask, ``sys.argv`` and ``__main__`` as under ``-m``, non-daemon threads joined and atexit
+handlers run before it exits with the command's status. The client is ``subprocess.Popen`` itself
+(pipes, signals, ``communicate``) with the exit status read from the handler instead of ``waitpid``.
 
 What a fresh process would see differently: modules already imported (``tests/test_cli_startup.py``,
 which checks that a refusal happens before torch is imported, starts its own interpreters), and
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import atexit
 import json
-import locale
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,24 +58,9 @@ class PreloadedCli:
             time.sleep(0.05)
         return True
 
-    def run(self, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        """``subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)`` for
-        ``cmd = [python, -m, stalwart, ARGS...]``."""
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-                socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
-            conn.connect(self.path)
-            request = json.dumps({"argv": cmd[3:], "env": env, "cwd": str(cwd)}).encode()
-            socket.send_fds(conn, [request], [out.fileno(), err.fileno()])
-            pid = json.loads(conn.recv(MAX_MESSAGE))["pid"]
-            conn.settimeout(timeout)
-            try:
-                returncode = json.loads(conn.recv(MAX_MESSAGE))["returncode"]
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)  # as subprocess.run does: the command's process, not its children
-                conn.settimeout(None)
-                conn.recv(MAX_MESSAGE)
-                raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
-            return subprocess.CompletedProcess(cmd, returncode, _text(out), _text(err))
+    def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen(cmd, **kwargs)`` for ``cmd = [python, -m, stalwart, ARGS...]``."""
+        return _Forked(self.path, cmd, **kwargs)
 
     def close(self) -> None:
         if self.server.poll() is None:
@@ -87,16 +73,80 @@ class PreloadedCli:
             os.rmdir(self.dir)
 
 
+class _Forked(subprocess.Popen):
+    """A ``subprocess.Popen`` whose process the server forks: the pipes, signals, ``poll``, ``wait`` and
+    ``communicate`` are Popen's own; the process is not this one's child, so its exit status comes from
+    the server's handler (which waits for it) instead of ``waitpid``."""
+
+    def __init__(self, socket_path: str, cmd: list[str], **kwargs) -> None:
+        self._socket_path, self._status_lock = socket_path, threading.Lock()
+        super().__init__(cmd, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, process_group=-1):
+        if preexec_fn is not None or pass_fds or shell or executable or uid is not None or gid is not None:
+            raise ValueError("a preloaded stalwart command takes no preexec_fn, pass_fds, shell, user or group")
+        fds = [fd if fd != -1 else std for fd, std in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
+        request = {"argv": list(args)[3:], "env": dict(os.environ if env is None else env),
+                   "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+                   "session": bool(start_new_session), "group": process_group, "umask": umask}
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._conn.connect(self._socket_path)
+            socket.send_fds(self._conn, [json.dumps(request).encode()], fds)
+            self.pid = json.loads(self._conn.recv(MAX_MESSAGE))["pid"]
+            self._child_created = True
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # and a /dev/null
+
+    def _status(self, timeout: float | None) -> int | None:
+        self._conn.settimeout(timeout)
+        try:
+            message = self._conn.recv(MAX_MESSAGE)
+        except (TimeoutError, BlockingIOError):
+            return None
+        self._conn.close()
+        # an empty message: the handler died without an answer (the server was killed), as a SIGKILL
+        return json.loads(message)["returncode"] if message else -signal.SIGKILL
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self.returncode is None and self._status_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    self.returncode = self._status(0)
+            finally:
+                self._status_lock.release()
+        return self.returncode
+
+    def _wait(self, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._status_lock:
+            if self.returncode is None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.returncode = self._status(left)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+def run(start, timeout: float) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` does, for the process
+    ``start(**popen_options)`` starts (``subprocess.Popen`` or a server's)."""
+    with start(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            proc.kill()  # as subprocess.run does: the command's process, not its children
+            e.output, e.stderr = proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _quiet():
     import contextlib
 
     return contextlib.suppress(OSError)
-
-
-def _text(f) -> str:
-    """A captured stream as ``text=True`` decodes it (the locale's encoding, universal newlines)."""
-    f.seek(0)
-    return f.read().decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
 
 
 # The server side: runs in its own interpreter (this file as a script).
@@ -134,7 +184,7 @@ def _serve(path: str) -> None:
 def _handle(conn: socket.socket) -> None:
     """Fork the command's process, tell the client its pid, wait for it and send its exit status."""
     conn.settimeout(None)
-    message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 2)
+    message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
     request = json.loads(message)
     pid = os.fork()
     if pid == 0:
@@ -149,12 +199,17 @@ def _handle(conn: socket.socket) -> None:
 
 def _become_the_command(request: dict, fds: list[int]) -> None:
     import runpy
-    import threading
 
-    stdin = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((stdin, 0), (fds[0], 1), (fds[1], 2)):
+    for target, fd in enumerate(fds):  # standard input, output and error as the caller gave them
         os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
+    if request["session"]:
+        os.setsid()
+    elif request["group"] is not None and request["group"] >= 0:
+        os.setpgid(0, request["group"])
+    if request["umask"] >= 0:
+        os.umask(request["umask"])
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # as `python -m` puts it
     os.environ.clear()

@@ -7,12 +7,11 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_RUN, cli_env, run_cli, step_losses
+from conftest import TINY_RUN, popen_cli, run_cli, step_losses
 
 from stalwart.checkpoint.inspect import digest
 
@@ -61,8 +60,8 @@ def test_random_kills_and_stops_from_outside_end_bit_identical(tmp_path, clean):
     rng = random.Random(12)
     kinds = rng.sample([signal.SIGKILL, signal.SIGSTOP], 2)  # both kinds, in a random order
     slow = ["--fault.inject", "slow:rank=0,factor=4,steps=1-45"]  # stretch the run (sleeps only) so faults land
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "train", "--run.dir", str(chaos), *COMMON, *slow],
-                            env=cli_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = popen_cli("train", "--run.dir", str(chaos), *COMMON, *slow,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sent, last_ckpt, t0 = [], 0, time.monotonic()
     try:
         while proc.poll() is None and len(sent) < FAULTS and time.monotonic() - t0 < DEADLINE_S:
@@ -118,9 +117,9 @@ def test_faults_in_training_and_in_start_up_are_blamed_timed_and_not_a_crash_loo
     stopped in the next start-up (no heartbeat yet). Two start-up failures in a row, no progress between,
     crash_loop_restarts = 2: they fail different ways, so this is luck, not a loop."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *COMMON,
-                             "--launch.max_restarts", "5", "--fault.crash_loop_restarts", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+    proc = popen_cli("train", "--run.dir", str(run), *COMMON,
+                             "--launch.max_restarts", "5", "--fault.crash_loop_restarts", "2",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ft = run / "ft"
         beats = _wait(lambda: (got := [_read(ft / "heartbeat" / f"rank-{r}.json") for r in (0, 1)]) and all(

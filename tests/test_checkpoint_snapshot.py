@@ -10,14 +10,13 @@ import pickle
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_RUN, assert_same_states, cli_env, run_cli
+from conftest import TINY_RUN, assert_same_states, popen_cli, run_cli
 from stalwart.checkpoint.inspect import digest
 from stalwart.checkpoint.blob import SnapshotError, deserialize, serialize
 from stalwart.checkpoint.snapshot import SnapshotStore
@@ -209,9 +208,9 @@ def test_resume_from_memory_after_killing_the_process_group_is_bit_identical(tmp
     snap_dir = RunPaths(killed).snapshots()
     shutil.rmtree(snap_dir, ignore_errors=True)
     request.addfinalizer(lambda: shutil.rmtree(snap_dir, ignore_errors=True))  # RAM, even if the test fails
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", *_train_args(
-        killed, steps, "--checkpoint.memory_interval", "3", "--checkpoint.interval", "0")],
-        cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = popen_cli(*_train_args(
+        killed, steps, "--checkpoint.memory_interval", "3", "--checkpoint.interval", "0"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
         while True:  # wait until both ranks hold a snapshot of step >= 6 (and their peer's copy)

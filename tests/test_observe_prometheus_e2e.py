@@ -3,12 +3,11 @@ while it trains, then its profiler traces are opened and found linked from the r
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import REPO, TINY_RUN, cli_env, run_cli
+from conftest import TINY_RUN, popen_cli, run_cli
 from stalwart.comm.launch import free_port
 from test_observe_sinks import scrape
 
@@ -18,13 +17,13 @@ pytestmark = pytest.mark.e2e
 def test_two_ranks_export_prometheus_and_write_profiler_traces(tmp_path):
     port = free_port()
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *TINY_RUN, "--nproc-per-node", "2",
-         "--training.steps", "16", "--checkpoint.interval", "0", "--checkpoint.at_end", "false",
-         "--observe.prometheus_port", str(port), "--observe.timings_flush_every", "2", "--profile.steps", "3-4",
-         # steps 5-16 are slowed down so the endpoints are scraped while the run trains
-         "--fault.inject", "slow:rank=0,factor=4,steps=5-16"],
-        env=cli_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = popen_cli(
+        "train", "--run.dir", str(run), *TINY_RUN, "--nproc-per-node", "2",
+        "--training.steps", "16", "--checkpoint.interval", "0", "--checkpoint.at_end", "false",
+        "--observe.prometheus_port", str(port), "--observe.timings_flush_every", "2", "--profile.steps", "3-4",
+        # steps 5-16 are slowed down so the endpoints are scraped while the run trains
+        "--fault.inject", "slow:rank=0,factor=4,steps=5-16",
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline, got = time.monotonic() + 120, None
         while time.monotonic() < deadline and proc.poll() is None:

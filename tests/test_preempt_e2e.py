@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_RUN, cli_env, read_metrics, run_cli
+from conftest import REPO, TINY_RUN, cli_env, popen_cli, read_metrics, run_cli
 
 from stalwart.checkpoint.manager import MANIFEST
 
@@ -33,8 +33,8 @@ def test_sigterm_saves_the_step_exits_75_and_the_rerun_resumes_there(tmp_path):
     # every process of the job: the workers get SIGTERM directly and again from the launcher.
     args = [*TINY_RUN, "--training.steps", "2000", "--checkpoint.interval", "0", "--nproc-per-node", "2",
             "--sample.max_new_tokens", "0"]
-    launcher = subprocess.Popen([sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *args],
-                                env=cli_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    launcher = popen_cli("train", "--run.dir", str(run), *args,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 240

@@ -10,11 +10,10 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 
 import httpx
 import pytest
-from conftest import REPO, cli_env, read_metrics, run_cli
+from conftest import popen_cli, read_metrics, run_cli
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
@@ -36,8 +35,8 @@ def test_rloo_and_dr_grpo_each_train_two_steps(tmp_path):
 def _run_all(root):
     """One run per algorithm; dr_grpo's reward workers send their programs to a sandbox service (the
     run's default limits), whose metrics are kept in <root>/service_metrics.txt."""
-    service = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", "sandbox", "--serve", "--service.port", "0"],
-                               cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    service = popen_cli("rl", "sandbox", "--serve", "--service.port", "0",
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = service.stdout.readline()
         assert line.startswith("stalwart rl sandbox: serving on http://127.0.0.1:"), line + service.stdout.read()

@@ -10,13 +10,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, read_metrics, run_cli
+from conftest import REPO, cli_env, popen_cli, read_metrics, run_cli
 from controller_kill import has, journal, kill_when, start
 
 from stalwart.paths import RunPaths
@@ -71,7 +70,7 @@ def _same_steps(a: Path, b: Path) -> None:
 
 def test_sync_run_is_reproducible_and_loses_nothing_when_workers_are_killed(tmp_path, plain):
     hurt = tmp_path / "hurt"
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", *TINY, "--run.dir", str(hurt)], cwd=REPO,
+    proc = popen_cli("rl", *TINY, "--run.dir", str(hurt), cwd=REPO,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed: list = []
     killer = threading.Thread(target=_kill_when, args=(hurt, [(1, "generator"), (2, "reward"), (3, "trainer")],
@@ -274,7 +273,7 @@ def test_async_run_survives_a_generator_and_a_trainer_killed_while_weights_are_i
     run = tmp_path / "async-hurt"
     args = [*TINY, "--rl.mode", "async", "--rl.logprobs", "engine", "--rl.steps", "5", "--rl.max_tokens", "48",
             "--workers.generators", "2", "--workers.trainers", "2", "--parallelism.data_parallel", "shard"]
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", *args, "--run.dir", str(run)], cwd=REPO,
+    proc = popen_cli("rl", *args, "--run.dir", str(run), cwd=REPO,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed: list = []
     killer = threading.Thread(target=_kill_when, args=(run, [(2, "generator"), (3, "trainer")], killed, proc))

@@ -14,13 +14,12 @@ import pickle
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from conftest import REPO, cli_env, run_cli
+from conftest import REPO, cli_env, popen_cli, run_cli
 
 from stalwart.config.rl import SandboxConfig
 from stalwart.rl.sandbox import (
@@ -64,7 +63,7 @@ def service():
     """`stalwart rl sandbox --serve` with LIMITS, 2 sandboxes at once and 2 waiting: its address."""
     if not shutil.which("bwrap"):
         pytest.skip("needs bubblewrap (apt-get install bubblewrap)")
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "rl", "sandbox", "--serve", *SERVICE], cwd=REPO,
+    proc = popen_cli("rl", "sandbox", "--serve", *SERVICE, cwd=REPO,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_RUN, assert_same_states, cli_env, run_cli, step_losses
+from conftest import REPO, TINY_RUN, assert_same_states, cli_env, popen_cli, run_cli, step_losses
 
 from stalwart.checkpoint.manager import MANIFEST
 
@@ -71,8 +71,8 @@ def test_killed_worker_restarts_second_run_refused_killed_launcher_takes_its_wor
     run, clean = tmp_path / "run", tmp_path / "clean"
     steps = ["--training.steps", "2000"]  # the same schedule for every run here; reruns stop early
     slow = ["--fault.inject", "slow:rank=1,factor=10,steps=1-2000"]  # sleeps only: the losses are unchanged
-    launcher = subprocess.Popen([sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *COMMON, *steps,
-                                 *slow, "--nproc-per-node", "2"], env=cli_env(), cwd=REPO, stdout=subprocess.DEVNULL,
+    launcher = popen_cli("train", "--run.dir", str(run), *COMMON, *steps,
+                                 *slow, "--nproc-per-node", "2", stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: (run / "checkpoints" / "step-8").is_dir(), 240, "the first run's step 8")
@@ -125,9 +125,8 @@ def test_ctrl_c_stops_every_worker_in_one_line_and_the_run_resumes(tmp_path):
     """Ctrl-C reaches the launcher and every worker (one process group): one line, exit 130, no worker
     left, and the same command resumes from the newest checkpoint."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *COMMON, "--training.steps", "2000",
-           "--nproc-per-node", "2"]
-    launcher = subprocess.Popen(cmd, env=cli_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    cmd = ["train", "--run.dir", str(run), *COMMON, "--training.steps", "2000", "--nproc-per-node", "2"]
+    launcher = popen_cli(*cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
     try:
         _wait_for(lambda: (run / "checkpoints" / "step-4").is_dir(), 240, "the first checkpoint")

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import REPO, TINY_RUN, cli_env, run_cli
+from conftest import TINY_RUN, popen_cli, run_cli
 
 openai = pytest.importorskip("openai")
 
@@ -49,8 +48,8 @@ class Server:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.port_file = tmp / f"port-{time.monotonic_ns()}"
         self.log = open(tmp / f"server-{self.port_file.name}.log", "a+")  # this server's output only
-        self.proc = subprocess.Popen([sys.executable, "-m", "stalwart", "serve", *args, "--port", "0",
-                                      "--port-file", str(self.port_file)], env=cli_env(), cwd=REPO,
+        self.proc = popen_cli("serve", *args, "--port", "0",
+                                      "--port-file", str(self.port_file),
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_serving()
 

@@ -13,14 +13,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import REPO, TINY_RUN, cli_env, run_cli
+from conftest import TINY_RUN, popen_cli, run_cli
 from test_serve_e2e import Server, process_tree
 
 pytestmark = pytest.mark.e2e
@@ -30,9 +29,9 @@ PROMPTS = ["def ", "import json\n", "class Foo("]
 
 def start_train(run: Path, log: Path, *extra: str) -> subprocess.Popen:
     """`stalwart train` in a session of its own (so the test can stop its workers with it)."""
-    return subprocess.Popen([sys.executable, "-m", "stalwart", "train", "--run.dir", str(run), *TINY_RUN,
-                             "--model.init_std", "0.4", "--sample.max_new_tokens", "0", *extra],
-                            env=cli_env(), cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    return popen_cli("train", "--run.dir", str(run), *TINY_RUN,
+                             "--model.init_std", "0.4", "--sample.max_new_tokens", "0", *extra,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
