@@ -1,4 +1,5 @@
-"""Shared test helpers: run the real CLI in a subprocess, and a small real-text corpus.
+"""Shared test helpers: run the real CLI in a subprocess (forked from a preloaded interpreter:
+tests/preloaded_cli.py), and a small real-text corpus.
 
 Every test belongs to exactly one tier (markers registered in pyproject.toml):
 
@@ -155,8 +156,14 @@ def popen_cli(*args: str, **kwargs) -> subprocess.Popen:
     (tests/preloaded_cli.py) unless ``STALWART_TEST_FRESH_CLI=1``."""
     kwargs.setdefault("env", cli_env())
     kwargs.setdefault("cwd", REPO)
+    cmd = [sys.executable, "-m", "stalwart", *args]
     server = _preloaded_cli()
-    return (subprocess.Popen if server is None else server.popen)([sys.executable, "-m", "stalwart", *args], **kwargs)
+    if server is not None:
+        try:
+            return server.popen(cmd, **kwargs)
+        except OSError:  # the server is gone (killed from outside): a fresh interpreter from now on
+            _preloaded[0] = None
+    return subprocess.Popen(cmd, **kwargs)
 
 
 def run_cli(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@ the trainer, instead of a fresh one importing them again (about 4.5 s of CPU per
 development machine, and the suite runs a few hundred commands).
 
 Each xdist worker starts one server (``python tests/preloaded_cli.py SOCKET``) at its first command. The
-server imports what ``stalwart.launch.fork.preload`` names (torch, its compiler stack, the trainer) and
+server imports what ``stalwart.launch.fork.preload`` names (torch, its compiler stack, the trainer, the replica) and
 the command-line modules, and nothing else: it runs no torch operation and starts no thread, so a fork
 of it is a clean process, as the training launcher's forked workers are. For each command it forks a
 handler, which forks the command's process (so the server never waits), tells the client its pid
@@ -43,10 +43,10 @@ class PreloadedCli:
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
         self.dir = tempfile.mkdtemp(prefix="stalwart-cli-")
         self.path = os.path.join(self.dir, "socket")
-        self.server = subprocess.Popen([sys.executable, __file__, self.path], env=env, cwd=cwd,
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                       stderr=open(os.path.join(self.dir, "server.log"), "wb"),
-                                       start_new_session=True)
+        with open(os.path.join(self.dir, "server.log"), "wb") as log:
+            self.server = subprocess.Popen([sys.executable, __file__, self.path], env=env, cwd=cwd,
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                           start_new_session=True)
         atexit.register(self.close)
 
     def ready(self, timeout_s: float = 120.0) -> bool:
@@ -152,9 +152,10 @@ def _quiet():
 # The server side: runs in its own interpreter (this file as a script).
 
 def _serve(path: str) -> None:
-    from stalwart.launch.fork import preload
+    from stalwart.launch.fork import WORKERS, preload
 
-    preload()
+    for module in WORKERS:  # what a training launcher and a replica's launcher import before they fork
+        preload(module)
     import stalwart.cli  # noqa: F401  (the dispatcher; each command imports its own module when run)
 
     if len(os.listdir("/proc/self/task")) != 1:

@@ -365,9 +365,12 @@ def test_a_forked_worker_starts_like_a_new_process():
 
     from stalwart.launch.fork import _as_a_new_process, forkable
 
-    assert forkable(sys.executable, ["-u", "-m", "stalwart.train", "--config", "debug"]) == ["--config", "debug"]
-    assert forkable(sys.executable, ["-u", "-m", "other.module"]) is None
-    assert forkable("/usr/bin/env", ["-m", "stalwart.train"]) is None
+    train, replica = "stalwart.train", "stalwart.serve.replica"
+    assert forkable(sys.executable, ["-u", "-m", train, "--config", "debug"], train) == ["--config", "debug"]
+    assert forkable(sys.executable, ["-u", "-m", replica, "--", "--tp", "2"], replica) == ["--", "--tp", "2"]
+    assert forkable(sys.executable, ["-u", "-m", train, "--config", "debug"], replica) is None
+    assert forkable(sys.executable, ["-u", "-m", "other.module"], train) is None
+    assert forkable("/usr/bin/env", ["-m", train], train) is None
     saved = {s: signal.getsignal(s) for s in signal.valid_signals() if callable(signal.getsignal(s))}
     saved.update({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
     try:

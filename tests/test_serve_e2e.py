@@ -108,17 +108,36 @@ class Server:
         return r.json()
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux /proc)."""
+def _parents() -> dict[int, int]:
+    """Every process's parent (Linux /proc)."""
     parents = {}
     for p in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
             if p.name.isdigit():
                 parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux /proc)."""
+    parents = _parents()
     tree = [pid]
     for p in tree:
         tree += [child for child, parent in parents.items() if parent == p]
     return tree
+
+
+def replica_ranks(pid: int) -> list[int]:
+    """The replica processes under ``pid``: each one-process replica a router started (``python -m
+    stalwart.serve.replica``), and each rank of a multi-process one (a fork of its launcher, ``python -m
+    stalwart.serve.launcher``)."""
+    tree, parents = process_tree(pid), _parents()
+    lines = {}
+    for p in tree:
+        with contextlib.suppress(OSError):
+            lines[p] = Path(f"/proc/{p}/cmdline").read_bytes()
+    launchers = {p for p, line in lines.items() if b"stalwart.serve.launcher" in line}
+    return sorted(p for p, line in lines.items() if b"stalwart.serve.replica" in line or parents.get(p) in launchers)
 
 
 def greedy_at_once(server: Server, prompts: list[str]) -> list[str | None]:
@@ -285,8 +304,7 @@ def test_tensor_parallel_pipeline_and_replicas_equal_one_process(runs, tmp_path)
         # kill -9 of one rank: the launcher stops the group, and `stalwart serve` starts it again, with the
         # weights it last applied (run b, version 1), not those its command line names.
         pp.port_file.unlink()
-        ranks = [p for p in process_tree(pp.proc.pid)
-                 if b"stalwart.serve.replica" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        ranks = replica_ranks(pp.proc.pid)
         assert len(ranks) == 2, ranks
         os.kill(max(ranks), signal.SIGKILL)
         pp.wait_serving()

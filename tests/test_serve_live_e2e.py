@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import TINY_RUN, popen_cli, run_cli
-from test_serve_e2e import Server, process_tree
+from test_serve_e2e import Server, replica_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -151,8 +151,7 @@ def stream(server: Server, body: dict, kill_after: int | None = None) -> str:
                 text += "".join(c["text"] for c in event["choices"])
                 chunks += 1
                 if chunks == kill_after:
-                    replica = [p for p in process_tree(server.proc.pid)
-                               if b"stalwart.serve.replica" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                    replica = replica_ranks(server.proc.pid)
                     os.kill(replica[0], signal.SIGKILL)
     return text
 

@@ -50,6 +50,8 @@ from stalwart.runtime.group import bound_tcp_store, listen_on
 from stalwart.runtime.settings import free_port
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
+TRAIN = "stalwart.train"  # the module every training worker runs
+
 
 class SupervisedAgent(LocalElasticAgent):
     def __init__(self, *args, stalwart_supervisor: Supervisor, **kwargs) -> None:
@@ -244,14 +246,14 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     config.monitor_interval = fault_cfg.monitor_interval_s
     config.max_restarts = max_restarts
     entrypoint, entry_args = cmd, cmd_args
-    train_argv = forkable(cmd, cmd_args) if fork_workers and sys.platform.startswith("linux") else None
+    train_argv = forkable(cmd, cmd_args, TRAIN) if fork_workers and sys.platform.startswith("linux") else None
     launcher = {"command_start": process_start_time(os.getpid()), "fork_workers": train_argv is not None}
     if train_argv is not None:
         t0 = time.perf_counter()
-        preload()
+        preload(TRAIN)
         launcher["preload_s"] = round(time.perf_counter() - t0, 3)
         config.start_method = "fork"
-        entrypoint, entry_args = forked_worker, train_argv
+        entrypoint, entry_args = forked_worker, (TRAIN, *train_argv)
     usage = resource.getrusage(resource.RUSAGE_SELF)  # what the launcher's start cost, whatever the load
     launcher["launcher_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
     paths.root.mkdir(parents=True, exist_ok=True)

@@ -1,28 +1,39 @@
-"""Workers forked from the launcher (``launch.fork_workers``): the trainer is imported once, here.
+"""Workers forked from their launcher: what they import is imported once, in the launcher.
 
 torch's agent starts a function entrypoint with ``start_method = fork``: each worker, first or
-restarted, is a copy of the launcher that already holds the trainer's modules, instead of a fresh
-interpreter importing them again (about 3 s of CPU per worker on the development machine). The
-launcher must not have initialised an accelerator or run parallel CPU work before it forks; it
-imports modules only.
+restarted, is a copy of the launcher that already holds the worker's modules, instead of a fresh
+interpreter importing them again (about 3 s of CPU per worker on the development machine). Two
+launchers do it: the training launcher (``launch.fork_workers``; the worker is ``stalwart.train``) and
+the launcher of a ``serve --tp/--pp`` replica's processes (``serve/launcher.py``; the worker is
+``stalwart.serve.replica``). The launcher must not have initialised an accelerator or run parallel CPU
+work before it forks; it imports modules only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import sys
 
+# The module a worker runs (``python -m MODULE ARGS``) -> the module whose ``main(argv) -> int`` it calls
+# and the modules it imports before its first step (the launcher imports them once).
+WORKERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "stalwart.train": ("stalwart.train.__main__", ("stalwart.train.trainer",)),
+    "stalwart.serve.replica": ("stalwart.serve.replica", (
+        "stalwart.serve.replica", "stalwart.infer.engine", "stalwart.infer.load", "stalwart.infer.group",
+        "stalwart.serve.app", "stalwart.serve.http", "stalwart.serve.loop", "stalwart.runtime.group")),
+}
 
-def forked_worker(*argv: str) -> None:
-    """A training worker forked from the launcher (``launch.fork_workers``): the launcher imported the
-    trainer before its first start, so no worker, first or restarted, imports it again. Runs
-    ``stalwart.train`` with ``argv``; a failure leaves with its exit code, success returns to torch's
-    wrapper (which hands the launcher the result)."""
+
+def forked_worker(module: str, *argv: str) -> None:
+    """A worker forked from its launcher, which imported ``module``'s modules (``preload``) before its
+    first start, so no worker, first or restarted, imports them again. Runs ``python -m module`` with
+    ``argv``; a failure leaves with its exit code, success returns to torch's wrapper (which hands the
+    launcher the result)."""
     _as_a_new_process()
-    from stalwart.train.__main__ import main
-
+    main = importlib.import_module(WORKERS[module][0]).main
     code = main(list(argv))
     if code:
         sys.stdout.flush()
@@ -44,18 +55,20 @@ def _as_a_new_process() -> None:
             stream.reconfigure(line_buffering=True, write_through=True)
 
 
-def preload() -> None:
-    """Import, once, what a training worker imports before its first step, so that every worker forked
-    from this process has it: the trainer, and torch's compiler stack, which the first call of
-    ``torch.use_deterministic_algorithms`` imports (1.5 s of CPU per worker otherwise)."""
+def preload(module: str) -> None:
+    """Import, once, what a worker running ``module`` imports before its first step, so that every
+    worker forked from this process has it: its modules, and torch's compiler stack, which the first
+    call of ``torch.use_deterministic_algorithms`` imports (1.5 s of CPU per worker otherwise)."""
     import torch._inductor  # noqa: F401
 
-    import stalwart.train.trainer  # noqa: F401
+    for name in WORKERS[module][1]:
+        importlib.import_module(name)
 
 
-def forkable(cmd, cmd_args: list[str]) -> list[str] | None:
-    """The ``stalwart.train`` arguments of a worker command line torchrun's parser built, else None."""
+def forkable(cmd, cmd_args: list[str], module: str) -> list[str] | None:
+    """The arguments of ``module`` in a worker command line torchrun's parser built (``python [-u] -m
+    module ARGS``), else None."""
     if cmd != sys.executable or "-m" not in cmd_args:
         return None
     i = cmd_args.index("-m")
-    return list(cmd_args[i + 2:]) if cmd_args[i + 1:i + 2] == ["stalwart.train"] else None
+    return list(cmd_args[i + 2:]) if cmd_args[i + 1:i + 2] == [module] else None

@@ -1,7 +1,7 @@
 """One replica over several processes: ``python -m stalwart.serve.launcher N -- <replica options>``.
 
 torch's elastic agent runs the N processes of ``python -m stalwart.serve.replica`` (a tensor- and/or
-pipeline-parallel group) in this process, with two differences from ``torchrun``:
+pipeline-parallel group) in this process, with three differences from ``torchrun``:
 
 - every socket the group listens on is on loopback: the agent's rendezvous store and the group's store
   that rank 0 serves (torch's bind every interface; both are ``runtime.group.bound_tcp_store`` on
@@ -11,6 +11,8 @@ pipeline-parallel group) in this process, with two differences from ``torchrun``
   stops serving, tells the other ranks to stop, and every process exits 0); a second one is torch's
   forced stop (the signal to every worker, then SIGKILL after its shutdown timeout). Either way no
   launcher traceback, and a stop that was asked for is exit status 0, as with one process.
+- every process is a fork of this one, which imports the replica's modules once first
+  (``launch.fork``), instead of a new interpreter importing torch, the engine and the server again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from stalwart.runtime.device import LOOPBACK
 
 USER_ERROR = 2
+REPLICA = "stalwart.serve.replica"  # the module every process runs
 
 
 class OrderedStopAgent(LocalElasticAgent):
@@ -58,10 +61,10 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
-    # NOTE: the store patch and the log filter are the training launcher's (one copy of each).
+    # NOTE: the store patch, the log filter and the forked workers are the training launcher's (one copy of each).
     from stalwart.launch.agent import patched_agent, quiet_process_logs
+    from stalwart.launch.fork import forkable, forked_worker, preload
 
-    from stalwart.runtime.device import LOOPBACK
     from stalwart.runtime.group import listen_on
 
     listen_on(LOOPBACK)
@@ -70,9 +73,15 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     args = get_args_parser().parse_args(
         ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0", "--local-addr", LOOPBACK,
-         "--module", "stalwart.serve.replica", "--", *replica_args])
+         "--module", REPLICA, "--", *replica_args])
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", f"{LOOPBACK}:0", str(uuid.uuid4())
     config, cmd, cmd_args = config_from_args(args)
+    entrypoint, entry_args = cmd, cmd_args
+    replica_argv = forkable(cmd, cmd_args, REPLICA) if sys.platform.startswith("linux") else None
+    if replica_argv is not None:  # every process, first or started again, a fork of this one
+        preload(REPLICA)
+        config.start_method = "fork"
+        entrypoint, entry_args = forked_worker, (REPLICA, *replica_argv)
 
     def before_workers(sig: int, _frame) -> None:  # nothing to stop in order yet
         OrderedStopAgent.stops += 1
@@ -82,7 +91,7 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
         signal.signal(sig, before_workers)
     try:
         with patched_agent(OrderedStopAgent), quiet_process_logs():
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except SignalException:  # a forced stop: torch has stopped the workers
         return 0
     except ChildFailedError as e:

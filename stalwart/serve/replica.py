@@ -1,8 +1,8 @@
 """One model replica: load, split over the tensor-parallel group, run the engine, serve HTTP on rank 0.
 
 With one process it runs in the `stalwart serve` process itself; with ``--tp N --pp M`` torch's
-elastic agent (``serve/launcher.py``) starts N x M copies of ``python -m stalwart.serve.replica`` and
-rank 0 serves while the others follow its steps (``infer/group.py``). The device and the process group
+elastic agent (``serve/launcher.py``) runs N x M copies of ``python -m stalwart.serve.replica``, each
+forked from that launcher once it has imported the replica's modules, and rank 0 serves while the others follow its steps (``infer/group.py``). The device and the process group
 come from the runtime (``engine.device``; the group's store on loopback).
 """
 
@@ -153,20 +153,19 @@ def _note_stop_signals() -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    """Entry of a replica process started by `stalwart serve` (alone, or as one rank of serve/launcher.py's group)."""
+    """Entry of a replica process started by `stalwart serve` (alone, or as one rank of serve/launcher.py's
+    group, forked from that launcher): its exit status (2, with one line, for what the user must fix)."""
     from stalwart.serve.options import device_setting, parse
 
     die_with_parent()
     argv = argv[1:] if argv[:1] == ["--"] else argv
-    cfg, source, port_file, weights_file = parse(argv)
-    return run_replica(cfg, source, port_file, device_setting(argv), weights_file)
+    try:
+        cfg, source, port_file, weights_file = parse(argv)
+        return run_replica(cfg, source, port_file, device_setting(argv), weights_file)
+    except UserError as e:
+        print(f"stalwart serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as e:
-        print(f"stalwart serve: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C before serving began (while loading): nothing to shut down
-        sys.exit(130)
+    sys.exit(main(sys.argv[1:]))
