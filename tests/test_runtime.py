@@ -153,9 +153,9 @@ def test_a_store_port_is_free_and_outside_the_range_connections_draw_from():
     from torch.distributed.elastic.rendezvous import api as rdzv_api
 
     from stalwart.launch.agent import patched_agent
-    from stalwart.runtime.settings import LOOPBACK, _ephemeral_range, free_port
+    from stalwart.runtime.settings import LOOPBACK, _lowest_ephemeral_port, free_port
 
-    low, _ = _ephemeral_range()
+    low = _lowest_ephemeral_port()
     ports = {free_port(LOOPBACK) for _ in range(20)} | {free_port() for _ in range(20)}
     assert len(ports) > 30 and all(10000 <= p < low for p in ports), sorted(ports)
     for port in ports:  # each is free now

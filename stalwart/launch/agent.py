@@ -39,7 +39,7 @@ from stalwart.ft.supervisor import (
     classify,
 )
 from stalwart.atomic import write_text_atomic
-from stalwart.launch.fork import forkable, forked_worker, preload
+from stalwart.launch.fork import forked_entry
 from stalwart.launch.workers import root_cause, stopped
 from stalwart.ft.records import process_start_time, read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
@@ -246,14 +246,12 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
     config.monitor_interval = fault_cfg.monitor_interval_s
     config.max_restarts = max_restarts
     entrypoint, entry_args = cmd, cmd_args
-    train_argv = forkable(cmd, cmd_args, TRAIN) if fork_workers and sys.platform.startswith("linux") else None
-    launcher = {"command_start": process_start_time(os.getpid()), "fork_workers": train_argv is not None}
-    if train_argv is not None:
-        t0 = time.perf_counter()
-        preload(TRAIN)
+    t0 = time.perf_counter()
+    forked = forked_entry(config, cmd, cmd_args, TRAIN) if fork_workers else None
+    launcher = {"command_start": process_start_time(os.getpid()), "fork_workers": forked is not None}
+    if forked is not None:
         launcher["preload_s"] = round(time.perf_counter() - t0, 3)
-        config.start_method = "fork"
-        entrypoint, entry_args = forked_worker, (TRAIN, *train_argv)
+        entrypoint, entry_args = forked
     usage = resource.getrusage(resource.RUSAGE_SELF)  # what the launcher's start cost, whatever the load
     launcher["launcher_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
     paths.root.mkdir(parents=True, exist_ok=True)

@@ -18,12 +18,12 @@ import signal
 import sys
 
 # The module a worker runs (``python -m MODULE ARGS``) -> the module whose ``main(argv) -> int`` it calls
-# and the modules it imports before its first step (the launcher imports them once).
+# and the other modules it imports before its first step (the launcher imports them all once).
 WORKERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stalwart.train": ("stalwart.train.__main__", ("stalwart.train.trainer",)),
     "stalwart.serve.replica": ("stalwart.serve.replica", (
-        "stalwart.serve.replica", "stalwart.infer.engine", "stalwart.infer.load", "stalwart.infer.group",
-        "stalwart.serve.app", "stalwart.serve.http", "stalwart.serve.loop", "stalwart.runtime.group")),
+        "stalwart.infer.engine", "stalwart.infer.load", "stalwart.infer.group", "stalwart.serve.app",
+        "stalwart.serve.http", "stalwart.serve.loop", "stalwart.runtime.group")),
 }
 
 
@@ -61,7 +61,8 @@ def preload(module: str) -> None:
     call of ``torch.use_deterministic_algorithms`` imports (1.5 s of CPU per worker otherwise)."""
     import torch._inductor  # noqa: F401
 
-    for name in WORKERS[module][1]:
+    main, others = WORKERS[module]
+    for name in (main, *others):
         importlib.import_module(name)
 
 
@@ -72,3 +73,14 @@ def forkable(cmd, cmd_args: list[str], module: str) -> list[str] | None:
         return None
     i = cmd_args.index("-m")
     return list(cmd_args[i + 2:]) if cmd_args[i + 1:i + 2] == [module] else None
+
+
+def forked_entry(config, cmd, cmd_args: list[str], module: str) -> tuple | None:
+    """Where torchrun's worker command line runs ``module`` (on Linux): ``module``'s modules imported
+    here, torch's launch ``config`` set to fork, and the entrypoint with its arguments; else None."""
+    argv = forkable(cmd, cmd_args, module) if sys.platform.startswith("linux") else None
+    if argv is None:
+        return None
+    preload(module)
+    config.start_method = "fork"
+    return forked_worker, (module, *argv)

@@ -24,12 +24,12 @@ EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
 LOWEST_PORT = 10000  # below it: the well-known and registered services a machine may start later
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _lowest_ephemeral_port() -> int:
     try:
-        low, high = (int(v) for v in open(EPHEMERAL_PORTS).read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        with open(EPHEMERAL_PORTS) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port(host: str = "") -> int:
@@ -41,7 +41,7 @@ def free_port(host: str = "") -> int:
     take it in between (a port from ``bind(0)`` is in it, and under load one was taken: rank 0 then
     failed with "address already in use"). Only the ephemeral range is left where the range below is
     too small."""
-    low, _ = _ephemeral_range()
+    low = _lowest_ephemeral_port()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     rng = random.SystemRandom()
     candidates = [rng.randrange(LOWEST_PORT, low) for _ in range(64)] if low - LOWEST_PORT >= 1024 else []

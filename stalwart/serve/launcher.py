@@ -63,7 +63,7 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
 
     # NOTE: the store patch, the log filter and the forked workers are the training launcher's (one copy of each).
     from stalwart.launch.agent import patched_agent, quiet_process_logs
-    from stalwart.launch.fork import forkable, forked_worker, preload
+    from stalwart.launch.fork import forked_entry
 
     from stalwart.runtime.group import listen_on
 
@@ -76,12 +76,8 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
          "--module", REPLICA, "--", *replica_args])
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", f"{LOOPBACK}:0", str(uuid.uuid4())
     config, cmd, cmd_args = config_from_args(args)
-    entrypoint, entry_args = cmd, cmd_args
-    replica_argv = forkable(cmd, cmd_args, REPLICA) if sys.platform.startswith("linux") else None
-    if replica_argv is not None:  # every process, first or started again, a fork of this one
-        preload(REPLICA)
-        config.start_method = "fork"
-        entrypoint, entry_args = forked_worker, (REPLICA, *replica_argv)
+    # every process, first or started again, a fork of this one
+    entrypoint, entry_args = forked_entry(config, cmd, cmd_args, REPLICA) or (cmd, cmd_args)
 
     def before_workers(sig: int, _frame) -> None:  # nothing to stop in order yet
         OrderedStopAgent.stops += 1
