@@ -337,6 +337,29 @@ def test_root_cause_prefers_the_rank_that_failed_first():
     assert root_cause({0: 1, 1: -9}, paths, 0.0, [{"rank": 0, "time": 5.0}]) == 0  # an injected fault wins
 
 
+def test_a_rank_that_left_for_a_peer_points_to_that_peer(tmp_path):
+    """Ranks agree on an error (a checkpoint file only rank 1 reads) and leave together; the agent may see
+    rank 0's exit (a peer record) before rank 1's. The cause is rank 1, once its record is there, and
+    until then the agent is told to wait for it; a failure of rank 0's own is never waited on."""
+    from stalwart.ft.records import record_exit
+    from stalwart.launch.workers import awaiting_cause, root_cause
+
+    paths = RunPaths(tmp_path)
+    record_exit(paths, 0, ValueError("rank 1 could not read it"), user_error=True, peer=True)
+    assert awaiting_cause({0: 2}, paths, 0.0)
+    assert root_cause({0: 2}, paths, 0.0, []) == 0  # nothing else known yet
+    record_exit(paths, 1, ValueError("rng-rank1.json is malformed"), user_error=True)
+    assert awaiting_cause({0: 2}, paths, 0.0)  # recorded, but its process has not exited yet
+    assert root_cause({0: 2}, paths, 0.0, []) == 1
+    assert not awaiting_cause({0: 2, 1: 2}, paths, 0.0)
+    assert root_cause({0: 2, 1: 2}, paths, 0.0, []) == 1
+    assert not awaiting_cause({}, paths, 0.0)
+    own = RunPaths(tmp_path / "own")
+    record_exit(own, 0, RuntimeError("out of memory"))
+    record_exit(own, 1, RuntimeError("gloo: connection closed"))  # a later, non-peer record of a rank not seen
+    assert not awaiting_cause({0: 1}, own, 0.0) and root_cause({0: 1}, own, 0.0, []) == 0
+
+
 def test_pid_alive_counts_a_zombie_as_dead():
     import subprocess
     import sys

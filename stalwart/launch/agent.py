@@ -40,7 +40,7 @@ from stalwart.ft.supervisor import (
 )
 from stalwart.atomic import write_text_atomic
 from stalwart.launch.fork import forked_entry
-from stalwart.launch.workers import root_cause, stopped
+from stalwart.launch.workers import awaiting_cause, root_cause, stopped
 from stalwart.ft.records import process_start_time, read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
@@ -51,6 +51,7 @@ from stalwart.runtime.settings import free_port
 from stalwart.ft.runlock import LAUNCHER_PID_ENV, LOCK_HOLDER_ENV, RunLock
 
 TRAIN = "stalwart.train"  # the module every training worker runs
+PEER_GRACE_S = 2.0  # how long ranks that left for a peer's failure wait for that peer to exit
 
 
 class SupervisedAgent(LocalElasticAgent):
@@ -104,6 +105,12 @@ class SupervisedAgent(LocalElasticAgent):
         now = time.time()
         codes = self._exitcodes()
         self._first_failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        deadline = time.monotonic() + PEER_GRACE_S
+        while awaiting_cause(self._first_failed, self.sup.paths, self.sup.attempt_start) and (
+                time.monotonic() < deadline):
+            time.sleep(0.05)
+            codes = self._exitcodes()
+            self._first_failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         if self._first_failed:
             self._kill_group()
         result = super()._monitor_workers(worker_group)
@@ -277,7 +284,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         sup = holder.get("sup")
         since = sup.attempt_start if sup else 0.0
         rank = root_cause(e.failures, paths, since, sup.injected_since(since) if sup else [])
-        exitcode = e.failures[rank].exitcode
+        exitcode = getattr(e.failures.get(rank), "exitcode", None)
         if sup is not None and sup.failures:  # what the supervisor saw first-hand
             rank, exitcode = sup.failures[-1]["rank"], sup.failures[-1]["exitcode"]
         verdict = sup.verdict if sup else ""

@@ -26,7 +26,8 @@ def root_cause(failures: dict, paths: RunPaths, since: float, injected: list[dic
     failure records): an injected fault's rank, else one killed by a signal other than the SIGTERM torch
     sends the survivors, else the earliest to record its exit (``<run>/ft/exit``: crashes and user
     errors), else one that exited by itself, else the lowest. Given the ranks the agent saw failed before
-    it stopped any, that is the choice among them only."""
+    it stopped any, that is the choice among them only, except that ranks which only saw a peer fail
+    point to the rank whose own record they saw (see ``awaiting_cause``)."""
     codes = {r: getattr(f, "exitcode", f) for r, f in failures.items()}
     if not codes:
         return -1
@@ -36,8 +37,21 @@ def root_cause(failures: dict, paths: RunPaths, since: float, injected: list[dic
     signalled = [r for r, c in codes.items() if c is not None and c < 0 and c != -signal.SIGTERM]
     if signalled:
         return min(signalled)
-    exits = {r: rec for r, rec in read_exit_records(paths, since).items() if r in codes}
+    records = read_exit_records(paths, since)
+    exits = {r: rec for r, rec in records.items() if r in codes}
+    if exits and all(rec.get("peer") for rec in exits.values()):
+        # Each of these stopped because another rank failed: that rank's own record names the cause,
+        # though its process may still be exiting (ranks that agree on an error leave together).
+        exits = {r: rec for r, rec in records.items() if not rec.get("peer")} or exits
     if exits:  # a rank that stopped only because a peer failed is never the cause
         return min(exits, key=lambda r: (bool(exits[r].get("peer")), exits[r]["time"]))
     own = [r for r, c in codes.items() if c not in _STOPPED_BY_US]
     return min(own or codes)
+
+
+def awaiting_cause(failed: dict[int, int], paths: RunPaths, since: float) -> bool:
+    """Whether every rank in ``failed`` (rank -> exit code) left because a peer failed: ranks that agree
+    on an error leave together, and the one whose own error it is may still be on its way out, worth a
+    moment's wait before the agent stops the group (and sees the wrong rank first)."""
+    records = read_exit_records(paths, since)
+    return bool(failed) and all(records.get(r, {}).get("peer") for r in failed)
