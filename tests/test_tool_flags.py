@@ -21,6 +21,20 @@ CASES = [
     ("stalwart.cli.generate", ["--run", ".", "--temperature", "-1"], "--temperature must be a finite number"),
     ("stalwart.cli.generate", ["--run", ".", "--max-new-tokens", "-5"], "--max-new-tokens must be at least 0"),
     ("stalwart.cli.generate", ["--run", ".", "--seed", str(2**70)], "--seed must be within"),
+    # the benchmarks' flags are range-checked as they are parsed (config.arguments)
+    ("stalwart.bench.inference", ["--flavors", "tiny"], "argument --flavors: 'tiny': expected FLAVOR:VOCAB"),
+    ("stalwart.bench.inference", ["--flavors", "tiny:1024,nope:8"], "'nope:8': choose from debug, tiny"),
+    ("stalwart.bench.inference", ["--workloads", "batch 2"], "'batch 2': choose from batch 1, batch 32, mixed"),
+    ("stalwart.bench.inference", ["--max-batch-tokens", "0"], "--max-batch-tokens: must be at least 64 (got 0)"),
+    ("stalwart.bench.inference", ["--decode-attention", "grouped,grouped"], "give each value once"),
+    ("stalwart.bench.throughput", ["--procs", "1,x"], "argument --procs: expected an integer, got 'x'"),
+    ("stalwart.bench.throughput", ["--warmup", "0"], "argument --warmup: must be at least 1 (got 0)"),
+    ("stalwart.bench.data", ["--rss-mb", "100,-1"], "argument --rss-mb: '-1': must be above 0 (got -1)"),
+    ("stalwart.bench.moe", ["--tokens", "200"], "--tokens must be a multiple of 128 (got 200)"),
+    ("stalwart.bench.observe_overhead", ["--steps", "0"], "argument --steps: must be at least 1 (got 0)"),
+    ("stalwart.bench.layouts", ["--only", "tp=3"], "argument --only: 'tp=3': choose from 1 process"),
+    ("stalwart.bench.checkpoint", ["--seq", "-1"], "argument --seq: must be at least 1 (got -1)"),
+    ("stalwart.bench.speculative", ["--run", ".", "--temperature", "-1"], "--temperature: must be at least 0.0"),
 ]
 
 
@@ -74,6 +88,10 @@ def test_an_output_directory_that_is_a_file_is_named(tmp_path):
     from stalwart.ft.runlock import RunLock
     from stalwart.paths import RunPaths
 
+    with pytest.raises(UserError, match="is not a run directory .*nothing to report"):
+        report.main([str(tmp_path)])
+    assert not (tmp_path / "report").exists()
+    RunPaths(tmp_path).events.write_text("")
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="--out: .*file is a file, not a directory"):
         report.main([str(tmp_path), "--out", str(tmp_path / "file")])

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 import torch
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least
 from stalwart.runtime.device import DEVICES, HOST, resolve_device
 
 
@@ -154,8 +154,8 @@ def _repeat(model, opt, tokens, work: Path, r: int, asyn, events: list, flavor: 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench checkpoint", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seq", type=int, default=256, help="tokens in the training step run while async work is in flight")
+    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--seq", type=at_least(1), default=256, help="tokens in the training step run while async work is in flight")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory under /tmp)")
     p.add_argument("--flavor", default="125M", help="model flavor (the figures in the docs use 125M)")
     p.add_argument("--device", default="auto", choices=DEVICES,

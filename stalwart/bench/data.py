@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, listed, positive
 
 
 def _text_corpus(root: Path, mb: float) -> Path:
@@ -125,9 +125,9 @@ def _rss() -> dict:
 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench data", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mb", type=float, default=20.0, help="text for the prepare benchmark (MB)")
-    p.add_argument("--rss-mb", default="100,1000", help="synthetic token-file sizes for the memory test (MB)")
-    p.add_argument("--batches", type=int, default=2000, help="loader batches to time")
+    p.add_argument("--mb", type=positive, default=20.0, help="text for the prepare benchmark (MB)")
+    p.add_argument("--rss-mb", type=listed(positive), default="100,1000", help="synthetic token-file sizes for the memory test (MB)")
+    p.add_argument("--batches", type=at_least(1), default=2000, help="loader batches to time")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:  # one memory measurement, in a fresh process
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
         prep = bench_prepare(root, args.mb)
         print(json.dumps({"prepare": prep}), flush=True)
         print(json.dumps({"loader": bench_loader(prep["prepared_dir"], args.batches)}), flush=True)
-        for mb in (float(x) for x in args.rss_mb.split(",")):
+        for mb in args.rss_mb:
             path = _synthetic(root, mb)
             child = subprocess.run([sys.executable, "-m", "stalwart", "bench", "data", "--child", str(path),
                                     "--batches", str(args.batches)], capture_output=True, text=True,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, listed, one_of
 from stalwart.config.serve import EngineConfig
 from stalwart.export.hf import hf_config, to_hf_state
 from stalwart.infer.attention import decode_mode
@@ -50,6 +50,18 @@ class Result:
     tokens: int
     ttft: list[float]
     tpot: list[float]
+
+
+WORKLOADS = ("batch 1", "batch 32", "mixed")
+PEERS = ("transformers", "transformers-cb")
+
+
+def flavor_vocab(text: str) -> tuple[str, int]:
+    """``--flavors``' item: FLAVOR:VOCAB (a model flavor and its vocabulary size)."""
+    flavor, sep, vocab = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError("expected FLAVOR:VOCAB, e.g. tiny:1024")
+    return one_of(FLAVORS)(flavor), at_least(2)(vocab)
 
 
 def workloads(vocab: int, seed: int = 0) -> dict[str, list[Req]]:
@@ -195,30 +207,30 @@ def build(flavor: str, vocab: int, seed: int = 0):
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench inference", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--flavors", default="tiny:1024,125M:32768", help="flavor:vocab pairs, comma separated")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workloads", default="batch 1,batch 32,mixed")
-    p.add_argument("--peers", default="transformers,transformers-cb",
+    p.add_argument("--flavors", type=listed(flavor_vocab), default="tiny:1024,125M:32768", help="flavor:vocab pairs, comma separated")
+    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--workloads", type=listed(one_of(WORKLOADS)), default=",".join(WORKLOADS))
+    p.add_argument("--peers", type=listed(one_of(PEERS), empty=True), default=",".join(PEERS),
                    help="systems compared with stalwart, comma separated (transformers-cb: transformers' "
                         "continuous batching, skipped where the installed version lacks it)")
-    p.add_argument("--hf-batch", type=int, default=32, help="static batch size of transformers on the mixed trace")
-    p.add_argument("--max-batch-tokens", type=int, default=8192,
+    p.add_argument("--hf-batch", type=at_least(1), default=32, help="static batch size of transformers on the mixed trace")
+    p.add_argument("--max-batch-tokens", type=at_least(EngineConfig().max_seqs), default=8192,
                    help="the engine's token budget per forward pass (engine.max_batch_tokens; serve's default is "
                         "512). 8192 takes every prompt of these workloads in the first step, as transformers' "
                         "static batch does; a smaller budget prefills in chunks between decode steps, which "
-                        "raises the last prompts' time to first token and the first ones' time per token")
+                        "raises the last prompts' time to first token and the first ones' time per token; at "
+                        "least the engine's max_seqs, so every running sequence decodes each step")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where all run (auto = cuda if available)")
     modes = typing.get_args(typing.get_type_hints(EngineConfig)["decode_attention"])
-    p.add_argument("--decode-attention", default="auto",
+    p.add_argument("--decode-attention", type=listed(one_of(modes)), default="auto",
                    help=f"engine.decode_attention, or several comma separated ({', '.join(modes)}): each runs as "
                         "its own system (stalwart-<mode>), interleaved with the others, and the later ones' "
                         "throughput ratios over the first are printed too")
     a = p.parse_args(argv)
     device = resolve_device(a.device)
-    chosen = a.decode_attention.split(",")
-    bad = [m for m in chosen if m not in modes]
-    if bad or len(set(chosen)) < len(chosen):
-        p.error(f"--decode-attention {a.decode_attention!r}: give distinct values among {', '.join(modes)}")
+    chosen = a.decode_attention
+    if len(set(chosen)) < len(chosen):
+        p.error(f"--decode-attention {','.join(chosen)}: give each value once")
     torch.set_grad_enabled(False)
     base = EngineConfig(max_batch_tokens=a.max_batch_tokens)
     engines = {("stalwart" if len(chosen) == 1 else f"stalwart-{m}"): dataclasses.replace(base, decode_attention=m)
@@ -228,13 +240,12 @@ def main(argv: list[str]) -> int:
           "engine.decode_attention " + ", ".join(f"{m} ({decode_mode(m, base.pad_rows, device)})" for m in chosen))
     print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<16} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9}  {'load':>5}   (times in ms; load: 1-minute load average)")
-    for spec in a.flavors.split(","):
-        flavor, vocab = spec.split(":")
-        model, hf = build(flavor, int(vocab))
+    for flavor, vocab in a.flavors:
+        model, hf = build(flavor, vocab)
         model, hf = model.to(device), hf.to(device)
-        loads = workloads(int(vocab))
-        peers = [s for s in a.peers.split(",") if s and (s != "transformers-cb" or has_continuous_batching(hf))]
-        if "transformers-cb" in a.peers.split(",") and "transformers-cb" not in peers:
+        loads = workloads(vocab)
+        peers = [s for s in a.peers if s != "transformers-cb" or has_continuous_batching(hf)]
+        if "transformers-cb" in a.peers and "transformers-cb" not in peers:
             print("# transformers-cb skipped: this transformers has no continuous batching")
         cb: HfContinuous | None = None
         runners = {name: (lambda reqs, _, cfg=cfg: run_engine(model, reqs, engine_config(model, reqs, cfg)))
@@ -249,7 +260,7 @@ def main(argv: list[str]) -> int:
                 cb = HfContinuous(hf, [r for reqs in loads.values() for r in reqs])
             runners[system](warm, "mixed")
             print(f"# {flavor} {system} warm-up: {time.perf_counter() - t:.1f} s", flush=True)
-        for name in a.workloads.split(","):
+        for name in a.workloads:
             reqs = loads[name]
             # (engine, peer): every engine over every peer, and every later engine over the first
             compared = [(e, p) for e in engines for p in peers] + [(e, [*engines][0]) for e in [*engines][1:]]

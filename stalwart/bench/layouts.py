@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, listed, one_of
 from stalwart.paths import RunPaths
 from stalwart.runtime.settings import DEVICES
 
@@ -49,15 +49,15 @@ def run_layout(nproc: int, extra: list[str], steps: int, workdir: Path, device: 
 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench layouts", description=__doc__)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    p.add_argument("--steps", type=at_least(1), default=12)
+    p.add_argument("--only", type=listed(one_of(LAYOUTS)), default=[], help="comma-separated layout names (default: all)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="auto", choices=DEVICES, help="where each layout trains (auto = cuda if available)")
     a = p.parse_args(argv)
     from stalwart.runtime.device import check_device  # imports torch: after the flags are parsed
 
-    check_device(a.device, max(LAYOUTS[n][0] for n in LAYOUTS if not a.only or n in a.only.split(",")), "--device")
-    names = [n for n in LAYOUTS if not a.only or n in a.only.split(",")]
+    names = [n for n in LAYOUTS if not a.only or n in a.only]
+    check_device(a.device, max(LAYOUTS[n][0] for n in names), "--device")
     results = {}
     print(f"{'layout':<14} {'procs':>5} {'tokens/s':>9} {'vs 1 proc':>9} {'params MiB':>10} {'grads MiB':>9} "
           f"{'optim MiB':>9}   (per-rank state bytes of rank 0)")

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, positive
 from stalwart.models.flavors import FLAVORS
 from stalwart.models.moe import MoE, TopKRouter
 from stalwart.runtime.device import DEVICES, HOST, resolve_device, synchronize
@@ -73,13 +73,15 @@ def balance(seed: int, steps: int, rate: float) -> tuple[float, float]:
 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench moe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per forward (multiple of 128)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20, help="forward+backward passes per timing")
-    p.add_argument("--balance_steps", type=int, default=100)
-    p.add_argument("--rate", type=float, default=1e-3, help="bias update per step")
+    p.add_argument("--tokens", type=at_least(128), default=1024, help="tokens per forward (multiple of 128)")
+    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--iters", type=at_least(1), default=20, help="forward+backward passes per timing")
+    p.add_argument("--balance_steps", type=at_least(0), default=100)
+    p.add_argument("--rate", type=positive, default=1e-3, help="bias update per step")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where the expert layers run (auto = cuda if available)")
     a = p.parse_args(argv)
+    if a.tokens % 128:
+        p.error(f"--tokens must be a multiple of 128 (got {a.tokens})")
     device = resolve_device(a.device)
     print(f"expert computation, one debug-moe layer, {a.tokens} tokens, forward+backward ms on {device} "
           f"(torch threads: {torch.get_num_threads()}):")

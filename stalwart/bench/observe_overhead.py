@@ -12,11 +12,13 @@ measured on a 1-process group on the host's backend (a world of 1 makes FSDP ski
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import tempfile
 import time
+
+from stalwart.config.arguments import ArgumentParser, at_least, one_of
+from stalwart.models.flavors import FLAVORS
 
 
 def _micro_timer_us(tmp: str, steps: int = 20000) -> float:
@@ -59,19 +61,18 @@ def _micro_collective_us(rec_factory, n: int = 3000) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="stalwart bench observe", description=__doc__)
-    ap.add_argument("--flavor", default="tiny", help="model flavor (default tiny)")
-    ap.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default 2048, as make train)")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=12, help="steps per A/B arm")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1, as each of 2 ranks)")
+    ap = ArgumentParser(prog="stalwart bench observe", description=__doc__)
+    ap.add_argument("--flavor", type=one_of(FLAVORS), default="tiny", help="model flavor (default tiny)")
+    ap.add_argument("--vocab", type=at_least(2), default=2048, help="vocabulary size (default 2048, as make train)")
+    ap.add_argument("--batch", type=at_least(1), default=4)
+    ap.add_argument("--seq", type=at_least(1), default=256)
+    ap.add_argument("--steps", type=at_least(1), default=12, help="steps per A/B arm")
+    ap.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads (default 1, as each of 2 ranks)")
     args = ap.parse_args(argv)
 
     import torch
     import torch.distributed as dist
 
-    from stalwart.models.flavors import FLAVORS
     from stalwart.models.llama import Transformer
     from stalwart.observe.flight import FlightRecorder
     from stalwart.observe.timer import PhaseTimer, TimingsWriter

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least
 from stalwart.config.serve import EngineConfig
 from stalwart.infer.engine import Engine
 from stalwart.infer.load import Source, build_model, read_source
@@ -78,22 +78,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--source", action="append", default=[],
                     help="Python files or directories the prompts come from (repeatable; default: stdlib "
                          f"{', '.join(DEFAULT_SOURCES)})")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=192)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--tokens", type=int, action="append", default=[],
+    ap.add_argument("--requests", type=at_least(1), default=8)
+    ap.add_argument("--prompt-tokens", type=at_least(1), default=192)
+    ap.add_argument("--max-tokens", type=at_least(1), default=96)
+    ap.add_argument("--tokens", type=at_least(1), action="append", default=[],
                     help="speculative_tokens to try (repeatable; default 2, 4, 8)")
     ap.add_argument("--speculative", choices=("ngram", "draft"), default="ngram",
                     help="how drafts are proposed: prompt lookup, or the --draft-model")
     ap.add_argument("--draft-model", default="",
                     help="the draft model's run directory (or checkpoint, or HF directory), same tokenizer")
-    ap.add_argument("--draft-window", type=int, default=64, help="context tokens the draft reads each step")
-    ap.add_argument("--ngram", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-window", type=at_least(1), default=64, help="context tokens the draft reads each step")
+    ap.add_argument("--ngram", type=at_least(1), default=3)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument("--threads", type=at_least(1), default=1)
     ap.add_argument("--workload", choices=("continue", "edit"), default="continue",
                     help="continue a file's start, or write out again code the prompt holds (see code_prompts)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling")
+    ap.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy; else seeded sampling")
     args = ap.parse_args(argv)
     if (args.speculative == "draft") != bool(args.draft_model):
         ap.error("--speculative draft and --draft-model go together")

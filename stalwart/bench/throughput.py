@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import replace
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, listed
 from stalwart.runtime.settings import DEVICES
 
 REFERENCE = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=256, ffn_hidden=768,
@@ -168,11 +168,11 @@ def elastic_cost(results: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench throughput", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--procs", default="1,2", help="comma-separated process counts to measure")
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=0, help="threads per process (0 = cores / procs)")
+    p.add_argument("--procs", type=listed(at_least(1)), default="1,2", help="comma-separated process counts to measure")
+    p.add_argument("--steps", type=at_least(1), default=20, help="timed steps")
+    p.add_argument("--warmup", type=at_least(1), default=5, help="untimed warm-up steps")
+    p.add_argument("--micro-batch", type=at_least(1), default=8)
+    p.add_argument("--threads", type=at_least(0), default=0, help="threads per process (0 = cores / procs)")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where to train (auto = cuda if available)")
     p.add_argument("--elastic", choices=("off", "on", "both"), default="off",
                    help="training.elastic_exact: off, on, or both interleaved (the default layout and the "
@@ -183,12 +183,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compile", choices=("off", "on", "both"), default="off",
                    help="parallelism.compile: eager, compiled blocks, or both interleaved (start-up = building "
                         "the core plus its first step, which includes the compile)")
-    p.add_argument("--repeats", type=int, default=1, help="measure every configuration this many times")
+    p.add_argument("--repeats", type=at_least(1), default=1, help="measure every configuration this many times")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+    p.add_argument("--profile", type=at_least(0), default=0, metavar="STEPS",
                    help="after timing, profile this many steps on rank 0 and print the per-op breakdown")
     a = p.parse_args(argv)
-    procs = [int(x) for x in a.procs.split(",")]
+    procs = a.procs
     from stalwart.runtime.device import check_device  # imports torch: after the flags are parsed
 
     kind = check_device(a.device, max(procs), "--device")

@@ -40,6 +40,9 @@ def main(argv: list[str]) -> int:
     from stalwart.paths import RunPaths
 
     paths = RunPaths(args.run_dir)
+    if not any(p.exists() for p in (paths.config, paths.metrics, paths.events, paths.timings_dir)):
+        raise UserError(f"{args.run_dir} is not a run directory (no config.toml, metrics.jsonl, events.jsonl or "
+                        "timings): nothing to report")
     out = Path(args.out) if args.out is not None else paths.report_dir
     # Written beside the output directory first and moved in whole, report.html last: a full disk
     # leaves the directory as it was.

@@ -21,8 +21,6 @@ def shrink_record(cfg: JobConfig, before: int, after: int) -> dict:
     """What a shrink from ``before`` to ``after`` processes keeps and changes, for the ``excluded`` event (and
     one line on stderr): the global batch is kept, each data-parallel rank accumulates more micro-batches,
     and with ``training.elastic_exact`` the run goes on bit for bit (parallel/elastic.py)."""
-    import sys
-
     leaves = cfg.training.global_batch // cfg.training.micro_batch
     dp = {n: ParallelDims.resolve(cfg.parallelism, n).dp for n in (before, after)}
     rec = {"shrunk_from": before, "global_batch": cfg.training.global_batch,
