@@ -9,17 +9,17 @@ import pytest
 pytestmark = pytest.mark.unit
 
 CASES = [
-    ("stalwart.cli.doctor", ["--nproc", "0"], "--nproc must be at least 1 (got 0)"),
-    ("stalwart.cli.doctor", ["--iters", "0"], "--iters must be at least 1"),
+    ("stalwart.cli.doctor", ["--nproc", "0"], "argument --nproc: must be at least 1 (got 0)"),
+    ("stalwart.cli.doctor", ["--iters", "0"], "argument --iters: must be at least 1"),
     ("stalwart.cli.doctor", ["--tolerance", "nan"], "--tolerance is a fraction worse than the median"),
-    ("stalwart.cli.doctor", ["--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
+    ("stalwart.cli.doctor", ["--nproc", "two"], "argument --nproc: expected an integer, got 'two'"),
     ("stalwart.cli.report", [], "the following arguments are required: run_dir"),
     ("stalwart.cli.export", ["--format", "onnx"], "invalid choice: 'onnx'"),
     ("stalwart.bench.sandbox", ["--programs", "0"], "must be at least 1"),
     ("stalwart.cli.dashboard", [".", "--port", "99999"], "--port must be within 0-65535 (got 99999)"),
     ("stalwart.cli.generate", ["--run", ".", "--temperature", "nan"], "--temperature must be a finite number"),
     ("stalwart.cli.generate", ["--run", ".", "--temperature", "-1"], "--temperature must be a finite number"),
-    ("stalwart.cli.generate", ["--run", ".", "--max-new-tokens", "-5"], "--max-new-tokens must be at least 0"),
+    ("stalwart.cli.generate", ["--run", ".", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be at least 0 (got -5)"),
     ("stalwart.cli.generate", ["--run", ".", "--seed", str(2**70)], "--seed must be within"),
     # the benchmarks' flags are range-checked as they are parsed (config.arguments)
     ("stalwart.bench.inference", ["--flavors", "tiny"], "argument --flavors: 'tiny': expected FLAVOR:VOCAB"),

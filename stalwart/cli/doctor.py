@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least
 
 
 def main(argv: list[str]) -> int:
@@ -13,18 +13,14 @@ def main(argv: list[str]) -> int:
         "Spawn N local processes (gloo) and measure per rank: matmul GFLOP/s, all-reduce latency and bus "
         "bandwidth, ring exchange with the neighbours. Ranks worse than the median by more than --tolerance are "
         "flagged. Exit status 1 when a rank is flagged or the check fails."))
-    ap.add_argument("--nproc", type=int, default=2, help="processes to spawn (default 2)")
-    ap.add_argument("--matmul-n", type=int, default=512, help="matmul size n (n x n @ n x n; default 512)")
-    ap.add_argument("--mb", type=int, default=4, help="all-reduce payload in MB (default 4)")
-    ap.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (default 10)")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default 1)")
+    ap.add_argument("--nproc", type=at_least(1), default=2, help="processes to spawn (default 2)")
+    ap.add_argument("--matmul-n", type=at_least(1), default=512, help="matmul size n (n x n @ n x n; default 512)")
+    ap.add_argument("--mb", type=at_least(1), default=4, help="all-reduce payload in MB (default 4)")
+    ap.add_argument("--iters", type=at_least(1), default=10, help="timed iterations per measurement (default 10)")
+    ap.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads per process (default 1)")
     ap.add_argument("--tolerance", type=float, default=0.3, help="allowed fraction worse than the median")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    for flag, value in (("--nproc", args.nproc), ("--matmul-n", args.matmul_n), ("--mb", args.mb),
-                        ("--iters", args.iters), ("--threads", args.threads)):
-        if value < 1:
-            ap.error(f"{flag} must be at least 1 (got {value})")
     if not args.tolerance >= 0:
         ap.error(f"--tolerance is a fraction worse than the median, at least 0 (got {args.tolerance})")
     from stalwart.observe.doctor import format_report, health_check

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from stalwart.checkpoint.run_checkpoint import load_run_model, run_paths
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least
 from stalwart.runtime.settings import DEVICES
 
 
@@ -15,20 +15,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--run", required=True, help="run directory (runs/<name>)")
     p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: newest complete)")
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=at_least(0), default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40, help="0 = no top-k filtering")
+    p.add_argument("--top-k", type=at_least(0), default=40, help="0 = no top-k filtering")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the model runs (auto = cuda if available); the same seed draws the same tokens "
                         "anywhere up to the device's arithmetic, since sampling runs on the host")
     a = p.parse_args(argv)
-    if a.max_new_tokens < 0:
-        p.error(f"--max-new-tokens must be at least 0 (got {a.max_new_tokens})")
     if not a.temperature >= 0 or a.temperature == float("inf"):  # nan fails the comparison
         p.error(f"--temperature must be a finite number, at least 0 (got {a.temperature})")
-    if a.top_k < 0:
-        p.error(f"--top-k must be at least 0 (got {a.top_k})")
     if not 0 <= a.seed < 2**63:
         p.error(f"--seed must be within [0, 2^63) (got {a.seed})")
     run_paths(Path(a.run))  # not a run directory: one line, before torch loads
