@@ -17,7 +17,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, listed
 
 
 def _workload(programs: int, cases: int) -> list:
@@ -55,19 +55,14 @@ def main(argv: list[str]) -> int:
     from stalwart.rl.sandbox import Sandbox
 
     p = ArgumentParser(prog="stalwart bench sandbox", description=__doc__.split("\n\n")[0])
-    p.add_argument("--programs", type=int, default=60, help="programs scored per measurement")
-    p.add_argument("--cases", type=int, default=3, help="test cases per program")
-    p.add_argument("--threads", default="2", help="comma-separated thread counts timed after the serial run")
-    p.add_argument("--repeats", type=int, default=3, help="repeats of the whole measurement")
+    p.add_argument("--programs", type=at_least(1), default=60, help="programs scored per measurement")
+    p.add_argument("--cases", type=at_least(1), default=3, help="test cases per program")
+    p.add_argument("--threads", type=listed(at_least(1)), default="2", help="comma-separated thread counts timed after the serial run")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="repeats of the whole measurement")
     p.add_argument("--url", default="", help="also time a sandbox service (comma-separated addresses: "
                                              "`stalwart rl sandbox --serve` prints its own)")
     args = p.parse_args(argv)
-    try:
-        threads = [int(t) for t in args.threads.split(",") if t]
-    except ValueError:
-        p.error(f"--threads: expected comma-separated integers, got {args.threads!r}")
-    if args.programs < 1 or args.cases < 1 or args.repeats < 1 or any(t < 1 for t in threads):
-        p.error("--programs, --cases, --repeats and every --threads count must be at least 1")
+    threads = args.threads
     scorers = {"local": Sandbox(SandboxConfig())}
     if args.url:
         from stalwart.rl.sandbox_client import SandboxClient

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from monarch.actor import endpoint
 
-from stalwart.config.arguments import ArgumentParser
+from stalwart.config.arguments import ArgumentParser, at_least, one_of, positive
 from stalwart.controller.gang import GangMesh, PerMember
 from stalwart.controller.mesh import ActorMesh
 from stalwart.rl.generator import GeneratorActor
@@ -179,21 +179,16 @@ def main(argv: list[str]) -> int:
     from stalwart.runtime.standalone import abandon
 
     p = ArgumentParser(prog="stalwart bench weight-sync", description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavor", default="125M", help=f"model shape ({', '.join(FLAVORS)})")
-    p.add_argument("--dim", type=int, default=0, help="override the flavor's hidden size (0 = keep)")
-    p.add_argument("--layers", type=int, default=0, help="override the flavor's layer count (0 = keep)")
-    p.add_argument("--trainers", type=int, default=2, help="trainer ranks (FSDP-sharded)")
-    p.add_argument("--generators", type=int, default=1, help="generators")
-    p.add_argument("--bucket-mb", type=float, default=GRPOConfig.weight_sync_bucket_mb, help="weight sync bucket, MiB")
-    p.add_argument("--repeats", type=int, default=3, help="syncs per path, interleaved")
+    p.add_argument("--flavor", type=one_of(FLAVORS), default="125M", help=f"model shape ({', '.join(FLAVORS)})")
+    p.add_argument("--dim", type=at_least(0), default=0, help="override the flavor's hidden size (0 = keep)")
+    p.add_argument("--layers", type=at_least(0), default=0, help="override the flavor's layer count (0 = keep)")
+    p.add_argument("--trainers", type=at_least(1), default=2, help="trainer ranks (FSDP-sharded)")
+    p.add_argument("--generators", type=at_least(1), default=1, help="generators")
+    p.add_argument("--bucket-mb", type=positive, default=GRPOConfig.weight_sync_bucket_mb, help="weight sync bucket, MiB")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="syncs per path, interleaved")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--json", default="", help="also write every sync's row to this file")
     args = p.parse_args(argv)
-    if args.flavor not in FLAVORS:
-        p.error(f"--flavor: unknown flavor {args.flavor!r}; choose from {', '.join(FLAVORS)}")
-    if min(args.trainers, args.generators, args.repeats) < 1 or args.bucket_mb <= 0 or min(args.dim, args.layers) < 0:
-        p.error("--trainers, --generators and --repeats must be at least 1, --bucket-mb positive, --dim and "
-                "--layers not negative")
     if args.json and Path(args.json).is_dir():
         p.error(f"--json: {args.json} is a directory")
     kind = check_device(args.device, 1, "--device")
