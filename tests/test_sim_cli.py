@@ -49,7 +49,8 @@ def test_simulate_help_documents_every_field():
 
 
 def test_simulate_bad_input_is_one_line_and_nonzero(tmp_path):
-    for args in (["--job.gpuz", "8"], ["--job.gpus", "many"], ["--config", "missing-preset"],
+    for args in (["--job.gpuz", "8"], ["--job.gpus", "many"], ["--job.gpus", str(10**11)],
+                 ["--config", "missing-preset"],
                  ["--sweep", "job.gpus"], ["--checkpoint.mode", "lazy"], ["--checkpoint.interval_min", "nan"],
                  ["--plot", str(tmp_path)], ["--json", "/proc/stalwart-sim.json"]):
         proc = run_cli("simulate", *args, check=False)

@@ -126,7 +126,8 @@ def _rss() -> dict:
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench data", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=positive, default=20.0, help="text for the prepare benchmark (MB)")
-    p.add_argument("--rss-mb", type=listed(positive), default="100,1000", help="synthetic token-file sizes for the memory test (MB)")
+    p.add_argument("--rss-mb", type=listed(positive), default="100,1000",
+                   help="synthetic token-file sizes for the memory test (MB)")
     p.add_argument("--batches", type=at_least(1), default=2000, help="loader batches to time")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -207,13 +207,15 @@ def build(flavor: str, vocab: int, seed: int = 0):
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="stalwart bench inference", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--flavors", type=listed(flavor_vocab), default="tiny:1024,125M:32768", help="flavor:vocab pairs, comma separated")
+    p.add_argument("--flavors", type=listed(flavor_vocab), default="tiny:1024,125M:32768",
+                   help="flavor:vocab pairs, comma separated")
     p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--workloads", type=listed(one_of(WORKLOADS)), default=",".join(WORKLOADS))
     p.add_argument("--peers", type=listed(one_of(PEERS), empty=True), default=",".join(PEERS),
                    help="systems compared with stalwart, comma separated (transformers-cb: transformers' "
                         "continuous batching, skipped where the installed version lacks it)")
-    p.add_argument("--hf-batch", type=at_least(1), default=32, help="static batch size of transformers on the mixed trace")
+    p.add_argument("--hf-batch", type=at_least(1), default=32,
+                   help="static batch size of transformers on the mixed trace")
     p.add_argument("--max-batch-tokens", type=at_least(EngineConfig().max_seqs), default=8192,
                    help="the engine's token budget per forward pass (engine.max_batch_tokens; serve's default is "
                         "512). 8192 takes every prompt of these workloads in the first step, as transformers' "

@@ -25,7 +25,8 @@ def _number(text: str, kind: type) -> int | float:
     try:
         return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
 
 
 def at_least(low: int | float, kind: type = int) -> Callable[[str], int | float]:
