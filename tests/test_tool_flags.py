@@ -21,6 +21,7 @@ CASES = [
     ("stalwart.cli.generate", ["--run", ".", "--temperature", "-1"], "--temperature must be a finite number"),
     ("stalwart.cli.generate", ["--run", ".", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be at least 0 (got -5)"),
     ("stalwart.cli.generate", ["--run", ".", "--seed", str(2**70)], "--seed must be within"),
+    ("stalwart.cli.generate", ["--run", ".", "--prompt", "ab\udcff"], "--prompt is not valid UTF-8 text"),
     # the benchmarks' flags are range-checked as they are parsed (config.arguments)
     ("stalwart.bench.inference", ["--flavors", "tiny"], "argument --flavors: 'tiny': expected FLAVOR:VOCAB"),
     ("stalwart.bench.inference", ["--flavors", "tiny:1024,nope:8"], "'nope:8': choose from debug, tiny"),
@@ -95,6 +96,10 @@ def test_an_output_directory_that_is_a_file_is_named(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="--out: .*file is a file, not a directory"):
         report.main([str(tmp_path), "--out", str(tmp_path / "file")])
+    from stalwart.cli import data
+
+    with pytest.raises(UserError, match="--out: .*file is a file, not a directory"):
+        data.main(["prepare", "--input", str(tmp_path / "file"), "--out", str(tmp_path / "file")])
     with pytest.raises(UserError, match="--trace-steps: FIRST 3 is after LAST 1"):
         report.main([str(tmp_path), "--trace", "--trace-steps", "3:1"])
     with pytest.raises(UserError, match="run.dir: cannot make the directory .*file/run"):

@@ -102,6 +102,7 @@ def prepare_main(argv: list[str]) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from stalwart.atomic import output_dir
     from stalwart.data.corpus import DataError
     from stalwart.data.prepare import parse_inputs, prepare
     from stalwart.data.tokenizer import eos_id
@@ -110,7 +111,7 @@ def _prepare(args: argparse.Namespace) -> int:
         raise DataError(f"--workers must be at least 1 (got {args.workers})")
     if not 0 <= args.val_fraction <= 0.5:
         raise DataError(f"--val-fraction must be within [0, 0.5] (got {args.val_fraction})")
-    sources, out = parse_inputs(args.input), Path(args.out)
+    sources, out = parse_inputs(args.input), output_dir(args.out, "--out")
     tok = _tokenizer(args, sources, out)
     bar = _Bar(not args.no_progress)
     t0 = time.perf_counter()

@@ -25,6 +25,10 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.temperature >= 0 or a.temperature == float("inf"):  # nan fails the comparison
         p.error(f"--temperature must be a finite number, at least 0 (got {a.temperature})")
+    try:
+        a.prompt.encode("utf-8")  # bytes that are not UTF-8 reach here as lone surrogates
+    except UnicodeEncodeError:
+        p.error("--prompt is not valid UTF-8 text")
     if not 0 <= a.seed < 2**63:
         p.error(f"--seed must be within [0, 2^63) (got {a.seed})")
     run_paths(Path(a.run))  # not a run directory: one line, before torch loads
