@@ -103,14 +103,14 @@ class SupervisedAgent(LocalElasticAgent):
         # First-hand, before torch's poll: a worker that exited with a failure is the failed rank (torch
         # would first stop the others, waiting up to 30 s for a stopped one, and then report them too).
         now = time.time()
-        codes = self._exitcodes()
-        self._first_failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         deadline = time.monotonic() + PEER_GRACE_S
-        while awaiting_cause(self._first_failed, self.sup.paths, self.sup.attempt_start) and (
-                time.monotonic() < deadline):
-            time.sleep(0.05)
+        while True:
             codes = self._exitcodes()
             self._first_failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+            if time.monotonic() >= deadline or not awaiting_cause(self._first_failed, self.sup.paths,
+                                                                   self.sup.attempt_start):
+                break
+            time.sleep(0.05)
         if self._first_failed:
             self._kill_group()
         result = super()._monitor_workers(worker_group)

@@ -53,5 +53,7 @@ def awaiting_cause(failed: dict[int, int], paths: RunPaths, since: float) -> boo
     """Whether every rank in ``failed`` (rank -> exit code) left because a peer failed: ranks that agree
     on an error leave together, and the one whose own error it is may still be on its way out, worth a
     moment's wait before the agent stops the group (and sees the wrong rank first)."""
+    if not failed:  # the healthy path of every monitor tick: no files read
+        return False
     records = read_exit_records(paths, since)
-    return bool(failed) and all(records.get(r, {}).get("peer") for r in failed)
+    return all(records.get(r, {}).get("peer") for r in failed)
