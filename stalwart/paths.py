@@ -200,6 +200,11 @@ class RunPaths:
         return Path("/dev/shm") / f"stalwart-{key}"
 
     # -- fault tolerance ------------------------------------------------------------------------
+    def replica_group(self, group: int) -> "RunPaths":
+        """The run directory of replica group ``group`` (``fault.group_recovery``): group 0 trains in this
+        one, group g > 0 in ``groups/<g>`` (each its own metrics, events, snapshots and checkpoints)."""
+        return self if group == 0 else RunPaths(self.root / "groups" / str(group))
+
     @property
     def ft_dir(self) -> Path:
         return self.root / "ft"

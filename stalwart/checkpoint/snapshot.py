@@ -273,16 +273,10 @@ class SnapshotStore:
             if need:
                 blob = got
                 self._write(self.own_dir, step, blob)
-        state = deserialize(blob, f"snapshot step-{step} of rank {self.rank}")
-        meta = state.get("meta", {})
-        if meta.get("rank") != self.rank or meta.get("step") != step:
-            raise SnapshotError(f"snapshot step-{step} of rank {self.rank}: belongs to rank {meta.get('rank')}")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_sd = restore_into(model_sd, state["model"], "model")
-        optim_sd = restore_into(optim_sd, state["optim"], "optim")
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        set_rng_state(state["rng"])
-        return state["trainer"]
+        def check(meta: dict) -> None:
+            if meta.get("rank") != self.rank or meta.get("step") != step:
+                raise SnapshotError(f"snapshot step-{step} of rank {self.rank}: belongs to rank {meta.get('rank')}")
+        return load_state_blob(blob, model, optimizer, f"snapshot step-{step} of rank {self.rank}", check)
 
     def clear(self) -> None:
         """Drop this rank's snapshots (after a clean finish; frees the RAM)."""
@@ -293,3 +287,27 @@ class SnapshotStore:
             self.job_dir.rmdir()
         except OSError:
             pass
+
+
+def state_blob(model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+               trainer_state: dict[str, Any]) -> bytearray:
+    """This rank's local shard of the model and optimizer, ``trainer_state`` (JSON) and its RNG as one
+    sealed blob, now (the format of a snapshot; a rejoining replica group receives one live)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return BlobLayout.seal(BlobLayout({"meta": meta, "model": model_sd, "optim": optim_sd,
+                                       "trainer": trainer_state, "rng": rng_state()}).fill())
+
+
+def load_state_blob(blob: bytes | bytearray, model: torch.nn.Module, optimizer: torch.optim.Optimizer, what: str,
+                    check=None) -> dict[str, Any]:
+    """Restore a :func:`state_blob` into model, optimizer and RNG (its checksum verified; ``check(meta)``
+    may refuse it first). Returns its trainer state."""
+    state = deserialize(blob, what)
+    if check is not None:
+        check(state.get("meta", {}))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd = restore_into(model_sd, state["model"], "model")
+    optim_sd = restore_into(optim_sd, state["optim"], "optim")
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_rng_state(state["rng"])
+    return state["trainer"]

@@ -68,6 +68,10 @@ def main(argv: list[str]) -> int:
 
     if opts.get("--controller"):
         return _controller(cfg, nproc)
+    if cfg.fault.group_recovery:
+        from stalwart.launch.groups import launch_groups
+
+        return launch_groups(argv, nproc, cfg)
     if nproc == 1 and not supervised(cfg):
         return _worker(cfg)
     return launch(argv, nproc, cfg)

@@ -83,6 +83,19 @@ class FaultConfig:
         "'report' = straggler event and summary line; 'exclude' = also record the rank's host in "
         "<run>/ft/excluded.json for the next launch.", "report")
 
+    group_recovery: bool = option(
+        "Each data-parallel replica group (parallelism.dp_replicate = R >= 2, each of the processes / R ranks) "
+        "fails and recovers on its own: the other groups keep running and redo a lost group's micro-batches in "
+        "the same step, bit for bit (needs training.elastic_exact), and the restarted group rejoins by a live "
+        "transfer from a healthy one (docs/fault-tolerance.md, 'Train through a fault').", False)
+    rejoin_timeout_s: float = option("A lost replica group that has not rejoined within this many seconds, or a "
+                                     "whole-job start whose groups do not all register in it, goes on without "
+                                     "them (group_recovery).", 120.0, min=0.1)
+    lighthouse: str = option("HOST:PORT of the quorum store of the replica groups (group_recovery). Set by the "
+                             "launcher; across hosts give an address of the private cluster network.", "")
+    replica_group: int = option("This process's replica group (group_recovery; set by the launcher, -1 = none).",
+                                -1, min=-1)
+
     def __post_init__(self) -> None:
         validate_timeouts(self.heartbeat_interval_s, self.heartbeat_timeout_s, self.progress_timeout_s,
                           self.collective_timeout_s, self.init_timeout_s)

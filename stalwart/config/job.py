@@ -385,6 +385,17 @@ class JobConfig:
         if t.global_batch % t.micro_batch:
             raise ConfigError(f"training.global_batch ({t.global_batch}) must be a multiple of "
                               f"training.micro_batch ({t.micro_batch})")
+        if self.fault.group_recovery:
+            p = self.parallelism
+            if p.dp_replicate < 2:
+                raise ConfigError("fault.group_recovery needs replica groups to fail separately: set "
+                                  "--parallelism.dp_replicate to 2 or more")
+            if not t.elastic_exact:
+                raise ConfigError("fault.group_recovery redoes a lost group's micro-batches in the canonical gradient "
+                                  "tree: set --training.elastic_exact true")
+            if (t.global_batch // t.micro_batch) % p.dp_replicate:
+                raise ConfigError(f"fault.group_recovery: the {t.global_batch // t.micro_batch} micro-batches of a "
+                                  f"step must split evenly over the {p.dp_replicate} replica groups")
         if self.publish.interval and self.parallelism.pp > 1:
             raise ConfigError(f"publish.interval: live weights cannot be sent from a pipeline-parallel layout "
                               f"(parallelism.pp = {self.parallelism.pp}: each stage holds only its layers); serve "

@@ -60,11 +60,19 @@ class DataLoader:
 
     def build(self, b: int) -> list[Batch]:
         """This rank's micro-batches of global batch ``b`` (reads only this rank's sequences)."""
+        return self._read(b, slice(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank))
+
+    def leaf_batch(self, leaf: int, b: int | None = None) -> Batch:
+        """Micro-batch ``leaf`` of global batch ``b`` (default: the one served last), whichever rank
+        would read it: a replica group redoes an absent group's micro-batches with it."""
+        b = self.batches_served - 1 if b is None else b
+        return self._read(b, slice(leaf * self.micro_batch, (leaf + 1) * self.micro_batch))[0]
+
+    def _read(self, b: int, rows: slice) -> list[Batch]:
         src, seq = batch_plan(b, self.global_batch, self.weights, self.n_sequences, self.seed)
-        mine = slice(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
         L = self.seq_len
-        rows = np.stack([self.streams[s].read(int(k) * L, L + 1) for s, k in zip(src[mine], seq[mine])])
-        return _batches(rows, self.micro_batch)
+        data = np.stack([self.streams[s].read(int(k) * L, L + 1) for s, k in zip(src[rows], seq[rows])])
+        return _batches(data, self.micro_batch)
 
     def next(self) -> list[Batch]:
         b = self.batches_served

@@ -55,9 +55,10 @@ PEER_GRACE_S = 2.0  # how long ranks that left for a peer's failure wait for tha
 
 
 class SupervisedAgent(LocalElasticAgent):
-    def __init__(self, *args, stalwart_supervisor: Supervisor, **kwargs) -> None:
+    def __init__(self, *args, stalwart_supervisor: Supervisor, on_failure=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sup = stalwart_supervisor
+        self.on_failure = on_failure  # told first of every failure of this group (a replica group's quorum)
         self._first_failed: dict[int, int] = {}  # ranks seen failed before anything else was stopped
 
     # ------------------------------------------------------------------ helpers
@@ -132,6 +133,8 @@ class SupervisedAgent(LocalElasticAgent):
             if result.state == WorkerState.HEALTHY:
                 result = RunResult(state=WorkerState.FAILED)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            if self.on_failure is not None:
+                self.on_failure()
             if stall is not None:
                 kind, rank, code = stall.kind, stall.rank, None
             else:
@@ -228,9 +231,10 @@ def quiet_process_logs():
 
 
 def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,
-                   max_restarts: int, fork_workers: bool = True) -> int:
+                   max_restarts: int, fork_workers: bool = True, on_failure=None) -> int:
     """Run torch.distributed.run with our agent; return the documented exit code. ``fork_workers``:
-    start ``stalwart.train`` workers by forking this process, which imports the trainer once first."""
+    start ``stalwart.train`` workers by forking this process, which imports the trainer once first.
+    ``on_failure``: called at once when the agent sees its workers fail (before it restarts them)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser
@@ -272,7 +276,7 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
                          host_size=fault_cfg.host_size or spec.local_world_size)
         sup.launched(time.time(), nproc_per_node=spec.local_world_size, **launcher)
         holder["sup"] = sup
-        return SupervisedAgent(spec, *a, stalwart_supervisor=sup, **kw)
+        return SupervisedAgent(spec, *a, stalwart_supervisor=sup, on_failure=on_failure, **kw)
 
     from torch.distributed.launcher.api import elastic_launch
 

@@ -17,6 +17,7 @@ from stalwart.data.prepared import is_prepared, open_prepared
 from stalwart.data.tokenizer import load_tokenizer
 from stalwart.models.flavors import resolve_args
 from stalwart.parallel.dims import LayoutError, ParallelDims, virtual_stages
+from stalwart.parallel.regroup import check_groups
 from stalwart.paths import RunPaths
 
 
@@ -36,6 +37,8 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
             parse_mix(cfg.data.mix, data.names)
     else:
         Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
+    if cfg.fault.group_recovery:
+        _check_groups(cfg, world)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:
         raise LayoutError(
@@ -49,3 +52,15 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
     check_device(cfg.training.device, nproc, "training.device")
     if paths.tokenizer.is_file():  # a run to resume: its checkpoint must fit the config's model
         Checkpointer.refuse_other_shape(cfg.checkpoint, paths, args)
+
+
+def _check_groups(cfg: JobConfig, world: int) -> None:
+    """``fault.group_recovery``: the processes split into whole replica groups of whole replicas."""
+    p, groups = cfg.parallelism, cfg.parallelism.dp_replicate
+    if world % groups:
+        raise LayoutError(f"fault.group_recovery: {world} processes do not split into {groups} replica groups "
+                          "(parallelism.dp_replicate)")
+    if p.dp_shard not in (-1, 1) or p.tp * p.pp * p.cp * p.ep > 1:
+        raise LayoutError("fault.group_recovery: every rank of a replica group holds the whole model for now "
+                          "(dp_shard, tp, pp, cp and ep must be 1)")
+    check_groups(cfg.training.global_batch // cfg.training.micro_batch, groups, world // groups)

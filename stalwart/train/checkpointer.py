@@ -20,7 +20,7 @@ from typing import Any
 from stalwart.checkpoint.manager import (CheckpointError, CheckpointManager, PeerCheckpointError,
                                          newest_complete_checkpoint)
 from stalwart.checkpoint.writer import TRAINER_STATE, all_gather_object
-from stalwart.checkpoint.snapshot import SnapshotStore
+from stalwart.checkpoint.snapshot import SnapshotStore, load_state_blob, state_blob
 from stalwart.paths import CheckpointDir, RunPaths, checkpoint_step
 from stalwart.train.demotion import RestoreWatch
 from stalwart.train.preempt import Preempted, PreemptionSignal
@@ -95,6 +95,19 @@ class Checkpointer:
         self.core.state.step, self.core.state.tokens_seen = step, int(st["tokens_seen"])
         for name, obj in self.stateful.items():
             obj.load_state_dict(st[name])
+
+    def state_blob(self) -> bytearray:
+        """This rank's whole training state now, as one sealed blob (a rejoining replica group's transfer)."""
+        step = self.core.state.step
+        return state_blob(self.core.model, self.core.optimizer, {"step": step, "rank": self.env.rank},
+                          {"step": step, **self.trainer_state()})
+
+    def restore_blob(self, blob: bytes | bytearray, source: str) -> int:
+        """Restore a :meth:`state_blob` sent by ``source`` (words for the event); returns its step."""
+        st = load_state_blob(blob, self.core.model, self.core.optimizer, f"training state from {source}")
+        self._load_trainer_state(int(st["step"]), st)
+        self.resumed_from = None
+        return int(st["step"])
 
     def restore(self) -> str | None:
         """Resume from the best state available (``memory`` or ``disk``, returned), or initialise from

@@ -119,23 +119,21 @@ class StepRunner:
     def _elastic_step(self, micro: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         """Each micro-batch's gradient and loss into the world-size independent tree; the mean over the
         global batch lands in the gradients (the same on every rank) and is the returned loss."""
-        from stalwart.parallel.elastic import assign_grads, flat_grads
+        from stalwart.parallel.elastic import assign_grads
 
         model = self.pm.stages[0]
         set_aux_grad_scale(model, 1.0)
         for i, batch in enumerate(micro):
+            if self.elastic_last is None:
+                self.elastic.push(self.leaf_value(batch, loss_fn))
+                continue
             inputs, targets, positions = self._prepare(batch)
             with self.timer.phase("forward"):
                 loss = loss_fn(_forward(model, inputs, positions, batch), targets)
-            if self.elastic_last is not None:
-                self.elastic_last[0] = i == len(micro) - 1
-                with self.timer.phase("backward"):
-                    loss.backward()
-                self.elastic.push(_local(loss.detach()).reshape(1).float())
-                continue
+            self.elastic_last[0] = i == len(micro) - 1
             with self.timer.phase("backward"):
                 loss.backward()
-            self.elastic.push(flat_grads(self.params, _local(loss.detach())))
+            self.elastic.push(_local(loss.detach()).reshape(1).float())
         if self.elastic_last is not None:
             self.elastic_last[0] = False
             with self.timer.phase("reduce"):
@@ -143,6 +141,19 @@ class StepRunner:
         with self.timer.phase("reduce"):
             total = self.elastic.total(self.elastic_group).div_(self.elastic.leaves)
         return assign_grads(self.params, total)[0]
+
+    def leaf_value(self, batch: Batch, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """One micro-batch's gradient and loss as one flat vector (``training.elastic_exact`` with whole
+        replicas): the value of one leaf of the canonical tree."""
+        from stalwart.parallel.elastic import flat_grads
+
+        model = self.pm.stages[0]
+        inputs, targets, positions = self._prepare(batch)
+        with self.timer.phase("forward"):
+            loss = (loss_fn or self._loss_fn)(_forward(model, inputs, positions, batch), targets)
+        with self.timer.phase("backward"):
+            loss.backward()
+        return flat_grads(self.params, _local(loss.detach()))
 
     def _pipeline_step(self, micro: list[Batch]) -> torch.Tensor | None:
         inputs = torch.cat([b.inputs for b in micro]).to(self.device)

@@ -29,6 +29,7 @@ from stalwart.metrics.mfu import Peak, peak_tflops, resolve_dtype
 from stalwart.models.flavors import resolve_args
 from stalwart.models.llama import count_params
 from stalwart.parallel.dims import ParallelDims, data_parallel_reason
+from stalwart.parallel.regroup import inner_parallelism
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
 from stalwart.train.config_change import describe_changes, previous_config, replace_config
@@ -40,6 +41,7 @@ from stalwart.train.evaluator import Evaluator
 from stalwart.train.fingerprint import Fingerprinter
 from stalwart.train.observer import Observer, TimedLoader
 from stalwart.train.publisher import WeightPublisher
+from stalwart.train.replicas import ReplicaGroups
 
 
 def _resolve_precision(requested: str, configured_peak: float, env: DistEnv) -> tuple[torch.dtype, str, Peak]:
@@ -59,7 +61,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         self.paths = RunPaths.of(cfg.run)
-        ParallelDims.resolve(cfg.parallelism, env.world_size)  # an impossible layout fails before any work
+        # fault.group_recovery: this process's replica group is a job of its own, each rank a whole replica.
+        grouped = cfg.fault.replica_group >= 0
+        par = inner_parallelism(cfg.parallelism, env.world_size) if grouped else cfg.parallelism
+        ParallelDims.resolve(par, env.world_size)  # an impossible layout fails before any work
         if env.is_main and cfg.parallelism.tp > env.local_world_size:
             print(f"warning: parallelism.tp = {cfg.parallelism.tp} exceeds the {env.local_world_size} processes per "
                   "host: tensor parallelism will cross the inter-host network (see docs/parallelism.md)", flush=True)
@@ -72,20 +77,21 @@ class Trainer:
         model_args = resolve_args(cfg.model, self.tokenizer.get_vocab_size(), cfg.data.seq_len)
         Checkpointer.refuse_other_shape(cfg.checkpoint, self.paths, model_args)  # before the run's config changes
         fits = replica_fits_here(env, count_params(model_args))
-        dims = ParallelDims.resolve(cfg.parallelism, env.world_size, fits)
-        self.layout_reason = data_parallel_reason(cfg.parallelism, dims, fits)
+        dims = ParallelDims.resolve(par, env.world_size, fits)
+        self.layout_reason = data_parallel_reason(par, dims, fits)
         # Settings changed since the previous session (a resume with other flags): named at begin().
         self.config_changes = replace_config(self.paths.config, to_toml(cfg)) if env.is_main else {}
         dp_rank = dims.dp_rank(env.rank)
+        groups = cfg.parallelism.dp_replicate if grouped else 1
         data = self.data.loader(cfg.data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
-                                dp_rank, dims.dp, cfg.run.seed)
+                                max(cfg.fault.replica_group, 0) * dims.dp + dp_rank, groups * dims.dp, cfg.run.seed)
         val_batches = self.data.validation(data, cfg.eval.batches * cfg.training.global_batch,
                                            cfg.training.micro_batch, dp_rank, dims.dp)
 
         # The observer comes first: the core's phases are timed by its timer.
         dtype, self.dtype_reason, peak = _resolve_precision(cfg.training.dtype, cfg.metrics.peak_tflops, env)
         self.peak_source = peak.describe()
-        spec = CoreSpec(model_args, cfg.parallelism, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
+        spec = CoreSpec(model_args, par, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
                         cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic, compute_dtype=dtype,
                         cache_dir=cfg.data.cache)
         self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
@@ -108,6 +114,14 @@ class Trainer:
         self.publisher = WeightPublisher(cfg.publish, self.paths, env, self.core.model, self.observer.events,
                                          self.observer.say, self.observer.phase)
         self.state = self.core.state
+        self.replicas = None
+        if grouped:
+            leaves = cfg.training.global_batch // cfg.training.micro_batch
+            self.replicas = ReplicaGroups(cfg.fault, env, groups, leaves, self.checkpointer, self.fingerprinter,
+                                          self.observer.events, self.observer.say)
+            runner = self.core.runner
+            runner.use_elastic(self.replicas.exchange(lambda leaf: runner.leaf_value(data.leaf_batch(leaf))),
+                               None, self.core.params)
         self.guard = Guard(cfg.fault, self.paths, env.rank, env.world_size, self.observer.events)
         self.core.opt.gates.append(self.guard.gate)
         self.injector = None
@@ -147,12 +161,17 @@ class Trainer:
         self.observer.log(record)
         self.evaluator.maybe_run(n, self.end)
         self.checkpointer.maybe_save(n, self.end, record)
+        if self.replicas is not None:
+            self.replicas.after_step(n)
         self.publisher.maybe_publish(n)
         return record
 
     def begin(self) -> None:
         """Resume (the checkpointer chooses from what), announce the session, evaluate a fresh start."""
-        self.checkpointer.restore()
+        if self.replicas is not None:  # restored, or sent by another replica group
+            self.replicas.begin()
+        else:
+            self.checkpointer.restore()
         self.start_step = self.state.step
         self.guard.resumed(self.state.step)
         self.observer.begin(self.cfg.training.steps, self.state.step, self.end, self._banner(),
