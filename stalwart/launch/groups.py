@@ -100,6 +100,7 @@ def _wait(children: dict[int, int], store, thread: LighthouseThread) -> dict[int
         if pid in children:
             code = os.waitstatus_to_exitcode(status)
             codes[children[pid]] = code
+            store.set(f"gone/{children[pid]}", str(code))  # no start waits for this group again
             if code != 0:
                 store.add(f"failed/{children[pid]}", 1)
     return codes

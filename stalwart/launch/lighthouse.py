@@ -108,7 +108,8 @@ class Lighthouse:
     def _maybe_start(self, now: float) -> None:
         if not self.registered:
             return
-        everyone = len(self.registered) == self.groups
+        expected = {g for g in range(self.groups) if not self.store.check([f"gone/{g}"])}
+        everyone = expected <= set(self.registered)
         if not everyone and now - (self.first_registration or now) < self.rejoin_timeout_s:
             return
         steps = {g: int(r["step"]) for g, r in self.registered.items()}

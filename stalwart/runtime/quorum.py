@@ -14,7 +14,9 @@ across hosts) holds, under the prefix ``q/``:
                       votes is aborted
 - ``join/<g>``        a group's registration (JSON: ``attempt``, ``step`` it restored, -1 = none)
 - ``ack/<g>``         the epoch a registered group is admitted to (JSON: ``epoch``, ``attempt``)
+- ``e<E>/arrived``    how many ranks entered epoch ``E`` (its process group is built once all have)
 - ``failed/<g>``      failures of group ``g`` seen by its supervisor (an ``add`` counter)
+- ``gone/<g>``        group ``g``'s launcher ended: no start waits for it
 - ``live``            1 while some epoch trains (a restarted group then skips its own restore)
 
 A step commits only when every rank of its epoch finished the exchange; a rank that saw the exchange
@@ -84,9 +86,10 @@ def poll(until, timeout_s: float, what: str, first: float = 0.0005, most: float 
 class QuorumClient:
     """One rank's side of the quorum: register, wait for an epoch, vote on each step."""
 
-    def __init__(self, addr: str, group: int, size: int, rank: int, timeout_s: float) -> None:
+    def __init__(self, addr: str, group: int, size: int, rank: int, timeout_s: float, store=None) -> None:
+        """``store``: the quorum's (prefixed) store itself, instead of connecting to ``addr``."""
         self.group, self.size, self.rank, self.timeout_s = group, size, rank, timeout_s
-        self._raw, self.store = open_store(addr, timeout_s)
+        self.store = store if store is not None else open_store(addr, timeout_s)[1]
 
     def live(self) -> bool:
         return text(self.store, "live") == "1"
@@ -110,6 +113,20 @@ class QuorumClient:
         """Epoch ``current + 1`` once the lighthouse (or the rank that took a proposal) wrote it."""
         return poll(lambda: read_json(self.store, f"e{current + 1}"), self.timeout_s,
                     f"replica group {self.group} waiting for epoch {current + 1}", most=0.02)
+
+    def arrive(self, epoch: dict) -> bool:
+        """Wait until every rank of ``epoch`` is here (before its process group is built, which would
+        block on an absent member): True, or False when the epoch broke or a newer one exists first."""
+        e, total = epoch["id"], len(epoch["members"]) * self.size
+        self.store.add(f"e{e}/arrived", 1)
+
+        def ready():
+            if self.store.add(f"e{e}/arrived", 0) >= total:
+                return True
+            if self.store.check([f"e{e}/broken"]) or self.store.check([f"e{e + 1}"]):
+                return False
+            return None
+        return poll(ready, self.timeout_s, f"the ranks of epoch {e}", most=0.02)
 
     def cross_group(self, epoch: dict, timeout_s: float):
         """The process group of every rank of ``epoch``'s members (group order, then rank), on the host's

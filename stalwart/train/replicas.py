@@ -126,16 +126,32 @@ class ReplicaGroups:
             self._enter(epoch)
 
     def _enter(self, epoch: dict) -> None:
-        self.epoch = epoch
-        if epoch["source"] is not None and self.group in [epoch["source"], *epoch["joiners"]]:
-            self._transfer(epoch)
+        """Take part in ``epoch`` (the state sent first where it has joiners), or in a newer one if a member
+        of it is lost before every rank arrived."""
+        while True:
+            self.epoch = epoch
+            if epoch["source"] is not None and self.group in [epoch["source"], *epoch["joiners"]]:
+                self._transfer(epoch)
+            if self.client.arrive(epoch):
+                break
+            epoch = self.client.next_epoch(epoch["id"])
         self.pg = self.client.cross_group(epoch, self.cfg.collective_timeout_s)
 
     def _transfer(self, epoch: dict) -> None:
         """The source's state to the joiners, rank by rank, then the fingerprints compared."""
-        t0 = time.perf_counter()
-        pg = self.client.transfer_group(epoch, self.cfg.collective_timeout_s)
         source = self.group == epoch["source"]
+        try:
+            self._send_or_receive(epoch, source)
+        except RuntimeError as e:  # a joiner lost on the way: its supervisor reports it; the source goes on
+            if not source or isinstance(e, RejoinError):
+                raise
+            if self.rank == 0:
+                self.log("group_transfer_failed", epoch=epoch["id"], joiners=epoch["joiners"],
+                         error=str(e).splitlines()[0][:200])
+
+    def _send_or_receive(self, epoch: dict, source: bool) -> None:
+        t0 = time.perf_counter()
+        pg = self.client.transfer_group(epoch, self.cfg.rejoin_timeout_s)
         blob = _send_bytes(pg, self.checkpointer.state_blob() if source else None)
         if not source:
             self.checkpointer.restore_blob(blob, f"replica group {epoch['source']}")

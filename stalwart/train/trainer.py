@@ -126,7 +126,9 @@ class Trainer:
         self.core.opt.gates.append(self.guard.gate)
         self.injector = None
         if FaultInjector.wanted(cfg.fault):
-            self.injector = FaultInjector(cfg.fault, self.paths, env.rank, self.guard.attempt)
+            # A plan's ranks are the job's: group g's rank r is g * (its size) + r under group_recovery.
+            job_rank = max(cfg.fault.replica_group, 0) * env.world_size + env.rank
+            self.injector = FaultInjector(cfg.fault, self.paths, job_rank, self.guard.attempt)
             self.injector.attach(self.guard, self.core)
         if cfg.debug.dump_grads:
             from stalwart.train.debug import GradientDump

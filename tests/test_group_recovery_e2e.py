@@ -1,0 +1,96 @@
+"""fault.group_recovery through the CLI: 3 replica groups of one process; faults in one group, in two at
+once and in all three, injected and sent from outside. The survivors' processes are never restarted,
+and every step's loss, weights and optimizer state equal an undisturbed run's."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_RUN, popen_cli, read_metrics, run_cli
+
+from stalwart.metrics.records import read_jsonl
+
+STEPS = 150
+JOB = [*TINY_RUN, "--training.global_batch", "6", "--training.micro_batch", "2", "--training.elastic_exact", "true",
+       "--nproc-per-node", "3", "--parallelism.dp_replicate", "3", "--training.steps", str(STEPS),
+       "--checkpoint.interval", "0"]
+GROUPED = [*JOB, "--fault.group_recovery", "true", "--checkpoint.memory_interval", "5",
+           "--fault.heartbeat_timeout_s", "2", "--fault.rejoin_timeout_s", "60"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("groups") / "reference"
+    run_cli("train", *JOB, "--run.dir", str(run))
+    return run
+
+
+def _group(run: Path, g: int) -> Path:
+    return run if g == 0 else run / "groups" / str(g)
+
+
+def _state(run: Path) -> dict[int, tuple]:
+    """step -> (loss, weights, optimizer state) as logged."""
+    return {m["step"]: (m["loss"], m["fingerprint_parts"]["params"], m["fingerprint_parts"]["optim"])
+            for m in read_metrics(run) if "fingerprint_parts" in m}
+
+
+def _assert_bitwise(reference: Path, run: Path) -> None:
+    want = _state(reference)
+    assert sorted(want) == list(range(1, STEPS + 1))
+    for g in range(3):
+        got = _state(_group(run, g))
+        assert got and all(got[s] == want[s] for s in got), f"group {g} differs first at step " + str(
+            min(s for s in got if got[s] != want[s]))
+    # Some group logged every step: the survivors never stopped.
+    assert any(sorted(_state(_group(run, g))) == sorted(want) for g in range(3))
+
+
+def _restarts(run: Path, g: int) -> int:
+    return sum(e["event"] == "restart" for e in read_jsonl(_group(run, g) / "events.jsonl"))
+
+
+@pytest.mark.e2e
+def test_injected_faults_in_one_two_and_all_groups_stay_bitwise(reference, tmp_path):
+    run = tmp_path / "faults"
+    plan = ("kill:rank=2,step=8;"                                      # one group
+            "kill:rank=1,step=30;kill:rank=2,step=30;"                 # two at once: group 0 redoes both
+            "kill:rank=0,step=60;kill:rank=1,step=60;kill:rank=2,step=60")  # all: whole-job fallback
+    run_cli("train", *GROUPED, "--run.dir", str(run), "--fault.inject", plan, "--launch.max_restarts", "5")
+    _assert_bitwise(reference, run)
+    events = read_jsonl(run / "events.jsonl")
+    lost = [e for e in events if e["event"] == "group_epoch" and e["reason"] == "group_lost"]
+    assert {e["lost"] for e in lost} >= {1, 2}
+    assert any(e["event"] == "group_whole_job_fallback" for e in events)
+    redone = [e for e in events if e["event"] == "group_step_redone"]
+    assert {e["step"] for e in redone} >= {8, 30}
+    transfers = [e for e in events if e["event"] == "group_transfer"]
+    assert transfers and all(e["fingerprint_checked"] and e["bytes"] > 0 for e in transfers)
+    # Group 0 was restarted only by the fault that took every group; groups 1 and 2 by theirs.
+    assert (_restarts(run, 0), _restarts(run, 1), _restarts(run, 2)) == (1, 2, 3)
+
+
+@pytest.mark.e2e
+def test_a_group_stopped_from_outside_is_replaced_while_the_others_keep_their_processes(reference, tmp_path):
+    run = tmp_path / "sigstop"
+    proc = popen_cli("train", *GROUPED, "--run.dir", str(run), "--metrics.progress", "false",
+                     stdout=open(tmp_path / "out.txt", "w"), stderr=open(tmp_path / "err.txt", "w"))
+    beats = {g: _group(run, g) / "ft" / "heartbeat" / "rank-0.json" for g in range(3)}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done = [json.loads(p.read_text()).get("step", 0) if p.is_file() else 0 for p in beats.values()]
+        if min(done) >= 15:
+            break
+        time.sleep(0.05)
+    pids = {g: json.loads(p.read_text())["pid"] for g, p in beats.items()}
+    os.kill(pids[1], signal.SIGSTOP)  # past fault.heartbeat_timeout_s: group 1's supervisor replaces it
+    assert proc.wait(timeout=240) == 0, (tmp_path / "err.txt").read_text()[-3000:]
+    after = {g: json.loads(p.read_text())["pid"] for g, p in beats.items()}
+    assert after[0] == pids[0] and after[2] == pids[2] and after[1] != pids[1]
+    assert (_restarts(run, 0), _restarts(run, 1), _restarts(run, 2)) == (0, 1, 0)
+    failure = [e for e in read_jsonl(_group(run, 1) / "events.jsonl") if e["event"] == "failure"]
+    assert failure and failure[0]["kind"] == "unresponsive"
+    _assert_bitwise(reference, run)
