@@ -133,8 +133,6 @@ class SupervisedAgent(LocalElasticAgent):
             if result.state == WorkerState.HEALTHY:
                 result = RunResult(state=WorkerState.FAILED)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            if self.on_failure is not None:
-                self.on_failure()
             if stall is not None:
                 kind, rank, code = stall.kind, stall.rank, None
             else:
@@ -143,6 +141,8 @@ class SupervisedAgent(LocalElasticAgent):
                                    self.sup.injected_since(self.sup.attempt_start))
                 code = seen.get(rank)
                 kind = classify(code)
+            if self.on_failure is not None:
+                self.on_failure({"kind": kind, "rank": rank, "exitcode": code, "time": now})
             decision = self.sup.on_failure(now, kind, rank, code, stall)
             if decision in (CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE, "user_error", "preempted"):
                 self._remaining_restarts = 0  # torch's loop then stops the group and returns the failure
@@ -234,7 +234,8 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
                    max_restarts: int, fork_workers: bool = True, on_failure=None) -> int:
     """Run torch.distributed.run with our agent; return the documented exit code. ``fork_workers``:
     start ``stalwart.train`` workers by forking this process, which imports the trainer once first.
-    ``on_failure``: called at once when the agent sees its workers fail (before it restarts them)."""
+    ``on_failure(info)``: called when the agent sees its workers fail (``kind``, ``rank``, ``exitcode``,
+    ``time``), before it decides what to do."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser

@@ -10,6 +10,8 @@ running. Group ``g`` trains in ``RunPaths.replica_group(g)``: group 0 in the run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -67,10 +69,14 @@ def _group_main(group: int, argv: list[str], nproc: int, cfg: JobConfig, addr: s
         paths = RunPaths.of(cfg.run).replica_group(group)
         snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
         client: list = []
+        # A failed group is stopped at once (SIGKILL, no grace): the other groups hold its state, and the
+        # survivors' exchange waits on its last live rank until that rank is gone.
+        fault = dataclasses.replace(cfg.fault, kill_grace_s=0.0)
 
-        def failed() -> None:  # the lighthouse hears of it before this group's workers are restarted
+        def failed(info: dict) -> None:  # the lighthouse hears of it before this group's workers restart
             if not client:
                 client.append(open_store(addr, cfg.fault.init_timeout_s)[1])
+            client[0].set(f"failure/{group}", json.dumps(info))
             client[0].add(f"failed/{group}", 1)
 
         with RunLock(paths) if group else contextlib.nullcontext():  # the run directory's is the launcher's
@@ -78,7 +84,7 @@ def _group_main(group: int, argv: list[str], nproc: int, cfg: JobConfig, addr: s
             code = run_supervised(["--standalone", f"--nproc-per-node={size}", "--module", TRAIN, *argv,
                                    "--launch.nproc_per_node", str(nproc), "--fault.replica_group", str(group),
                                    "--fault.lighthouse", addr, "--run.dir", str(paths.root)],
-                                  cfg.fault, paths, snap, cfg.launch.restarts(), cfg.launch.fork_workers, failed)
+                                  fault, paths, snap, cfg.launch.restarts(), cfg.launch.fork_workers, failed)
     except BaseException as e:  # noqa: BLE001 - a forked child must not return into its parent's code
         print(f"stalwart train: replica group {group}: {e}", file=sys.stderr, flush=True)
     finally:

@@ -74,6 +74,10 @@ class Lighthouse:
         self.store.set(f"e{self.epoch}/broken", "1")
         left = [m for m in self.members if m != g]
         self.lost_at[g] = now
+        cause = read_json(self.store, f"failure/{g}") or {}
+        self.log("group_lost", group=g, epoch=self.epoch, survivors=left, cause=cause.get("kind"),
+                 rank=cause.get("rank"), exitcode=cause.get("exitcode"),
+                 lighthouse_s=round(now - cause["time"], 4) if "time" in cause else None)
         if left:
             self._open(left, None, [], "group_lost", now, lost=g)
             return

@@ -15,6 +15,7 @@ across hosts) holds, under the prefix ``q/``:
 - ``join/<g>``        a group's registration (JSON: ``attempt``, ``step`` it restored, -1 = none)
 - ``ack/<g>``         the epoch a registered group is admitted to (JSON: ``epoch``, ``attempt``)
 - ``e<E>/arrived``    how many ranks entered epoch ``E`` (its process group is built once all have)
+- ``failure/<g>``     group ``g``'s newest failure as its supervisor saw it (JSON: ``kind``, ``rank``, ``time``)
 - ``failed/<g>``      failures of group ``g`` seen by its supervisor (an ``add`` counter)
 - ``gone/<g>``        group ``g``'s launcher ended: no start waits for it
 - ``live``            1 while some epoch trains (a restarted group then skips its own restore)

@@ -2,7 +2,7 @@
 // profiler traces. Each takes the panels object of one run (GET api/run?run=ID).
 const SVGNS = "http://www.w3.org/2000/svg";
 const COLORS = ["#2b6cb0", "#d9480f", "#2f9e44", "#862e9c", "#e8590c", "#0b7285", "#5c940d", "#c2255c"];
-const FAULTS = /fail|error|restart|fallback|hang|timeout|kill|abort|stopped|rollback/;
+const FAULTS = /fail|error|restart|fallback|hang|timeout|kill|abort|stopped|rollback|group_lost|redone/;
 const byId = (id) => document.getElementById(id);
 let HM_FIELD = null;  // the heat map's field (step time or a phase), kept across refreshes
 
