@@ -94,3 +94,47 @@ def test_a_group_stopped_from_outside_is_replaced_while_the_others_keep_their_pr
     failure = [e for e in read_jsonl(_group(run, 1) / "events.jsonl") if e["event"] == "failure"]
     assert failure and failure[0]["kind"] == "unresponsive"
     _assert_bitwise(reference, run)
+
+
+@pytest.mark.e2e
+def test_groups_on_separate_hosts_through_the_lighthouse_address(reference, tmp_path):
+    """Three emulated hosts (network namespaces, links shaped to 100 Mbit/s), one group each; group 0's
+    host serves the lighthouse at its address; a kill -9 on host 2 restarts only host 2's group."""
+    import subprocess
+    import sys
+
+    from stalwart.comm.netns import IFNAME, NetnsCluster, unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    run = tmp_path / "hosts"
+    at = GROUPED.index("--nproc-per-node")
+    args = GROUPED[:at] + GROUPED[at + 2:]
+    with NetnsCluster(hosts=3, rate_mbit=100) as cluster:
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=IFNAME, PYTHONPATH=str(Path.cwd()))
+        logs = [open(tmp_path / f"host{g}.txt", "w") for g in range(3)]
+        procs = [subprocess.Popen(["ip", "netns", "exec", cluster.names[g], sys.executable, "-m", "stalwart", "train",
+                                   *args, "--nproc-per-node", "1", "--run.dir", str(run), "--fault.replica_group",
+                                   str(g), "--fault.lighthouse", f"{cluster.addr(0)}:29611"],
+                                  env=env, stdout=logs[g], stderr=subprocess.STDOUT) for g in range(3)]
+        try:
+            beat = _group(run, 2) / "ft" / "heartbeat" / "rank-0.json"
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                b = json.loads(beat.read_text()) if beat.is_file() else {}
+                if b.get("step", 0) >= 20:
+                    break
+                time.sleep(0.05)
+            assert b.get("step", 0) >= 20, [(tmp_path / f"host{g}.txt").read_text()[-2000:] for g in range(3)]
+            os.kill(b["pid"], signal.SIGKILL)
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert codes == [0, 0, 0], [(tmp_path / f"host{g}.txt").read_text()[-2000:] for g in range(3)]
+    assert (_restarts(run, 0), _restarts(run, 1), _restarts(run, 2)) == (0, 0, 1)
+    events = read_jsonl(run / "events.jsonl")
+    assert any(e["event"] == "group_lost" and e["group"] == 2 and e["cause"] == "signal" for e in events)
+    assert any(e["event"] == "group_transfer" and e["role"] == "source" for e in events)
+    _assert_bitwise(reference, run)

@@ -5,6 +5,8 @@ and forks one supervised launcher per replica group (``run_supervised``, the sam
 multi-process run, for ``S`` processes). A group's supervisor restarts only its own workers; it tells
 the lighthouse at once through the store (``failed/<g>``), and the other groups' processes keep
 running. Group ``g`` trains in ``RunPaths.replica_group(g)``: group 0 in the run directory itself.
+Across hosts, ``fault.replica_group = g`` runs group ``g`` alone on its host, and group 0's host serves
+the lighthouse at ``fault.lighthouse``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 
 from stalwart.config.job import JobConfig
+from stalwart.errors import UserError
 from stalwart.ft.runlock import LOCK_HOLDER_ENV, RunLock
 from stalwart.launch.agent import TRAIN, run_supervised
 from stalwart.launch.fork import preload
@@ -31,28 +34,40 @@ from stalwart.runtime.settings import free_port
 
 
 def launch_groups(argv: list[str], nproc: int, cfg: JobConfig) -> int:
-    """Run ``cfg.parallelism.dp_replicate`` replica groups of ``nproc / dp_replicate`` workers each; return
-    the job's exit code (0 when the groups that were left finished training)."""
-    groups = cfg.parallelism.dp_replicate
+    """Run the replica groups (``cfg.parallelism.dp_replicate``) of this host; return the job's exit code
+    (0 when the groups that were left finished training).
+
+    One host: every group, ``nproc / dp_replicate`` workers each, and the lighthouse on loopback (or at
+    ``fault.lighthouse``). Several hosts: ``fault.replica_group = g`` runs group ``g`` alone here with
+    ``nproc`` workers, and group 0's host serves the lighthouse at ``fault.lighthouse``."""
+    groups, hosted = cfg.parallelism.dp_replicate, cfg.fault.replica_group >= 0
+    here = [cfg.fault.replica_group] if hosted else list(range(groups))
+    size = nproc if hosted else nproc // groups
     paths = RunPaths.of(cfg.run)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(nproc)))
-    with RunLock(paths):
+    addr = cfg.fault.lighthouse
+    if hosted and not addr:
+        raise UserError("fault.replica_group runs one replica group on this host: give the lighthouse's address "
+                        "(group 0's host) with --fault.lighthouse HOST:PORT")
+    serve = not hosted or here == [0]
+    with RunLock(paths) if not hosted else contextlib.nullcontext():
         os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
-        addr = cfg.fault.lighthouse
         if not addr:
             listen_on(LOOPBACK)
             addr = f"{LOOPBACK}:{free_port(LOOPBACK)}"
         if cfg.launch.fork_workers:
             preload(TRAIN)  # once here: every group's launcher, and every worker, is forked from this process
-        children = {os.fork() or _group_main(g, argv, nproc, cfg, addr): g for g in range(groups)}
-        _, store = open_store(addr, cfg.fault.init_timeout_s, is_master=True)  # after the forks: no copy of it
-        events = EventLog(paths.events, enabled=True)
-        events("group_launch", groups=groups, processes_per_group=nproc // groups, lighthouse=addr,
+        children = {os.fork() or _group_main(g, size, argv, groups * size, cfg, addr, lock=hosted or g > 0): g
+                    for g in here}
+        # After the forks, so that no child holds a copy of the server.
+        _, store = open_store(addr, cfg.fault.init_timeout_s, is_master=serve)
+        events = EventLog(paths.replica_group(here[0]).events if hosted else paths.events, enabled=True)
+        events("group_launch", groups=groups, processes_per_group=size, lighthouse=addr, serves_lighthouse=serve,
                group_launchers={str(g): pid for pid, g in children.items()})
+        lighthouse = LighthouseThread(Lighthouse(store, groups, cfg.fault.rejoin_timeout_s, events)) if serve else None
         try:
-            with LighthouseThread(Lighthouse(store, groups, cfg.fault.rejoin_timeout_s, events)) as thread, \
-                    _forwarding(list(children)):
-                codes = _wait(children, store, thread)
+            with lighthouse or contextlib.nullcontext(), _forwarding(list(children)):
+                codes = _wait(children, store, lighthouse)
         finally:
             events.close()
     finished = [g for g, c in codes.items() if c == 0]
@@ -61,11 +76,11 @@ def launch_groups(argv: list[str], nproc: int, cfg: JobConfig) -> int:
     return 2 if 2 in codes.values() else max(codes.values())
 
 
-def _group_main(group: int, argv: list[str], nproc: int, cfg: JobConfig, addr: str) -> int:
-    """The launcher of replica group ``group`` (a forked child; never returns)."""
+def _group_main(group: int, size: int, argv: list[str], nproc: int, cfg: JobConfig, addr: str, lock: bool) -> int:
+    """The launcher of replica group ``group`` of ``size`` workers (``nproc`` in the job; a forked child;
+    never returns). ``lock``: take the group's run directory (else the parent holds it)."""
     code = 1
     try:
-        size = nproc // cfg.parallelism.dp_replicate
         paths = RunPaths.of(cfg.run).replica_group(group)
         snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
         client: list = []
@@ -79,7 +94,7 @@ def _group_main(group: int, argv: list[str], nproc: int, cfg: JobConfig, addr: s
             client[0].set(f"failure/{group}", json.dumps(info))
             client[0].add(f"failed/{group}", 1)
 
-        with RunLock(paths) if group else contextlib.nullcontext():  # the run directory's is the launcher's
+        with RunLock(paths) if lock else contextlib.nullcontext():
             os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
             code = run_supervised(["--standalone", f"--nproc-per-node={size}", "--module", TRAIN, *argv,
                                    "--launch.nproc_per_node", str(nproc), "--fault.replica_group", str(group),
@@ -93,13 +108,13 @@ def _group_main(group: int, argv: list[str], nproc: int, cfg: JobConfig, addr: s
         os._exit(code)
 
 
-def _wait(children: dict[int, int], store, thread: LighthouseThread) -> dict[int, int]:
+def _wait(children: dict[int, int], store, thread: LighthouseThread | None) -> dict[int, int]:
     """Reap the group launchers; one that ended abnormally counts as its group's failure."""
     codes: dict[int, int] = {}
     while len(codes) < len(children):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if thread.error is not None:
+            if thread is not None and thread.error is not None:
                 raise thread.error
             time.sleep(0.05)
             continue

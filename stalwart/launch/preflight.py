@@ -24,6 +24,8 @@ from stalwart.paths import RunPaths
 def preflight(cfg: JobConfig, nproc: int) -> None:
     """Catch layout and data mistakes before any process is started (one clear line, exit 2)."""
     world = int(os.environ.get("WORLD_SIZE", nproc))
+    if cfg.fault.group_recovery and cfg.fault.replica_group >= 0:  # one replica group of the job on this host
+        world = nproc * cfg.parallelism.dp_replicate
     dims = ParallelDims.resolve(cfg.parallelism, world)
     paths = RunPaths.of(cfg.run)
     vocab = load_tokenizer(paths.tokenizer).get_vocab_size() if paths.tokenizer.is_file() else 256
