@@ -138,3 +138,18 @@ def test_groups_on_separate_hosts_through_the_lighthouse_address(reference, tmp_
     assert any(e["event"] == "group_lost" and e["group"] == 2 and e["cause"] == "signal" for e in events)
     assert any(e["event"] == "group_transfer" and e["role"] == "source" for e in events)
     _assert_bitwise(reference, run)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extra,says", [
+    (["--parallelism.dp_replicate", "1"], "dp_replicate to 2 or more"),
+    (["--training.elastic_exact", "false"], "set --training.elastic_exact true"),
+    (["--parallelism.dp_shard", "2", "--nproc-per-node", "6"], "holds the whole model"),
+    (["--fault.replica_group", "1", "--nproc-per-node", "1"], "give the lighthouse's address"),
+    (["--fault.replica_group", "1", "--nproc-per-node", "1", "--fault.lighthouse", "nowhere"], "must be HOST:PORT"),
+    (["--fault.replica_group", "3", "--nproc-per-node", "1", "--fault.lighthouse", "127.0.0.1:1"], "must be below"),
+])
+def test_a_group_job_that_cannot_run_is_one_line_and_exit_2(tmp_path, extra, says):
+    proc = run_cli("train", *GROUPED, "--run.dir", str(tmp_path / "bad"), *extra, check=False, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -393,6 +393,9 @@ class JobConfig:
             if not t.elastic_exact:
                 raise ConfigError("fault.group_recovery redoes a lost group's micro-batches in the canonical gradient "
                                   "tree: set --training.elastic_exact true")
+            if self.fault.replica_group >= p.dp_replicate:
+                raise ConfigError(f"fault.replica_group ({self.fault.replica_group}) must be below "
+                                  f"parallelism.dp_replicate ({p.dp_replicate}): groups are numbered from 0")
             if (t.global_batch // t.micro_batch) % p.dp_replicate:
                 raise ConfigError(f"fault.group_recovery: the {t.global_batch // t.micro_batch} micro-batches of a "
                                   f"step must split evenly over the {p.dp_replicate} replica groups")

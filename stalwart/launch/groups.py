@@ -29,7 +29,7 @@ from stalwart.metrics.records import EventLog
 from stalwart.paths import RunPaths
 from stalwart.runtime.device import LOOPBACK
 from stalwart.runtime.group import listen_on
-from stalwart.runtime.quorum import open_store
+from stalwart.runtime.quorum import open_store, parse_addr
 from stalwart.runtime.settings import free_port
 
 
@@ -49,6 +49,8 @@ def launch_groups(argv: list[str], nproc: int, cfg: JobConfig) -> int:
     if hosted and not addr:
         raise UserError("fault.replica_group runs one replica group on this host: give the lighthouse's address "
                         "(group 0's host) with --fault.lighthouse HOST:PORT")
+    if addr:
+        parse_addr(addr)  # a malformed address is one line here, before any group starts
     serve = not hosted or here == [0]
     with RunLock(paths) if not hosted else contextlib.nullcontext():
         os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
