@@ -103,6 +103,7 @@ class Supervisor:
     _t0: float = 0.0
     _chaos_fired: list = field(default_factory=list)
     host_size: int = 1                 # ranks per host (exclusion unit)
+    steps_are_progress: bool = False   # a replica group (group_recovery): the steps it trained count as progress
     host_failures: dict = field(default_factory=dict)
     excluded_host: int | None = None
     _seen_running: dict = field(default_factory=dict)   # rank -> the last tick its process was seen running
@@ -242,6 +243,8 @@ class Supervisor:
         if injected:
             step = max(step, int(injected[-1].get("step", step)) - 1)
         progress = newest_state_step(self.run_dir, self.snapshot_dir)
+        if self.steps_are_progress:  # a replica group's state lives in the other groups' memory
+            progress = max(progress, self._max_step)
         phase = self.phase_of(rank)
         own = read_exit_records(self.paths, self.attempt_start).get(rank)
         host = rank // self.host_size if rank >= 0 else -1

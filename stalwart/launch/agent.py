@@ -274,7 +274,8 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         node = int(os.environ.get("GROUP_RANK", "0"))  # unknown before rendezvous: assume a regular grid
         ranks = [node * spec.local_world_size + i for i in range(spec.local_world_size)]
         sup = Supervisor(fault_cfg, paths.root, snapshot_dir, max_restarts, ranks, events,
-                         host_size=fault_cfg.host_size or spec.local_world_size)
+                         host_size=fault_cfg.host_size or spec.local_world_size,
+                         steps_are_progress=fault_cfg.replica_group >= 0)
         sup.launched(time.time(), nproc_per_node=spec.local_world_size, **launcher)
         holder["sup"] = sup
         return SupervisedAgent(spec, *a, stalwart_supervisor=sup, on_failure=on_failure, **kw)

@@ -88,7 +88,8 @@ def _group_main(group: int, size: int, argv: list[str], nproc: int, cfg: JobConf
         client: list = []
         # A failed group is stopped at once (SIGKILL, no grace): the other groups hold its state, and the
         # survivors' exchange waits on its last live rank until that rank is gone.
-        fault = dataclasses.replace(cfg.fault, kill_grace_s=0.0)
+        # Its supervisor counts the steps it trained as progress (crash loops: docs/group-recovery.md).
+        fault = dataclasses.replace(cfg.fault, kill_grace_s=0.0, replica_group=group)
 
         def failed(info: dict) -> None:  # the lighthouse hears of it before this group's workers restart
             if not client:

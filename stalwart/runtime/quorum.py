@@ -142,6 +142,22 @@ class QuorumClient:
         return _gloo(dist.PrefixStore(f"e{epoch['id']}/xfer/{self.rank}", self.store), parties.index(self.group),
                      len(parties), timeout_s)
 
+    def wait_or_abort(self, work, epoch: dict, step: int) -> bool:
+        """Wait for ``work`` (a collective of ``epoch``'s group for ``step``): True when it completed (its
+        error raised here), False when the step was aborted or the epoch broke first."""
+        e = epoch["id"]
+        decided, broken = f"e{e}/s{step}/d", f"e{e}/broken"
+
+        def done():
+            if work.is_completed():
+                work.wait()
+                return True
+            if self.store.check([broken]) or (self.store.check([decided]) and
+                                              self.store.get(decided).decode() == ABORT):
+                return False
+            return None
+        return poll(done, self.timeout_s, f"the exchange of step {step}", first=0.0002, most=0.005)
+
     def vote(self, epoch: dict, step: int, ok: bool) -> str:
         """This rank's outcome of ``step``'s exchange; returns the step's decision (all ranks get the same)."""
         e = epoch["id"]

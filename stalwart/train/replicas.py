@@ -100,13 +100,14 @@ class ReplicaGroups:
         self.epoch: dict = {}
         self.pending: dict | None = None
         self.pg = None
+        self._abandoned: list = []  # process groups and work left behind by aborted exchanges
         self._abort_t: float | None = None
 
     # ------------------------------------------------------------------ joining
     def begin(self) -> None:
         """Restore this group's own state unless a live epoch will send it, register, enter the epoch."""
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        live = self.client.live()
+        live = self._agreed(self.client.live() if self.rank == 0 else False)  # the group's ranks act alike
         step = -1
         if not live:
             self.checkpointer.restore()
@@ -118,6 +119,16 @@ class ReplicaGroups:
         if step < 0 and self.group not in epoch["joiners"]:
             raise QuorumLost("this replica group skipped its restore but was admitted without a transfer")
         self._enter(epoch)
+
+    def _agreed(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, on every rank of this group."""
+        if self.size == 1:
+            return flag
+        import torch.distributed as dist
+
+        box = torch.tensor([int(flag)], device=self.env.device)
+        dist.broadcast(box, src=0)
+        return bool(box.item())
 
     def after_step(self, step: int) -> None:
         """At the step boundary: enter the epoch a committed step took on (a group rejoins)."""
@@ -181,10 +192,15 @@ class ReplicaGroups:
         return GroupExchange(self, self.leaves, compute)
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> bool:
-        """``mine`` from every present rank into ``out`` over the epoch's cross group; False if a peer is gone."""
+        """``mine`` from every present rank into ``out`` over the epoch's cross group; False if a peer is
+        gone, or if the step was aborted meanwhile (a rank whose ring neighbour died may wait on a live
+        neighbour that already left the collective: it is abandoned, never waited out)."""
+        work = self.pg._allgather_base(out, mine)
         try:
-            self.pg._allgather_base(out, mine).wait()
-            return True
+            if self.client.wait_or_abort(work, self.epoch, self.step):
+                return True
+            self._abandoned.append((self.pg, work, out))  # its thread ends at the group's timeout
+            return False
         except RuntimeError as e:
             if self.rank == 0:
                 print(f"stalwart train: replica group {self.group}: step {self.step}: the exchange failed "
