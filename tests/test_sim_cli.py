@@ -28,6 +28,13 @@ def test_simulate_quick_with_json_plot_and_sweep(tmp_path):
     assert doc["sweep"][0]["unplanned"] < doc["sweep"][1]["unplanned"]      # bigger job, more faults
     assert doc["power"]["swing_mw"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # Both recovery models side by side on the same traces, with the assumptions printed and in the JSON.
+    rm = doc["recovery_models"]
+    assert rm["per_group"]["groups"] == rm["assumptions"]["groups"] == 8 and rm["whole_job"]["groups"] == 1
+    assert rm["per_group"]["ettr"]["mean"] >= rm["whole_job"]["ettr"]["mean"]
+    assert "sdc" in rm["assumptions"]["job_wide_causes"] and "faulty_gpu" in rm["assumptions"]["group_local_causes"]
+    assert "per replica group" in proc.stdout and "job-wide causes" in proc.stdout
+    assert [p["recovery_models"]["per_group"]["groups"] for p in doc["sweep"]] == [4, 16]
 
 
 def test_simulate_cluster_preset_and_whatifs(tmp_path):
@@ -44,7 +51,8 @@ def test_simulate_help_documents_every_field():
     assert undocumented_fields(SimConfig) == []
     text = run_cli("simulate", "--help").stdout
     for key in ("job.gpus", "checkpoint.interval_min", "failures.hbm3.rate", "failures.sdc.detect_min",
-                "spares.repair_h", "power.ramp_s", "cluster.placement", "--sweep", "--json", "--plot"):
+                "spares.repair_h", "power.ramp_s", "cluster.placement", "recovery.model", "groups.gpus",
+                "failures.sdc.reach", "--sweep", "--json", "--plot"):
         assert key in text, key
 
 
@@ -52,6 +60,7 @@ def test_simulate_bad_input_is_one_line_and_nonzero(tmp_path):
     for args in (["--job.gpuz", "8"], ["--job.gpus", "many"], ["--job.gpus", str(10**11)],
                  ["--config", "missing-preset"],
                  ["--sweep", "job.gpus"], ["--checkpoint.mode", "lazy"], ["--checkpoint.interval_min", "nan"],
+                 ["--recovery.model", "partial"], ["--groups.gpus", "12"],
                  ["--plot", str(tmp_path)], ["--json", "/proc/stalwart-sim.json"]):
         proc = run_cli("simulate", *args, check=False)
         assert proc.returncode == 2, args

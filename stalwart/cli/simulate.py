@@ -17,8 +17,9 @@ from stalwart.config import ConfigError, help_text, load, to_dict
 from stalwart.sim import report
 from stalwart.sim.cluster import simulate_cluster
 from stalwart.sim.config import SimConfig
-from stalwart.sim.montecarlo import build_job_model, optimal_interval, run, young_daly
+from stalwart.sim.montecarlo import build_job_model, compare_recovery, optimal_interval, run, young_daly
 from stalwart.sim.power import power_report
+from stalwart.sim.recovery import assumptions
 from stalwart.sim.sweep import WHATIFS, as_overrides, grid
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "sim"
@@ -28,9 +29,10 @@ INTRO = """usage: stalwart simulate [--config PRESET|PATH] [--json PATH] [--plot
 
 Discrete-event simulation of one long training job on many GPUs: interruptions by cause, detection,
 restart, spares, checkpoints and planned maintenance; reports ETTR (effective training time ratio)
-with 95% confidence intervals over seeded replications, the wall-time breakdown, the Young/Daly vs
-simulated checkpoint interval, facility power swings, and optionally what-ifs, sweeps and a
-multi-job cluster study.
+with 95% confidence intervals over seeded replications, the wall-time breakdown, whole-job restarts
+side by side with per-replica-group recovery (with its assumptions), the Young/Daly vs simulated
+checkpoint interval, facility power swings, and optionally what-ifs, sweeps and a multi-job cluster
+study.
 
 options:
   --config NAME|PATH   TOML preset: a path, or a name from configs/sim/ (e.g. llama3_405b)
@@ -86,6 +88,8 @@ def simulate(cfg: SimConfig) -> tuple[dict, object]:
     s = run(model, cfg.run.replications, cfg.run.seed)
     yd = young_daly(model)
     doc: dict = {"config": to_dict(cfg), "ettr_runs": s.ettr_runs.tolist(), **s.to_dict(), "checkpoint_interval": yd}
+    if cfg.report.recovery_models:
+        doc["recovery_models"] = recovery_models(cfg, s)
     if cfg.report.optimize_interval:
         best, curve = optimal_interval(model, cfg.report.optimize_replications, cfg.run.seed)
         best_e = max(curve, key=lambda p: p[1].mean)[1]
@@ -101,6 +105,12 @@ def simulate(cfg: SimConfig) -> tuple[dict, object]:
                                           model.restart_s, model.interval_s,
                                           np.random.default_rng(cfg.run.seed)).to_dict()
     return doc, s
+
+
+def recovery_models(cfg: SimConfig, done) -> dict:
+    """Both recovery models on the same failure traces, with the per-group assumptions."""
+    both = compare_recovery(cfg, done)
+    return {"assumptions": assumptions(cfg), **{name: report.recovery_row(x) for name, x in both.items()}}
 
 
 def main(argv: list[str]) -> int:
@@ -135,6 +145,8 @@ def main(argv: list[str]) -> int:
             doc["sweep"].append({"overrides": pt, "ettr": s.ettr.to_dict(), "unplanned": s.unplanned.mean,
                                  "interval_s": s.model.interval_s,
                                  "wall_time_s": {k: v.mean for k, v in s.buckets_s.items()}})
+            if alt.report.recovery_models:
+                doc["sweep"][-1]["recovery_models"] = recovery_models(alt, s)
     print(report.format_table(doc, summary))
     if "--json" in outputs:
         with writing_output(outputs["--json"], "--json"):

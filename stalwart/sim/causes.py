@@ -9,6 +9,14 @@ defaults *are* the calibration and `configs/sim/llama3_405b.toml` states them ex
 Scope: GPU-internal faults scale with GPUs; everything else is counted per host. NOTE: software
 causes (bugs, NCCL watchdog, dependencies) are also charged per host, a deliberate assumption: a
 rare hang on any one of N ranks stops the whole job, so their rate grows with job size too.
+
+Reach (for per-replica-group recovery): a ``group`` cause stops only the replica group that holds the
+failed GPU or host; a ``job`` cause stops every rank whatever the recovery. Job-wide, by assumption:
+software bugs and dependencies (every rank runs the same code and reads the same services), the
+network (a switch or cable fault breaks the collectives that span the groups), NCCL watchdog
+timeouts (a hang of a collective that spans the groups) and silent data corruption (noticed an hour
+later, after the gradient exchange has spread the corrupted values into every replica, so every
+group rolls back to a checkpoint). Everything on one GPU or one host is group-local.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class Cause:
     llama3_count: int  # interruptions in the 54-day Llama 3 snapshot
     detect_min: float  # minutes from fault to the job noticing (default)
     hardware: bool     # the host must be swapped for a spare (and repaired)
+    reach: str         # "group" (stops one replica group) or "job" (stops every rank)
 
     @property
     def default_rate(self) -> float:
@@ -46,24 +55,24 @@ def unit_hours(per: str, gpus: int, gpus_per_host: int, days: float) -> float:
 # hangs (network, NCCL, GSP) wait for the collective timeout (~10 min); silent data corruption is
 # only noticed later (loss spikes, checksums), so its "detection" is long and all of it is wasted.
 CATALOG: tuple[Cause, ...] = (
-    Cause("faulty_gpu", "Faulty GPU", "gpu", 148, 3.0, True),
-    Cause("hbm3", "GPU HBM3 memory", "gpu", 72, 2.0, True),
-    Cause("software_bug", "Software bug", "host", 54, 5.0, False),
-    Cause("network", "Network switch/cable", "host", 35, 10.0, True),
-    Cause("host_maintenance", "Host maintenance (unplanned)", "host", 32, 2.0, True),
-    Cause("gpu_sram", "GPU SRAM memory", "gpu", 19, 2.0, True),
-    Cause("gpu_system_processor", "GPU system processor", "gpu", 17, 10.0, True),
-    Cause("nic", "NIC", "host", 7, 10.0, True),
-    Cause("nccl_watchdog", "NCCL watchdog timeouts", "host", 7, 10.0, False),
-    Cause("sdc", "Silent data corruption", "gpu", 6, 60.0, True),
-    Cause("gpu_thermal", "GPU thermal interface + sensor", "gpu", 6, 3.0, True),
-    Cause("ssd", "SSD", "host", 3, 5.0, True),
-    Cause("power_supply", "Power supply", "host", 3, 1.0, True),
-    Cause("server_chassis", "Server chassis", "host", 2, 2.0, True),
-    Cause("io_expansion_board", "IO expansion board", "host", 2, 5.0, True),
-    Cause("dependency", "Dependency", "host", 2, 5.0, False),
-    Cause("cpu", "CPU", "host", 2, 2.0, True),
-    Cause("system_memory", "System memory", "host", 2, 2.0, True),
+    Cause("faulty_gpu", "Faulty GPU", "gpu", 148, 3.0, True, "group"),
+    Cause("hbm3", "GPU HBM3 memory", "gpu", 72, 2.0, True, "group"),
+    Cause("software_bug", "Software bug", "host", 54, 5.0, False, "job"),
+    Cause("network", "Network switch/cable", "host", 35, 10.0, True, "job"),
+    Cause("host_maintenance", "Host maintenance (unplanned)", "host", 32, 2.0, True, "group"),
+    Cause("gpu_sram", "GPU SRAM memory", "gpu", 19, 2.0, True, "group"),
+    Cause("gpu_system_processor", "GPU system processor", "gpu", 17, 10.0, True, "group"),
+    Cause("nic", "NIC", "host", 7, 10.0, True, "group"),
+    Cause("nccl_watchdog", "NCCL watchdog timeouts", "host", 7, 10.0, False, "job"),
+    Cause("sdc", "Silent data corruption", "gpu", 6, 60.0, True, "job"),
+    Cause("gpu_thermal", "GPU thermal interface + sensor", "gpu", 6, 3.0, True, "group"),
+    Cause("ssd", "SSD", "host", 3, 5.0, True, "group"),
+    Cause("power_supply", "Power supply", "host", 3, 1.0, True, "group"),
+    Cause("server_chassis", "Server chassis", "host", 2, 2.0, True, "group"),
+    Cause("io_expansion_board", "IO expansion board", "host", 2, 5.0, True, "group"),
+    Cause("dependency", "Dependency", "host", 2, 5.0, False, "job"),
+    Cause("cpu", "CPU", "host", 2, 2.0, True, "group"),
+    Cause("system_memory", "System memory", "host", 2, 2.0, True, "group"),
 )
 
 CAUSES: dict[str, Cause] = {c.name: c for c in CATALOG}

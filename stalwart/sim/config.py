@@ -58,6 +58,25 @@ class RecoverySection:
         "Size-dependent restart cost: this many seconds times sqrt(GPUs/1000) (rendezvous, communicator "
         "setup, model build).", 20.0, min=0.0)
     swap_s: float = option("Seconds to drain a failed host and bring a spare into the job.", 60.0, min=0.0)
+    model: Literal["whole_job", "per_group"] = option(
+        "whole_job: every fault restarts every rank from the last durable checkpoint. per_group: a group-local "
+        "fault (failures.<cause>.reach) stops only its replica group (groups.gpus), the others train on at reduced "
+        "throughput and it rejoins by a live transfer; job-wide faults fall back to the whole-job restart.",
+        "whole_job")
+
+
+@dataclass
+class GroupsSection:
+    gpus: int = option("GPUs per data-parallel replica group, the unit that fails alone under recovery.model = "
+                       "per_group: one model replica, tp x pp x cp (Llama 3 405B: 8 x 16 x 1 = 128, so 16,384 GPUs "
+                       "are 128 groups). The job has job.gpus / gpus groups; a job smaller than a group is one.",
+                       128, min=1)
+    state_gb: float = option("Training state one group holds and a rejoining group receives, in GB (Llama 3 405B: "
+                             "405e9 parameters x 14 bytes of bf16 weights, fp32 master weights and two fp32 Adam "
+                             "moments).", 5670.0, min=0.0)
+    link_gbps: float = option("Network bandwidth per GPU in Gbit/s for the live transfer (each rank of a healthy "
+                              "group sends its shard to its counterpart; Llama 3: 400 Gbit/s RoCE per GPU).",
+                              400.0, min=0.001)
 
 
 @dataclass
@@ -120,6 +139,9 @@ class ReportSection:
     optimize_interval: bool = option("Search the simulated-optimal checkpoint interval around Young/Daly "
                                      "(extra replications, common random numbers).", True)
     optimize_replications: int = option("Replications per candidate interval in that search.", 30, min=1)
+    recovery_models: bool = option("Also run the other recovery model (recovery.model) on the same failure traces "
+                                   "and print both side by side with the per-group assumptions; sweeps report "
+                                   "both too.", True)
     whatifs: bool = option("Run the built-in what-ifs (in-memory checkpoints, faster detection, more spares, "
                            "...) and rank them by ETTR.", False)
 
@@ -134,6 +156,9 @@ def _cause_section(c: Cause) -> type:
         ("detect_min", float, option("Minutes from the fault until the job notices it.", c.detect_min, min=0.0)),
         ("hardware", bool, option("The host must be swapped for a spare and repaired (else just restart).",
                                   c.hardware)),
+        ("reach", Literal["group", "job"], option(
+            "group: stops only the replica group holding the unit (per-group recovery restarts that group alone); "
+            "job: stops every rank whatever the recovery model.", c.reach)),
     ]
     cls = dataclasses.make_dataclass(cls_name, fields)
     cls.__module__ = __name__
@@ -153,6 +178,7 @@ class SimConfig:
     run: RunSection = section(RunSection, "Replications and seeding.")
     checkpoint: CheckpointSection = section(CheckpointSection, "Checkpoint policy (interval, stalls, restore).")
     recovery: RecoverySection = section(RecoverySection, "Detection and restart after an interruption.")
+    groups: GroupsSection = section(GroupsSection, "Data-parallel replica groups (per-group recovery).")
     spares: SparesSection = section(SparesSection, "Spare hosts and repair.")
     maintenance: MaintenanceSection = section(MaintenanceSection, "Planned interruptions.")
     failures: FailuresSection = section(FailuresSection, FailuresSection.__doc__)  # type: ignore[valid-type]
@@ -164,6 +190,10 @@ class SimConfig:
         if self.job.gpus % self.job.gpus_per_host:
             raise ConfigError(f"job.gpus ({self.job.gpus}) must be a multiple of job.gpus_per_host "
                               f"({self.job.gpus_per_host})")
+        g = self.groups.gpus
+        if g % self.job.gpus_per_host or (self.job.gpus > g and self.job.gpus % g):
+            raise ConfigError(f"groups.gpus ({g}) must be a multiple of job.gpus_per_host ({self.job.gpus_per_host}) "
+                              f"and divide job.gpus ({self.job.gpus})")
         if self.power.gpu_idle_w > self.power.gpu_busy_w:
             raise ConfigError("power.gpu_idle_w must not exceed power.gpu_busy_w")
         if not self.cluster.job_gpus or min(self.cluster.job_gpus) < 1:

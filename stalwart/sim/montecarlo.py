@@ -12,28 +12,24 @@ from stalwart.sim import daly
 from stalwart.sim.causes import CATALOG
 from stalwart.sim.config import SimConfig, spare_hosts
 from stalwart.sim.engine import BUCKETS, JobModel, RepResult, mean_downtime_s, simulate_once
+from stalwart.sim.recovery import group_costs, replica_groups, restart_seconds
 
 Z95 = 1.959964
+RECOVERY_MODELS = ("whole_job", "per_group")
 
 
-def restart_seconds(cfg: SimConfig) -> float:
-    """Re-initialisation grows with job size (rendezvous, communicators, model build) plus the restore."""
-    c = cfg.checkpoint
-    restore = c.restore_memory_s if c.restore_from == "memory" else c.restore_storage_s
-    r = cfg.recovery
-    return r.init_base_s + r.init_per_sqrt_kgpu_s * math.sqrt(cfg.job.gpus / 1000.0) + restore
-
-
-def build_job_model(cfg: SimConfig, interval_s: float | None = None) -> JobModel:
-    """Translate the config into seconds and whole-job rates; ``interval_s`` overrides the config."""
+def build_job_model(cfg: SimConfig, interval_s: float | None = None, recovery: str | None = None) -> JobModel:
+    """Translate the config into seconds and whole-job rates; ``interval_s`` overrides the config's
+    interval and ``recovery`` its recovery model."""
     hosts = cfg.job.gpus / cfg.job.gpus_per_host
-    rates, detects, hw = [], [], []
+    rates, detects, hw, wide = [], [], [], []
     for c in CATALOG:
         sec = getattr(cfg.failures, c.name)
         units = cfg.job.gpus if sec.per == "gpu" else hosts
         rates.append(sec.rate * 1e-6 * units / 3600.0)
         detects.append(sec.detect_min * 60.0 * cfg.recovery.detection_scale)
         hw.append(sec.hardware)
+        wide.append(sec.reach == "job")
     ck = cfg.checkpoint
     stall = ck.save_s if ck.mode == "sync" else ck.snapshot_s
     persist = 0.0 if ck.mode == "sync" else ck.save_s
@@ -43,21 +39,36 @@ def build_job_model(cfg: SimConfig, interval_s: float | None = None) -> JobModel
         interval_s=1.0, stall_s=stall, persist_s=persist, final_save_s=ck.save_s if ck.mode == "sync" else stall,
         restart_s=restart_seconds(cfg), swap_s=cfg.recovery.swap_s, spare_hosts=spare_hosts(cfg),
         repair_mean_s=cfg.spares.repair_h * 3600.0,
-        maint_interval_s=cfg.maintenance.interval_h * 3600.0, maint_downtime_s=cfg.maintenance.downtime_min * 60.0)
+        maint_interval_s=cfg.maintenance.interval_h * 3600.0, maint_downtime_s=cfg.maintenance.downtime_min * 60.0,
+        groups=replica_groups(cfg) if (recovery or cfg.recovery.model) == "per_group" else 1,
+        job_wide=np.asarray(wide, dtype=bool), **group_costs(cfg))
     if interval_s is None:
         interval_s = ck.interval_min * 60.0 if ck.interval_min > 0 else young_daly(model)["daly_s"]
     return dataclasses.replace(model, interval_s=max(interval_s, 1.0))
 
 
 def young_daly(m: JobModel) -> dict[str, float]:
-    """Analytic optimum; an async checkpoint cannot start before the previous one is durable."""
-    mtbf = 1.0 / m.total_rate_s if m.total_rate_s > 0 else m.horizon_s
+    """Analytic optimum; an async checkpoint cannot start before the previous one is durable. Only
+    whole-job rollbacks lose work, so under per-group recovery M is the time between those."""
+    rollback = float(m.rollback_rate_s.sum())
+    mtbf = 1.0 / rollback if rollback > 0 else m.horizon_s
     delta = max(m.stall_s, 1e-9)
     down = mean_downtime_s(m)
     y = daly.young_interval(delta, mtbf)
     d = max(daly.daly_interval(delta, mtbf, down), m.persist_s, 1.0)
-    return {"mtbf_s": mtbf, "delta_s": m.stall_s, "young_s": y, "daly_s": d,
-            "predicted_ettr": 1.0 - daly.expected_waste_fraction(d, m.stall_s, mtbf, down, m.persist_s)}
+    waste = daly.expected_waste_fraction(d, m.stall_s, mtbf, down, m.persist_s) + group_waste_fraction(m)
+    return {"mtbf_s": mtbf, "delta_s": m.stall_s, "young_s": y, "daly_s": d, "predicted_ettr": 1.0 - waste}
+
+
+def group_waste_fraction(m: JobModel) -> float:
+    """First order, the share of wall time group-local faults cost: the survivors' stalls (detection,
+    two regroups, the transfer) and the lost group's share while it is away (spares available)."""
+    if m.groups == 1:
+        return 0.0
+    local = m.cause_rate_s * ~m.job_wide
+    stall = m.detect_s + 2 * m.regroup_s + m.transfer_s
+    away = m.hardware * m.swap_s + m.group_restart_s
+    return float((local * (stall + away / m.groups)).sum())
 
 
 @dataclass
@@ -91,6 +102,7 @@ class Summary:
     checkpoints: float
     first: RepResult                        # replication 0 with its timeline (power, plots)
     ettr_runs: np.ndarray                   # (replications,) ETTR of each run
+    group_recoveries: float = 0.0           # mean faults per run that stopped one replica group only
 
     def to_dict(self) -> dict:
         return {
@@ -100,6 +112,9 @@ class Summary:
             "interruptions": {"unplanned": self.unplanned.to_dict(), "planned": self.planned.to_dict(),
                               "by_cause": {k: v.to_dict() for k, v in self.causes.items()}},
             "checkpoints_per_replication": self.checkpoints,
+            "recovery": {"model": "per_group" if self.model.groups > 1 else "whole_job", "groups": self.model.groups,
+                         "group_recoveries": self.group_recoveries,
+                         "whole_job_restarts": self.unplanned.mean + self.planned.mean - self.group_recoveries},
         }
 
 
@@ -118,7 +133,20 @@ def run(model: JobModel, replications: int, seed: int) -> Summary:
         buckets_s={b: Estimate.of(secs[:, i]) for i, b in enumerate(BUCKETS)},
         causes={c: Estimate.of(counts[:, i]) for i, c in enumerate(model.cause_names)},
         unplanned=Estimate.of(counts.sum(axis=1)), planned=Estimate.of(np.array([r.planned for r in results])),
-        checkpoints=float(np.mean([r.checkpoints for r in results])), first=results[0])
+        checkpoints=float(np.mean([r.checkpoints for r in results])), first=results[0],
+        group_recoveries=float(np.mean([r.group_recoveries for r in results])))
+
+
+def compare_recovery(cfg: SimConfig, done: Summary | None = None) -> dict[str, Summary]:
+    """Both recovery models on the same seeds (so the same failure traces), each at its own interval
+    unless the config fixes one; ``done`` is a summary already run for ``cfg.recovery.model``."""
+    out = {}
+    for name in RECOVERY_MODELS:
+        if done is not None and name == cfg.recovery.model:
+            out[name] = done
+        else:
+            out[name] = run(build_job_model(cfg, recovery=name), cfg.run.replications, cfg.run.seed)
+    return out
 
 
 def optimal_interval(model: JobModel, replications: int, seed: int,

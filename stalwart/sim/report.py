@@ -8,7 +8,9 @@ from typing import Any
 
 from stalwart.sim.causes import CATALOG, LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_PLANNED, unit_hours
 from stalwart.sim.engine import BUCKETS
-from stalwart.sim.montecarlo import Estimate, Summary
+from stalwart.sim.montecarlo import RECOVERY_MODELS, Estimate, Summary
+
+MODEL_LABELS = {"whole_job": "whole-job restart", "per_group": "per replica group"}
 
 
 def published_scaled(gpus: int, gpus_per_host: int, days: float) -> dict[str, float]:
@@ -25,17 +27,47 @@ def pct(e: Estimate) -> str:
             f"runs p5-p95 {100 * e.p5:.1f}-{100 * e.p95:.1f})")
 
 
+def recovery_row(s: Summary) -> dict[str, Any]:
+    """One recovery model's figures for the side-by-side comparison."""
+    return {"ettr": s.ettr.to_dict(), "groups": s.model.groups, "interval_s": s.model.interval_s,
+            "whole_job_restarts": s.unplanned.mean + s.planned.mean - s.group_recoveries,
+            "group_recoveries": s.group_recoveries, "wall_time_s": {k: v.mean for k, v in s.buckets_s.items()}}
+
+
+def ci(e: dict[str, Any]) -> str:
+    return f"{100 * e['mean']:6.2f}% ({100 * e['ci95'][0]:.2f}-{100 * e['ci95'][1]:.2f})"
+
+
+def format_recovery(doc: dict[str, Any]) -> list[str]:
+    rm = doc["recovery_models"]
+    chosen = doc["config"]["recovery"]["model"]
+    lines = ["", "recovery models, same failure traces   ETTR (95% CI)          checkpoint   whole-job    group",
+             "                                                                 interval     restarts     recoveries"]
+    for name in RECOVERY_MODELS:
+        r = rm[name]
+        mark = "*" if name == chosen else " "
+        lines.append(f" {mark}{MODEL_LABELS[name]:<37} {ci(r['ettr'])}   {r['interval_s'] / 60:5.1f} min "
+                     f"{r['whole_job_restarts']:10.1f} {r['group_recoveries']:12.1f}")
+    lines.append("  (* recovery.model: the model of the figures above and below this table)")
+    lines.append("  per-group assumptions:")
+    lines += [f"  - {line}" for line in rm["assumptions"]["lines"]]
+    return lines
+
+
 def format_table(doc: dict[str, Any], s: Summary) -> str:
     job = doc["config"]["job"]
     lines = [(f"stalwart simulate: {job['gpus']:,} GPUs ({job['gpus'] // job['gpus_per_host']:,} hosts), "
              f"{job['days']:g} days, {s.replications} replications"),
              "", f"ETTR (productive / wall time): {pct(s.ettr)}",
-             f"checkpoint interval: {s.model.interval_s / 60:.1f} min  ({s.checkpoints:.0f} checkpoints per run)", "",
-             "wall-time breakdown            hours      share"]
-    total = sum(s.buckets_s[b].mean for b in BUCKETS)
+             f"checkpoint interval: {s.model.interval_s / 60:.1f} min  ({s.checkpoints:.0f} checkpoints per run)", ""]
+    rm = doc.get("recovery_models")
+    columns = {n: rm[n]["wall_time_s"] for n in RECOVERY_MODELS} if rm else \
+        {"": {b: s.buckets_s[b].mean for b in BUCKETS}}
+    lines.append("wall-time breakdown     " + "".join(f"{MODEL_LABELS.get(n, ''):>22}" for n in columns))
+    lines.append(" " * 24 + "".join(f"{'hours':>12}{'share':>10}" for _ in columns))
     for b in BUCKETS:
-        e = s.buckets_s[b]
-        lines.append(f"  {b:<22} {e.mean / 3600:10.1f}   {100 * e.mean / total:6.2f}%")
+        cells = [f"{w[b] / 3600:12.1f}{100 * w[b] / sum(w.values()):9.2f}%" for w in columns.values()]
+        lines.append(f"  {b:<22}" + "".join(cells))
     pub = published_scaled(job["gpus"], job["gpus_per_host"], job["days"])
     lines += ["", "interruptions by cause     simulated (95% CI)     Llama 3 rates at this exposure"]
     for c in CATALOG:
@@ -45,8 +77,11 @@ def format_table(doc: dict[str, Any], s: Summary) -> str:
                  f"   {sum(pub.values()):8.1f}")
     lines.append(f"  {'planned':<30} {s.planned.mean:7.1f}                    "
                  f"{LLAMA3_PLANNED * job['days'] / LLAMA3_DAYS:8.1f}")
+    if rm:
+        lines += format_recovery(doc)
     yd = doc["checkpoint_interval"]
-    lines += ["", (f"checkpoint interval: job MTBF {yd['mtbf_s'] / 3600:.2f} h, "
+    mtbf = "MTBF between whole-job rollbacks" if s.model.groups > 1 else "job MTBF"
+    lines += ["", (f"checkpoint interval: {mtbf} {yd['mtbf_s'] / 3600:.2f} h, "
                    f"checkpoint cost {yd['delta_s']:.0f} s -> "
               f"Young {yd['young_s'] / 60:.1f} min, Daly {yd['daly_s'] / 60:.1f} min "
               f"(first-order ETTR {100 * yd['predicted_ettr']:.2f}%)")]
@@ -71,13 +106,19 @@ def format_table(doc: dict[str, Any], s: Summary) -> str:
         lines += ["", f"{'what-ifs (ranked by ETTR)':<72}  ETTR      change"]
         for w in doc["whatifs"]:
             lines.append(f"  {w['name']:<70} {100 * w['ettr']['mean']:6.2f}%  {100 * w['delta']:+6.2f} pts")
-    if doc.get("sweep"):
+    if doc.get("sweep") and "recovery_models" in doc["sweep"][0]:
+        lines += ["", (f"{'sweep':<46} {'whole-job ETTR (95% CI)':<25} {'per-group ETTR (95% CI)':<25} "
+                       f"{'groups':>6}   interruptions")]
+        for pt in doc["sweep"]:
+            label = ", ".join(f"{k}={v}" for k, v in pt["overrides"])
+            w, g = (pt["recovery_models"][n] for n in RECOVERY_MODELS)
+            lines.append(f"  {label:<44} {ci(w['ettr']):<25} {ci(g['ettr']):<25} {g['groups']:6d}   "
+                         f"{pt['unplanned']:8.1f}")
+    elif doc.get("sweep"):
         lines += ["", "sweep                                          ETTR (95% CI)           interruptions"]
         for pt in doc["sweep"]:
             label = ", ".join(f"{k}={v}" for k, v in pt["overrides"])
-            e = pt["ettr"]
-            lines.append(f"  {label:<44} {100 * e['mean']:6.2f}% ({100 * e['ci95'][0]:.2f}-{100 * e['ci95'][1]:.2f})"
-                         f"   {pt['unplanned']:8.1f}")
+            lines.append(f"  {label:<44} {ci(pt['ettr'])}   {pt['unplanned']:8.1f}")
     return "\n".join(lines)
 
 

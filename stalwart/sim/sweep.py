@@ -46,6 +46,7 @@ WHATIFS: dict[str, Callable[[SimConfig], list[tuple[str, str]]]] = {
     "more spares (3x the pool)": lambda c: [("spares.hosts", str(3 * spare_hosts(c)))],
     "no spares (wait for repairs)": lambda c: [("spares.hosts", "0")],
     "synchronous checkpoints": lambda c: [("checkpoint.mode", "sync")],
+    "per-replica-group recovery (recovery.model per_group)": lambda c: [("recovery.model", "per_group")],
     "no planned maintenance": lambda c: [("maintenance.interval_h", "0")],
     "half the hardware failure rate": lambda c: [
         (f"failures.{name}.rate", str(getattr(c.failures, name).rate / 2))
