@@ -113,8 +113,8 @@ def test_recovery_costs_and_assumptions():
         young_daly(build_job_model(small, recovery="whole_job"))["daly_s"]
 
 
-def test_group_size_must_divide_the_job():
-    with pytest.raises(ConfigError, match="groups.gpus"):
-        config("--job.gpus", "1280", "--groups.gpus", "512")
+def test_group_size_is_whole_hosts_and_a_remainder_is_spread():
     with pytest.raises(ConfigError, match="groups.gpus"):
         config("--groups.gpus", "12")
+    # 1,280 GPUs in groups of 512: 2 groups of 640 (whole-job sizes that are not a multiple still simulate)
+    assert replica_groups(config("--job.gpus", "1280", "--groups.gpus", "512")) == 2

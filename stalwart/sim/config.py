@@ -69,7 +69,8 @@ class RecoverySection:
 class GroupsSection:
     gpus: int = option("GPUs per data-parallel replica group, the unit that fails alone under recovery.model = "
                        "per_group: one model replica, tp x pp x cp (Llama 3 405B: 8 x 16 x 1 = 128, so 16,384 GPUs "
-                       "are 128 groups). The job has job.gpus / gpus groups; a job smaller than a group is one.",
+                       "are 128 groups). The job has job.gpus // gpus groups (a remainder is spread over them); a job smaller "
+                       "than a group is one.",
                        128, min=1)
     state_gb: float = option("Training state one group holds and a rejoining group receives, in GB (Llama 3 405B: "
                              "405e9 parameters x 14 bytes of bf16 weights, fp32 master weights and two fp32 Adam "
@@ -191,9 +192,8 @@ class SimConfig:
             raise ConfigError(f"job.gpus ({self.job.gpus}) must be a multiple of job.gpus_per_host "
                               f"({self.job.gpus_per_host})")
         g = self.groups.gpus
-        if g % self.job.gpus_per_host or (self.job.gpus > g and self.job.gpus % g):
-            raise ConfigError(f"groups.gpus ({g}) must be a multiple of job.gpus_per_host ({self.job.gpus_per_host}) "
-                              f"and divide job.gpus ({self.job.gpus})")
+        if g % self.job.gpus_per_host:
+            raise ConfigError(f"groups.gpus ({g}) must be a multiple of job.gpus_per_host ({self.job.gpus_per_host})")
         if self.power.gpu_idle_w > self.power.gpu_busy_w:
             raise ConfigError("power.gpu_idle_w must not exceed power.gpu_busy_w")
         if not self.cluster.job_gpus or min(self.cluster.job_gpus) < 1:
