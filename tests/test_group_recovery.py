@@ -12,7 +12,8 @@ import torch.distributed as dist
 from stalwart.errors import UserError
 from stalwart.launch.lighthouse import Lighthouse
 from stalwart.parallel.elastic import TreeAccumulator
-from stalwart.parallel.regroup import GroupTree, assignment, check_groups, own_leaves
+from stalwart.parallel.elastic import GroupTree
+from stalwart.parallel.regroup import assignment, check_groups, own_leaves
 from stalwart.runtime.quorum import ABORT, COMMIT, NEXT, QuorumClient
 
 

@@ -238,6 +238,65 @@ def tree_grad_norm(params: list[torch.nn.Parameter], shard_group=None, shards: i
     return torch.stack([r.sum() for r in rows]).sum().sqrt()
 
 
+class GroupTree:
+    """One rank's leaves of one step summed into blocks of the canonical tree, for any set of intervals.
+
+    ``push(interval, leaf, value)`` adds the value of one leaf of ``interval`` (used by a replica group,
+    ``train/replicas.py``); the leaves of each interval arrive in order.
+    ``layout(assign)`` lists every present rank's blocks; ``root(gathered, assign)`` finishes the tree
+    from the all-gathered blocks."""
+
+    def __init__(self, leaves: int) -> None:
+        self.leaves = leaves
+        self.nodes: dict[tuple[int, int], torch.Tensor] = {}  # finished blocks
+        self._open: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}  # interval -> stack
+
+    def push(self, interval: tuple[int, int], leaf: int, value: torch.Tensor) -> None:
+        mine = blocks(*interval)
+        stack = self._open.setdefault(interval, [])
+        stack.append((leaf, 1, value))
+        while len(stack) >= 2:
+            (lo1, s1, a), (lo2, s2, b) = stack[-2], stack[-1]
+            if s1 != s2 or lo2 != lo1 + s1 or lo1 % (2 * s1) or not any(
+                    b_lo <= lo1 and lo1 + 2 * s1 <= b_lo + b_size for b_lo, b_size in mine):
+                break
+            stack[-2:] = [(lo1, 2 * s1, a + b)]
+        if stack and (stack[-1][0], stack[-1][1]) in mine:
+            lo, size, v = stack.pop()
+            self.nodes[(lo, size)] = v
+
+    def have(self, interval: tuple[int, int]) -> bool:
+        """Whether every block of ``interval`` is summed here."""
+        return all(b in self.nodes for b in blocks(*interval))
+
+    def drop(self, interval: tuple[int, int]) -> None:
+        """Forget what was summed of ``interval`` (its leaves are computed again)."""
+        self._open.pop(interval, None)
+        for b in blocks(*interval):
+            self.nodes.pop(b, None)
+
+    @staticmethod
+    def layout(assign: dict[tuple[int, int], list[tuple[int, int]]]) -> tuple[list[list[tuple[int, int]]], int]:
+        """Every present rank's blocks in the cross group's rank order, and the most any rank has."""
+        per_rank = [[b for iv in assign[r] for b in blocks(*iv)] for r in sorted(assign)]
+        return per_rank, max(len(b) for b in per_rank)
+
+    def mine(self, intervals: list[tuple[int, int]], width: int) -> torch.Tensor:
+        """This rank's blocks of ``intervals`` stacked ``(width, n)``, zero rows after them."""
+        own = [self.nodes[b] for iv in intervals for b in blocks(*iv)]
+        out = torch.zeros(width, own[0].numel(), dtype=own[0].dtype, device=own[0].device)
+        for i, v in enumerate(own):
+            out[i] = v
+        return out
+
+    def root(self, gathered: torch.Tensor, assign: dict[tuple[int, int], list[tuple[int, int]]]) -> torch.Tensor:
+        """The tree's root from ``gathered`` (``(ranks * width, n)``, the all-gather of every rank's
+        :meth:`mine`)."""
+        layout, width = self.layout(assign)
+        nodes = {blk: gathered[r * width + i] for r, rank_blocks in enumerate(layout) for i, blk in enumerate(rank_blocks)}
+        return tree_sum(self.leaves, nodes)
+
+
 def check_elastic_layout(dims, optimizer: str = "adamw") -> None:
     """``training.elastic_exact`` sums whole micro-batch gradients: every data-parallel rank computes with
     the whole model (replicated, or FSDP-sharded and gathered), and the update must not depend on how

@@ -9,19 +9,16 @@ exactly one present rank. The tree's additions do not depend on who computed a l
 gradient is bit for bit the one of the full job: a lost group's work is redone in the same step, and
 the steps it misses keep the global batch.
 
-:class:`GroupTree` is one rank's part of a step: the leaves it computed, summed into their aligned
-blocks as they arrive, and the exchange of every present rank's blocks (one all-gather over the cross
-group) that yields the root on every rank.
+``parallel.elastic.GroupTree`` is one rank's part of a step: the leaves it computed, summed into
+their aligned blocks as they arrive, and the root from every present rank's blocks. Nothing here
+imports torch: the launcher checks a group layout before torch loads.
 """
 
 from __future__ import annotations
 
-import torch
-
 from stalwart.errors import UserError
-from stalwart.parallel.elastic import blocks, tree_sum
 
-Interval = tuple[int, int]
+Interval = tuple[int, int]  # leaves [lo, hi)
 
 
 def own_leaves(leaves: int, groups: int, size: int, group: int, rank: int) -> Interval:
@@ -74,61 +71,3 @@ def check_groups(leaves: int, groups: int, size: int) -> None:
         raise UserError(f"fault.group_recovery: the {leaves} micro-batches of a step (training.global_batch / "
                         f"training.micro_batch) must split evenly over the {groups * size} processes of the "
                         f"{groups} replica groups")
-
-
-class GroupTree:
-    """One rank's leaves of one step summed into blocks of the canonical tree, for any set of intervals.
-
-    ``push(leaf, value)`` adds the value of one leaf; the leaves of each interval arrive in order.
-    ``layout(assign)`` lists every present rank's blocks; ``root(gathered, assign)`` finishes the tree
-    from the all-gathered blocks."""
-
-    def __init__(self, leaves: int) -> None:
-        self.leaves = leaves
-        self.nodes: dict[Interval, torch.Tensor] = {}  # finished blocks
-        self._open: dict[Interval, list[tuple[int, int, torch.Tensor]]] = {}  # interval -> stack
-
-    def push(self, interval: Interval, leaf: int, value: torch.Tensor) -> None:
-        mine = blocks(*interval)
-        stack = self._open.setdefault(interval, [])
-        stack.append((leaf, 1, value))
-        while len(stack) >= 2:
-            (lo1, s1, a), (lo2, s2, b) = stack[-2], stack[-1]
-            if s1 != s2 or lo2 != lo1 + s1 or lo1 % (2 * s1) or not any(
-                    b_lo <= lo1 and lo1 + 2 * s1 <= b_lo + b_size for b_lo, b_size in mine):
-                break
-            stack[-2:] = [(lo1, 2 * s1, a + b)]
-        if stack and (stack[-1][0], stack[-1][1]) in mine:
-            lo, size, v = stack.pop()
-            self.nodes[(lo, size)] = v
-
-    def have(self, interval: Interval) -> bool:
-        """Whether every block of ``interval`` is summed here."""
-        return all(b in self.nodes for b in blocks(*interval))
-
-    def drop(self, interval: Interval) -> None:
-        """Forget what was summed of ``interval`` (its leaves are computed again)."""
-        self._open.pop(interval, None)
-        for b in blocks(*interval):
-            self.nodes.pop(b, None)
-
-    @staticmethod
-    def layout(assign: dict[tuple[int, int], list[Interval]]) -> tuple[list[list[Interval]], int]:
-        """Every present rank's blocks in the cross group's rank order, and the most any rank has."""
-        per_rank = [[b for iv in assign[r] for b in blocks(*iv)] for r in sorted(assign)]
-        return per_rank, max(len(b) for b in per_rank)
-
-    def mine(self, intervals: list[Interval], width: int) -> torch.Tensor:
-        """This rank's blocks of ``intervals`` stacked ``(width, n)``, zero rows after them."""
-        own = [self.nodes[b] for iv in intervals for b in blocks(*iv)]
-        out = torch.zeros(width, own[0].numel(), dtype=own[0].dtype, device=own[0].device)
-        for i, v in enumerate(own):
-            out[i] = v
-        return out
-
-    def root(self, gathered: torch.Tensor, assign: dict[tuple[int, int], list[Interval]]) -> torch.Tensor:
-        """The tree's root from ``gathered`` (``(ranks * width, n)``, the all-gather of every rank's
-        :meth:`mine`)."""
-        layout, width = self.layout(assign)
-        nodes = {blk: gathered[r * width + i] for r, rank_blocks in enumerate(layout) for i, blk in enumerate(rank_blocks)}
-        return tree_sum(self.leaves, nodes)

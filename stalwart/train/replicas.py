@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from stalwart.parallel.regroup import GroupTree, assignment, own_leaves
+from stalwart.parallel.elastic import GroupTree
+from stalwart.parallel.regroup import assignment, own_leaves
 from stalwart.runtime.quorum import ABORT, NEXT, QuorumClient, QuorumLost
 
 
