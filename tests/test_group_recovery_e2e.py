@@ -153,3 +153,26 @@ def test_a_group_job_that_cannot_run_is_one_line_and_exit_2(tmp_path, extra, say
     proc = run_cli("train", *GROUPED, "--run.dir", str(tmp_path / "bad"), *extra, check=False, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.e2e
+def test_sigterm_saves_every_group_and_the_rerun_resumes_bit_for_bit(reference, tmp_path):
+    """SIGTERM to the job's launcher and, as a scheduler that signals every process would, to a worker
+    too: every group saves the step it is in, exit 75; the same command resumes bit for bit."""
+    run = tmp_path / "preempt"
+    proc = popen_cli("train", *GROUPED, "--run.dir", str(run), "--metrics.progress", "false",
+                     stdout=open(tmp_path / "out.txt", "w"), stderr=open(tmp_path / "err.txt", "w"))
+    beat = _group(run, 1) / "ft" / "heartbeat" / "rank-0.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        b = json.loads(beat.read_text()) if beat.is_file() else {}
+        if b.get("step", 0) >= 30:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(b["pid"], signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, (tmp_path / "err.txt").read_text()[-3000:]
+    saved = [sorted(p.name for p in (_group(run, g) / "checkpoints").glob("step-*")) for g in range(3)]
+    assert all(saved), saved
+    run_cli("train", *GROUPED, "--run.dir", str(run))
+    _assert_bitwise(reference, run)

@@ -96,6 +96,18 @@ class SupervisedAgent(LocalElasticAgent):
                 os.kill(pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ torch agent hooks
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
+        """Under a replica group's launcher (``on_failure`` set), a SIGTERM that reaches it twice (from the
+        job's launcher and from whoever signalled every process) is one: the workers' save of their step
+        is waited for instead of cut short by the second."""
+        if death_sig != signal.SIGTERM or self.on_failure is None:
+            return super()._shutdown(death_sig, *args, **kwargs)
+        saved = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            return super()._shutdown(death_sig, *args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, saved)
+
     def _stop_workers(self, worker_group) -> None:
         self._kill_group()  # bounded by fault.kill_grace_s; torch's own stop waits 30 s for a stopped process
         super()._stop_workers(worker_group)
