@@ -107,9 +107,12 @@ class TreeAccumulator:
 
             layout, width = self._layout()
             first = self._stack[0][2]
-            mine = torch.zeros(width, first.numel(), dtype=first.dtype, device=first.device)
-            for i, (_, _, v) in enumerate(self._stack):
-                mine[i] = v
+            if width == 1:  # one block (every rank's share a power of two): sent as it is, not copied
+                mine = first.reshape(1, -1)
+            else:
+                mine = torch.zeros(width, first.numel(), dtype=first.dtype, device=first.device)
+                for i, (_, _, v) in enumerate(self._stack):
+                    mine[i] = v
             gathered = torch.empty(self.world * width, first.numel(), dtype=first.dtype, device=first.device)
             dist.all_gather_single(gathered, mine, group=group)
             nodes = {blk: gathered[r * width + i] for r, rank_blocks in enumerate(layout)
@@ -284,6 +287,8 @@ class GroupTree:
     def mine(self, intervals: list[tuple[int, int]], width: int) -> torch.Tensor:
         """This rank's blocks of ``intervals`` stacked ``(width, n)``, zero rows after them."""
         own = [self.nodes[b] for iv in intervals for b in blocks(*iv)]
+        if width == 1:  # one block: sent as it is, not copied
+            return own[0].reshape(1, -1)
         out = torch.zeros(width, own[0].numel(), dtype=own[0].dtype, device=own[0].device)
         for i, v in enumerate(own):
             out[i] = v
