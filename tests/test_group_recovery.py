@@ -157,3 +157,18 @@ def test_a_failure_withdraws_a_proposal_not_yet_taken():
     assert lh.proposal is None and store.get(f"e{lh.epoch}/next") == b"withdrawn" and lh.members == [0]
     c0 = QuorumClient("", 0, 1, 0, 5, store=store)
     assert c0.vote(json.loads(store.get(f"e{lh.epoch}")), 9, True) == COMMIT  # nothing taken
+
+
+@pytest.mark.unit
+def test_goodput_counts_another_groups_loss_apart_from_restarts():
+    from stalwart.observe.goodput import account
+
+    metrics = [{"step": s, "loss": 1.0, "step_time_s": 0.1, "time": 10.0 + 0.1 * s} for s in range(1, 11)]
+    metrics[4]["step_time_s"] = 0.35  # step 5 redone after another group was lost
+    events = [{"time": 10.0, "event": "launch"}, {"time": 10.5, "event": "group_step_redone", "step": 5},
+              {"time": 10.8, "event": "group_transfer", "role": "source", "seconds": 0.05},
+              {"time": 11.2, "event": "supervisor_exit"}]
+    g = account(events, metrics)
+    assert g["buckets"]["group_loss"] == pytest.approx(0.25 + 0.05)
+    assert g["buckets"]["productive"] == pytest.approx(10 * 0.1)
+    assert g["buckets"]["restart"] == 0 and not g["failures"]

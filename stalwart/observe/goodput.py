@@ -10,6 +10,9 @@ the dashboard and ``stalwart report``. Wall time runs from the supervisor's ``la
 - restart      detection -> the first step of the next attempt starts (stop, rendezvous, rebuild, resume)
 - checkpoint   the training loop's stall for checkpoint saves (``stall_s``; whole save when synchronous)
 - startup      launch -> the first step of the first attempt starts
+- group_loss   under ``fault.group_recovery``, what another replica group's loss cost this one without a
+               restart: each redone step's time beyond the median step (``group_step_redone``), and the
+               rejoin transfers it sent or received (``group_transfer``); its own failures are restarts
 - other        the rest: evaluation, logging, the final evaluation/sample, shutdown
 
 ETTR (effective training time ratio) = productive / wall; the buckets sum to the wall time.
@@ -32,7 +35,7 @@ from typing import Any
 from stalwart.metrics.records import read_jsonl
 from stalwart.paths import RunPaths
 
-BUCKETS = ("productive", "lost", "detection", "restart", "checkpoint", "startup", "other")
+BUCKETS = ("productive", "lost", "detection", "restart", "checkpoint", "startup", "group_loss", "other")
 # Events whose number the accounting reports (how many of each events.jsonl holds).
 COUNTED = ("failure", "restart", "resumed", "recovered", "checkpoint_saved", "checkpoint_failed")
 
@@ -93,6 +96,7 @@ def account(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
                 "step": failure.get("step"), "detection_latency_s": failure.get("detection_latency_s", end - fault),
                 "recovery_s": rec.get("recovery_s"), "fault_to_step_s": rec.get("fault_to_step_s"),
                 "steps_recomputed": rec.get("steps_recomputed"), "decision": failure.get("decision")})
+    _group_losses(b, events, steps, newest)
     for e in events:
         if e.get("event") == "checkpoint_saved" and t_begin <= e["time"] <= t_end:
             b["checkpoint"] += float(e.get("stall_s" if e.get("async_save") else "seconds") or 0.0)
@@ -101,6 +105,22 @@ def account(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     return {"wall_s": wall, "ettr": b["productive"] / wall, "buckets": b, "failures": out_failures,
             "steps_recomputed": sum(f["steps_recomputed"] or 0 for f in out_failures),
             "counts": {name: sum(1 for e in events if e.get("event") == name) for name in COUNTED}}
+
+
+def _group_losses(b: dict[str, float], events: list[dict[str, Any]], steps: list[dict[str, Any]],
+                  newest: dict[int, int]) -> None:
+    """Move what other replica groups' losses cost this group from productive to ``group_loss``."""
+    redone = {e["step"] for e in events if e.get("event") == "group_step_redone" and "step" in e}
+    if redone:
+        kept = [steps[i] for i in newest.values()]
+        times = sorted(m["step_time_s"] for m in kept)
+        median = times[len(times) // 2]
+        for m in kept:
+            if m["step"] in redone:
+                excess = max(0.0, m["step_time_s"] - median)
+                b["productive"] -= excess
+                b["group_loss"] += excess
+    b["group_loss"] += sum(float(e.get("seconds") or 0.0) for e in events if e.get("event") == "group_transfer")
 
 
 def account_run(run_dir: str | Path) -> dict[str, Any] | None:

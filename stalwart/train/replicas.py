@@ -179,7 +179,8 @@ class ReplicaGroups:
             self.log("group_transfer", role="source" if source else "joiner", epoch=epoch["id"], step=step,
                      source=epoch["source"], joiners=epoch["joiners"], bytes=len(blob), seconds=round(seconds, 4),
                      fingerprint_checked=True)
-            if not source:
+            if not source:  # what this group's session resumed from (goodput bounds its lost steps with it)
+                self.log("resumed", step=step, source="peer", path=f"replica group {epoch['source']}")
                 self.say(f"replica group {self.group}: rejoined at step {step} from group {epoch['source']}'s memory "
                          f"({len(blob) / 2**20:.1f} MiB in {seconds:.2f} s, fingerprint checked)")
 
