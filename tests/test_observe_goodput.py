@@ -98,6 +98,60 @@ def test_a_logged_step_stands_for_the_unlogged_steps_before_it():
     assert g["buckets"]["productive"] == pytest.approx(5.0 + 1.0)
 
 
+def _two_launches() -> tuple[list[dict], list[dict]]:
+    """A run directory's records after a relaunch: launch 1 restarts once (rank 1 killed), then loses a
+    host and ends with 77; launch 2 (fewer processes, the same run directory, attempts from 0 again)
+    restarts once more (rank 0 killed). Both launches have a recovery of attempt 1."""
+    t = 1000.0
+    events = [
+        {"event": "launch", "time": t},
+        {"event": "failure", "time": t + 20, "kind": "signal", "rank": 1, "step": 10, "attempt": 0,
+         "fault_time": t + 19.5, "detect_time": t + 20, "detection_latency_s": 0.5, "decision": "restart"},
+        {"event": "restart", "time": t + 21, "attempt": 1},
+        {"event": "resumed", "time": t + 23, "step": 8},
+        {"event": "recovered", "time": t + 25.4, "attempt": 1, "recovery_s": 5.4, "fault_to_step_s": 5.9,
+         "steps_recomputed": 2},
+        {"event": "failure", "time": t + 40, "kind": "signal", "rank": 3, "step": 20, "attempt": 1,
+         "fault_time": t + 39.7, "detect_time": t + 40, "detection_latency_s": 0.3, "decision": "exclude"},
+        {"event": "supervisor_exit", "time": t + 41, "code": 77},
+        {"event": "launch", "time": t + 45},
+        {"event": "resumed", "time": t + 48, "step": 16},
+        {"event": "failure", "time": t + 60, "kind": "signal", "rank": 0, "step": 25, "attempt": 0,
+         "fault_time": t + 59, "detect_time": t + 60, "detection_latency_s": 1.0, "decision": "restart"},
+        {"event": "restart", "time": t + 61, "attempt": 1},
+        {"event": "resumed", "time": t + 62, "step": 24},
+        {"event": "recovered", "time": t + 62.81, "attempt": 1, "recovery_s": 2.81, "fault_to_step_s": 3.81,
+         "steps_recomputed": 1},
+        {"event": "supervisor_exit", "time": t + 70, "code": 0},
+    ]
+    metrics = ([step(s, t + 9 + s) for s in range(1, 11)] + [step(s, t + 16.4 + s) for s in range(9, 21)]
+               + [step(s, t + 32 + s) for s in range(17, 26)] + [step(s, t + 38.81 + s) for s in range(25, 31)])
+    return events, metrics
+
+
+@pytest.mark.e2e
+def test_each_failure_gets_its_own_recovery_across_launches(tmp_path):
+    """`stalwart goodput` (and the end-of-run summary, the same calculation) pairs each failure with the
+    recovery that followed it, though attempt 1 of both launches recovered: by time, not attempt number."""
+    from conftest import run_cli
+
+    events, metrics = _two_launches()
+    g = account(events, metrics)
+    assert [(f["rank"], f["fault_to_step_s"], f["recovery_s"], f["steps_recomputed"]) for f in g["failures"]] == [
+        (1, 5.9, 5.4, 2), (3, None, None, None), (0, 3.81, 2.81, 1)]
+    assert g["steps_recomputed"] == 3
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    for path, rows in ((paths.events, events), (paths.metrics, metrics)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run_cli("goodput", str(paths.root)).stdout
+    lines = [x.strip() for x in out.splitlines() if "detected in" in x]
+    assert lines == ["signal       rank 1 step 10    detected in 0.50 s, next step after 5.90 s, 2 recomputed",
+                     "signal       rank 3 step 20    detected in 0.30 s, next step after -, - recomputed",
+                     "signal       rank 0 step 25    detected in 1.00 s, next step after 3.81 s, 1 recomputed"], out
+    assert json.loads(run_cli("goodput", str(paths.root), "--json").stdout)["failures"] == g["failures"]
+
+
 @pytest.mark.unit
 def test_no_events_no_accounting(tmp_path):
     assert account([], [step(1, 1.0)]) is None

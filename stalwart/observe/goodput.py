@@ -18,7 +18,9 @@ the dashboard and ``stalwart report``. Wall time runs from the supervisor's ``la
 ETTR (effective training time ratio) = productive / wall; the buckets sum to the wall time.
 
 Attempts are bounded by the supervisor's ``failure`` events (those with a ``detect_time``; the
-trainer's own loss-spike and non-finite reports carry none). A step record is kept when no later
+trainer's own loss-spike and non-finite reports carry none), and each failure is paired with the
+``recovered`` event of the attempt after it by time, since attempt numbers start again at 0 in every
+launch that appends to one events.jsonl. A step record is kept when no later
 record of the same step exists (a resume without a supervisor recomputes steps too) and, in an
 attempt that ended in a failure, when the next attempt resumed at or after it. A logged step stands
 for the steps since the previous logged one of its attempt (or its ``resumed`` step): with
@@ -60,7 +62,7 @@ def account(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     failures = sorted((e for e in events if e.get("event") == "failure" and _num(e.get("detect_time"))),
                       key=lambda e: e["detect_time"])
     resumed = [e for e in events if e.get("event") == "resumed" and "step" in e]
-    recovered = {e["attempt"]: e for e in events if e.get("event") == "recovered" and "attempt" in e}
+    recovered = [e for e in events if e.get("event") == "recovered"]
 
     # Attempt k runs from its start (launch, or the previous failure's detection) to its failure's detection.
     bounds = [t_begin] + [f["detect_time"] for f in failures] + [t_end]
@@ -90,7 +92,8 @@ def account(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
             if mine:
                 b["lost"] += max(0.0, fault - mine[-1][1]["time"])
             b["detection"] += end - fault
-            rec = recovered.get(failure.get("attempt", k) + 1, {})
+            nxt_detect = failures[k + 1]["detect_time"] if k + 1 < len(failures) else math.inf
+            rec = _recovery_of(failure, recovered, nxt_detect)
             out_failures.append({
                 "kind": failure.get("kind"), "injected": failure.get("injected"), "rank": failure.get("rank"),
                 "step": failure.get("step"), "detection_latency_s": failure.get("detection_latency_s", end - fault),
@@ -105,6 +108,14 @@ def account(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict
     return {"wall_s": wall, "ettr": b["productive"] / wall, "buckets": b, "failures": out_failures,
             "steps_recomputed": sum(f["steps_recomputed"] or 0 for f in out_failures),
             "counts": {name: sum(1 for e in events if e.get("event") == name) for name in COUNTED}}
+
+
+def _recovery_of(failure: dict[str, Any], recovered: list[dict[str, Any]], next_detect: float) -> dict[str, Any]:
+    """The ``recovered`` event of ``failure``: the first after its detection and no later than the next
+    failure's (the attempt that follows it), or {} when that attempt never completed a step. By time,
+    not by attempt number: attempts count from 0 again in every launch (a relaunch after an exclusion,
+    a rerun of the run directory), so an attempt number names several recoveries in one events.jsonl."""
+    return next((e for e in recovered if failure["detect_time"] <= e["time"] <= next_detect), {})
 
 
 def _group_losses(b: dict[str, float], events: list[dict[str, Any]], steps: list[dict[str, Any]],
