@@ -302,6 +302,96 @@ def test_crash_loop_counts_startup_failures_only_when_the_same_phase_fails_the_s
     assert mixed.on_failure(9, sig("train")) == RESTART and mixed.no_progress == 0  # progress resets
 
 
+def test_faults_from_outside_are_never_counted_toward_a_crash_loop():
+    """A kill -9 or SIGSTOP from outside, in start-up or in training, neither adds to the row of the job's
+    own failures nor ends it; the restart budget bounds them (exit 75). The job's own failures still
+    make a loop across them."""
+    from stalwart.ft.detect import FailureSig
+
+    def sig(phase, kind="signal", code=-9, error=None, outside=False):
+        return FailureSig.of(phase, kind, code, error, outside)
+
+    chaos = RestartPolicy(max_restarts=6, crash_loop_restarts=2, initial_progress=5)
+    kills = [sig("first_step", outside=True)] * 4 + [sig("train", outside=True), sig("imports", "unresponsive",
+                                                                                     None, outside=True)]
+    assert [chaos.on_failure(5, s) for s in kills] == [RESTART] * 6 and chaos.no_progress == 0
+    assert chaos.on_failure(5, sig("first_step", outside=True)) == BUDGET_EXHAUSTED  # exit 75, requeue
+    bug = RestartPolicy(max_restarts=9, crash_loop_restarts=3, initial_progress=5)
+    err = sig("data", "crash", 1, "ValueError: bad shard 3")
+    seq = [err, sig("imports", outside=True), err, sig("first_step", outside=True), err]
+    assert [bug.on_failure(5, s) for s in seq] == [RESTART] * 4 + [CRASH_LOOP]  # the same error, 3 times
+    oom = RestartPolicy(max_restarts=9, crash_loop_restarts=2, initial_progress=5)
+    assert [oom.on_failure(5, sig("model")) for _ in range(2)] == [RESTART, CRASH_LOOP]  # the OOM killer's
+
+
+def test_which_failures_come_from_outside(tmp_path):
+    from stalwart.ft.origin import oom_kills, oom_since, outside_fault
+
+    kill = dict(kind="signal", exitcode=-9, own_record=False, self_injected=False, seen_stopped=False)
+    assert outside_fault(**{**kill, "oom": False})
+    assert not outside_fault(**{**kill, "oom": True})   # the OOM killer sends SIGKILL too: the job's own
+    assert not outside_fault(**{**kill, "oom": None})   # no evidence readable: counted, as before
+    assert not outside_fault(**{**kill, "own_record": True, "oom": False})      # it recorded its own error
+    assert not outside_fault(**{**kill, "self_injected": True, "oom": False})   # fault.inject: sent itself
+    assert not outside_fault(**{**kill, "exitcode": -11, "oom": False})         # a segfault is the job's
+    stop = {**kill, "kind": "unresponsive", "exitcode": None, "oom": None}
+    assert outside_fault(**{**stop, "seen_stopped": True}) and not outside_fault(**stop)  # stale heartbeat
+    # The kernel's counters: the host's, and the job's memory cgroup (v1 and v2).
+    proc, fs = tmp_path / "proc", tmp_path / "cg"
+    (proc / "self").mkdir(parents=True)
+    assert oom_kills(proc, fs) == {}
+    (proc / "vmstat").write_text("nr_free_pages 10\noom_kill 3\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/job/a\n1:cpu:/\n0::/job/b\n")
+    (fs / "memory" / "job" / "a").mkdir(parents=True)
+    (fs / "memory" / "job" / "a" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (fs / "job" / "b").mkdir(parents=True)
+    (fs / "job" / "b" / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n")
+    before = oom_kills(proc, fs)
+    assert before == {"host": 3, "cgroup": 3}
+    assert oom_since(before, before) is False and oom_since(before, {**before, "cgroup": 4}) is True
+    assert oom_since({}, before) is None and oom_since(before, {}) is None
+
+
+def _start_up(run_dir, rank: int, pid: int, t: float, phases=("group", "data", "model", "restore", "first_step")):
+    """The start-up record of a worker process that began at ``t`` and reached the last of ``phases``."""
+    d = run_dir / "ft" / "startup"
+    d.mkdir(parents=True, exist_ok=True)
+    rec = {"rank": rank, "attempt": 0, "pid": pid, "process_start": t, "info": {},
+           "phases": [[name, t + 0.1 * (i + 1)] for i, name in enumerate(phases)]}
+    (d / f"rank-{rank}.json").write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("oom", ["none", "rising", "unreadable"])
+def test_kills_in_the_same_start_up_phase_are_a_loop_only_with_oom_evidence(tmp_path, oom):
+    """kill -9 of rank 1 in its first step, four attempts in a row, no progress: from outside (the
+    kernel's OOM-kill count did not move) they use the restart budget (exit 75); with the count rising
+    (the OOM killer) or unreadable they are the same start-up failure again: a crash loop (exit 76).
+"""
+    readings = iter({"none": [{"host": 7}] * 9, "rising": [{"host": 7 + i} for i in range(9)],
+                     "unreadable": [{}] * 9}[oom])
+    cfg = Cfg()
+    events = []
+    sup = Supervisor(cfg, tmp_path, None, 3, [0, 1], lambda name, **kw: events.append({"event": name, **kw}),
+                     read_oom=lambda: next(readings))
+    sup.launched(100.0)
+    decisions, t = [], 100.0
+    for attempt in range(4):
+        _start_up(tmp_path, 1, 1000 + attempt, t + 0.5)
+        sup.poll(t + 1.0, {0: "running", 1: "running"})
+        decisions.append(sup.on_failure(t + 1.2, "signal", 1, -9))
+        if decisions[-1] != RESTART:
+            break
+        sup.restarted(t + 2.0, 0.5)
+        t += 10.0
+    fails = [e for e in events if e["event"] == "failure"]
+    assert all(f["phase"] == "first_step" for f in fails)
+    if oom == "none":
+        assert decisions == [RESTART] * 3 + [BUDGET_EXHAUSTED]
+        assert [f["from_outside"] for f in fails] == [True] * 4 and [f["failures_in_a_row"] for f in fails] == [0] * 4
+    else:
+        assert decisions == [RESTART, CRASH_LOOP] and not any(f["from_outside"] for f in fails)
+
+
 def test_supervisor_sees_processes_first_hand(tmp_path):
     """A stopped process is found in any phase (start-up included), the killed rank's fault time is the
     last tick it was seen running, and each failure says the phase it hit."""

@@ -1,6 +1,7 @@
 """Fault tolerance, layered around the training loop (see docs/fault-tolerance.md).
 
 detect.py      heartbeat watchdog, loss spikes, stragglers, restart policy              (pure)
+origin.py      whether a failure came from outside the job (kill -9, SIGSTOP; OOM evidence)
 plan.py        fired-fault markers and the seeded chaos schedule (grammar: config/fault_plan.py)
 supervisor.py  the supervisor's decisions, driven with an explicit clock                (files only)
 records.py     the files under <run>/ft/: heartbeats, exit records, skip list, exclusions

@@ -153,13 +153,17 @@ RESTART, CRASH_LOOP, BUDGET_EXHAUSTED, EXCLUDE = "restart", "crash_loop", "budge
 class RestartPolicy:
     """After each failure: restart, or stop. Progress = the newest saved state's step advanced.
 
-    A crash loop is ``crash_loop_restarts`` failures in a row, none separated by progress, that fail
-    *the same way*: while training every failure without progress counts (a job that keeps failing
-    before it saves anything is a loop, whatever the cause); a failure during start-up counts only
-    when it is the same as the failure before it, the same start-up phase failing with the same
-    signature (``FailureSig``). A fault that lands by chance in start-up (a kill while the workers
-    import, a node's hiccup while the group forms) resets the count instead of adding to it, so bad
-    luck is restarted and a start-up that fails deterministically is still stopped."""
+    A crash loop is ``crash_loop_restarts`` failures of the job's own in a row, none separated by
+    progress, that fail *the same way*: while training every such failure without progress counts (a
+    job that keeps failing before it saves anything is a loop, whatever the cause); a failure during
+    start-up counts only when it is the same as the failure before it, the same start-up phase failing
+    with the same signature (``FailureSig``). A different start-up failure resets the count instead of
+    adding to it, so bad luck is restarted and a start-up that fails deterministically is still stopped.
+
+    A fault from outside the job (``FailureSig.outside``: a SIGKILL or SIGSTOP the job did not send
+    itself and the OOM killer did not send; ``ft/origin.py``) is not counted at all, in any phase: it
+    neither adds to the row nor ends it, and the failure before it stays the one the next is compared
+    with. It still uses a restart, so the budget bounds a job that outside faults keep down (exit 75)."""
 
     def __init__(self, max_restarts: int, crash_loop_restarts: int, initial_progress: int) -> None:
         self.max_restarts, self.crash_loop_restarts = max_restarts, crash_loop_restarts
@@ -172,11 +176,13 @@ class RestartPolicy:
         sig = sig or FailureSig("train", "", None, "")
         if progress > self.progress:
             self.progress, self.no_progress = progress, 0
-        elif self.no_progress and (sig.startup or self._last.startup) and sig != self._last:
-            self.no_progress = 1  # not the same failure again: luck, not a loop; a new run begins with it
+            self._last = None if sig.outside else sig
+        elif sig.outside:
+            pass  # not the job's failure: the row of its own failures is left as it was
+        elif self.no_progress and (sig.startup or self._last.startup) and not sig.same(self._last):
+            self.no_progress, self._last = 1, sig  # not the same failure again: luck, not a loop
         else:
-            self.no_progress += 1
-        self._last = sig
+            self.no_progress, self._last = self.no_progress + 1, sig
         if self.crash_loop_restarts and self.no_progress >= self.crash_loop_restarts:
             return CRASH_LOOP
         if self.restarts >= self.max_restarts:
@@ -195,12 +201,18 @@ class FailureSig:
     kind: str
     exitcode: int | None
     error: str
+    outside: bool = False  # a fault from outside the job (ft/origin.py): never part of a crash loop
 
     @property
     def startup(self) -> bool:
         return self.phase != "train"
 
+    def same(self, other: "FailureSig | None") -> bool:
+        """The same failure again: phase, kind, exit code and error."""
+        return other is not None and (self.phase, self.kind, self.exitcode, self.error) == (
+            other.phase, other.kind, other.exitcode, other.error)
+
     @classmethod
-    def of(cls, phase: str, kind: str, exitcode: int | None, error: str | None) -> "FailureSig":
+    def of(cls, phase: str, kind: str, exitcode: int | None, error: str | None, outside: bool = False) -> "FailureSig":
         head = (error or "").strip().splitlines()[0] if (error or "").strip() else ""
-        return cls(phase, kind, exitcode, re.sub(r"0x[0-9a-fA-F]+|\d+", "#", head)[:300])
+        return cls(phase, kind, exitcode, re.sub(r"0x[0-9a-fA-F]+|\d+", "#", head)[:300], outside)

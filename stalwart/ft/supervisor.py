@@ -36,6 +36,7 @@ from stalwart.ft.detect import (
 )
 from stalwart.checkpoint.manager import newest_complete_checkpoint
 from stalwart.checkpoint.snapshot import SnapshotStore
+from stalwart.ft.origin import oom_kills, oom_since, outside_fault
 from stalwart.ft.plan import ChaosSchedule, read_fired
 from stalwart.ft.runlock import drop_unowned_snapshots
 from stalwart.ft.records import read_exit_records, read_heartbeats, read_startup, startup_event, startup_phase
@@ -112,6 +113,8 @@ class Supervisor:
     _resume_step: int = 0              # the step this attempt resumes from, as far as the supervisor knows
     _command_start: float | None = None
     _startup_reported: bool = False
+    read_oom: Callable[[], dict] = oom_kills             # the kernel's OOM-kill counters (ft/origin.py)
+    _oom_mark: dict = field(default_factory=dict)        # their reading at the previous failure or the launch
 
     def __post_init__(self) -> None:
         self.paths = RunPaths(self.run_dir)
@@ -125,6 +128,7 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
     def launched(self, now: float, **info) -> None:
         self._t0 = self.attempt_start = self._begun = now
+        self._oom_mark = self.read_oom()
         self._resume_step = max(0, self.policy.progress)
         self._command_start = info.get("command_start")  # the launcher process's start, where known
         self.log_event("launch", time=now, max_restarts=self.max_restarts, ranks=self.ranks,
@@ -247,6 +251,10 @@ class Supervisor:
             progress = max(progress, self._max_step)
         phase = self.phase_of(rank)
         own = read_exit_records(self.paths, self.attempt_start).get(rank)
+        oom_now = self.read_oom()
+        oom, self._oom_mark = oom_since(self._oom_mark, oom_now), oom_now
+        outside = outside_fault(kind, exitcode, own is not None, any(f.get("source") != "chaos" for f in injected),
+                                rank in self._stopped_since, oom)
         host = rank // self.host_size if rank >= 0 else -1
         self.host_failures[host] = self.host_failures.get(host, 0) + (kind != "rollback")
         if kind in ("user_error", "preempted"):  # never restarted: fix the command / requeue the job
@@ -255,12 +263,14 @@ class Supervisor:
             decision = EXCLUDE
             self.excluded_host = host
         else:
-            decision = self.policy.on_failure(progress, FailureSig.of(phase, kind, exitcode, own and own.get("error")))
+            decision = self.policy.on_failure(progress, FailureSig.of(phase, kind, exitcode, own and own.get("error"),
+                                                                      outside))
         rec = {"kind": kind, "rank": rank, "host": host, "step": step, "phase": phase, "exitcode": exitcode,
                "attempt": self.attempt, "fault_time": fault_time, "detect_time": now,
                "detection_latency_s": round(now - fault_time, 3),
                "injected": injected[-1]["kind"] if injected else None, "progress_step": progress,
-               "decision": decision, "failures_in_a_row": self.policy.no_progress}
+               "decision": decision, "failures_in_a_row": self.policy.no_progress, "from_outside": outside,
+               "oom_kill": oom}
         if stall is not None:
             rec["detail"] = stall.detail
         stopped = sorted(r for r in self._stopped_since if r != rank)
