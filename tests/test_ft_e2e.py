@@ -72,6 +72,43 @@ def test_faults_recover_bit_identically(tmp_path):
     assert f"eval loss       {ref['first_eval_loss']:.4f} -> " in proc.stdout
 
 
+def test_a_kill_from_outside_is_one_line_and_not_counted_as_a_crash_loop(tmp_path):
+    """kill -9 of a worker from outside: the supervisor says so on the console (rank, signal, where it
+    landed, what it does), records it as a fault from outside, and the run finishes."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import popen_cli
+
+    run = tmp_path / "run"
+    proc = popen_cli("train", "--run.dir", str(run), *TINY_RUN, *FAST_FT, "--nproc-per-node", "1",
+                     "--training.steps", "30", "--checkpoint.interval", "5", "--launch.max_restarts", "2",
+                     "--fault.crash_loop_restarts", "1", "--fault.inject", "slow:rank=0,factor=4,steps=1-30",
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        beat, deadline = run / "ft" / "heartbeat" / "rank-0.json", time.monotonic() + 240
+        while time.monotonic() < deadline:
+            rec = json.loads(beat.read_text()) if beat.is_file() else {}
+            if rec.get("step", 0) >= 3:
+                break
+            time.sleep(0.05)
+        os.kill(rec["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    (fail,) = events(run, "failure")
+    assert (fail["kind"], fail["exitcode"], fail["phase"], fail["from_outside"], fail["decision"]) == (
+        "signal", -9, "train", True, "restart")
+    said = [x for x in err.splitlines() if x.startswith("stalwart supervisor:")]
+    assert said == [f"stalwart supervisor: rank 0 was killed by SIGKILL from outside (not counted toward "
+                    f"fault.crash_loop_restarts) while training (after step {fail['step']}); restarting the group"], err
+
+
 def test_nan_skip_leaves_state_unchanged_and_straggler_is_named(tmp_path):
     run = tmp_path / "run"
     train(run, "--training.steps", "10", "--checkpoint.interval", "1", "--checkpoint.keep_last", "0",

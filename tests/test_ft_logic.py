@@ -366,13 +366,13 @@ def test_kills_in_the_same_start_up_phase_are_a_loop_only_with_oom_evidence(tmp_
     """kill -9 of rank 1 in its first step, four attempts in a row, no progress: from outside (the
     kernel's OOM-kill count did not move) they use the restart budget (exit 75); with the count rising
     (the OOM killer) or unreadable they are the same start-up failure again: a crash loop (exit 76).
-"""
+    Each prints one console line naming the rank, the signal and where it landed."""
     readings = iter({"none": [{"host": 7}] * 9, "rising": [{"host": 7 + i} for i in range(9)],
                      "unreadable": [{}] * 9}[oom])
     cfg = Cfg()
-    events = []
+    events, lines = [], []
     sup = Supervisor(cfg, tmp_path, None, 3, [0, 1], lambda name, **kw: events.append({"event": name, **kw}),
-                     read_oom=lambda: next(readings))
+                     say=lines.append, read_oom=lambda: next(readings))
     sup.launched(100.0)
     decisions, t = [], 100.0
     for attempt in range(4):
@@ -388,8 +388,13 @@ def test_kills_in_the_same_start_up_phase_are_a_loop_only_with_oom_evidence(tmp_
     if oom == "none":
         assert decisions == [RESTART] * 3 + [BUDGET_EXHAUSTED]
         assert [f["from_outside"] for f in fails] == [True] * 4 and [f["failures_in_a_row"] for f in fails] == [0] * 4
+        assert lines[0] == ("stalwart supervisor: rank 1 was killed by SIGKILL from outside (not counted toward "
+                            "fault.crash_loop_restarts) in start-up (first_step); restarting the group")
+        assert lines[-1].endswith("; stopping the group")
     else:
         assert decisions == [RESTART, CRASH_LOOP] and not any(f["from_outside"] for f in fails)
+        assert lines[0] == "stalwart supervisor: rank 1 was killed by SIGKILL in start-up (first_step); restarting the group"
+    assert len(lines) == len(fails)
 
 
 def test_supervisor_sees_processes_first_hand(tmp_path):

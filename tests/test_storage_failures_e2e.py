@@ -52,6 +52,29 @@ def test_an_io_or_permission_error_is_reported_and_the_next_save_retries(tmp_pat
     assert digest(tmp_path / "step-1") == before
 
 
+@pytest.mark.unit
+def test_a_failed_last_save_does_not_say_training_continues(tmp_path, monkeypatch, capsys):
+    """The save on SIGTERM or at the end is the session's last: its warning names what a rerun resumes
+    from instead of saying that training continues (exit 75 or 2 follows it)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    m = manager(tmp_path, Events(), async_save=True)
+    model, opt = tiny()
+    assert m.save(1, model, opt, {"tokens_seen": 1}, block=True) == tmp_path / "step-1"
+
+    def fail(self, *a, **k):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", fail)
+    capsys.readouterr()
+    assert m.save(2, model, opt, {"tokens_seen": 2}, block=True) is None  # an interval's save: training goes on
+    assert capsys.readouterr().err.rstrip().endswith("the previous checkpoint is kept, training continues")
+    assert m.save(3, model, opt, {"tokens_seen": 3}, block=True, last=True) is None
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: checkpoint step-3 failed: ") and "training continues" not in line
+    assert line.endswith("this session ends without it; a rerun resumes from step-1, the newest complete checkpoint")
+
+
 _DRIVER = textwrap.dedent("""
     import json, os, subprocess, sys, time
     from pathlib import Path

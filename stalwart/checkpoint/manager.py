@@ -86,20 +86,23 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         self.last_saved: Path | None = None
         self.last_error: str | None = None  # why the newest failed save failed
+        self._last_save = False  # the save in progress is the session's last (no training follows it)
         self.last_stall_s = 0.0
         self._verified: VerifiedFiles | None = None  # the last checkpoint verified for loading
         self.skip_steps: set[int] = set()  # demoted checkpoints: never resumed from (train/demotion.py)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], block: bool = False) -> Path | None:
+             trainer_state: dict[str, Any], block: bool = False, last: bool = False) -> Path | None:
         """Start a checkpoint of the current state. Returns at once (async: the state is copied to host
         buffers on the writer thread while the loop computes; the optimizer's next step waits for the copy)
         or once committed.
 
         Returns the committed path (sync / ``block``), or None while an async save is in flight or when
-        the save failed under ``on_failure = continue``.
+        the save failed under ``on_failure = continue``. ``last``: the session's last save (at its end,
+        or on SIGTERM): a failure is then not followed by more training, and its warning says so.
         """
+        self._last_save = last
         self.wait()  # one save in flight at a time: the previous one commits first
         t0 = time.perf_counter()
         tmp, final = self.dir.tmp(step), self.dir.step(step)
@@ -280,12 +283,22 @@ class CheckpointManager:
             with contextlib.suppress(OSError):  # the disk may be what failed
                 self.log_event("checkpoint_failed", step=step, error=error, partial_removed=removed,
                                on_failure=self.on_failure)
-            print(f"warning: checkpoint step-{step} failed: {error}; the previous checkpoint is kept"
-                  f"{'' if self.on_failure == 'stop' else ', training continues'}", file=sys.stderr, flush=True)
+            print(f"warning: checkpoint step-{step} failed: {error}; {self._after_failure()}", file=sys.stderr,
+                  flush=True)
         _barrier()
         self.last_error = error
         if self.on_failure == "stop":
             raise CheckpointError(f"checkpoint step-{step} failed: {error} (checkpoint.on_failure = stop)")
+
+    def _after_failure(self) -> str:
+        """What a failed save leaves, in words: training goes on (a save at an interval), or, for the
+        session's last save, which checkpoint a rerun resumes from."""
+        if not self._last_save:
+            return "the previous checkpoint is kept" + ("" if self.on_failure == "stop" else ", training continues")
+        newest = newest_complete_checkpoint(self.root)
+        return (f"this session ends without it; a rerun resumes from {newest.name}, the newest complete checkpoint"
+                if newest is not None else "this session ends without it; no checkpoint is complete, so a rerun "
+                "starts over")
 
     def _apply_retention(self, keep: Path) -> None:
         """Keep the newest ``keep_last`` plus every ``keep_every``-th step; never the only complete one."""

@@ -15,6 +15,8 @@ any tick saw it), so detection latency is measured to within ``fault.monitor_int
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +77,35 @@ def classify(exitcode: int | None) -> str:
     return "crash"
 
 
+def failure_line(rank: int, what: str, decision: str = RESTART) -> str:
+    """The one console line of a failure the supervisor saw: the rank, what happened to it, and what
+    the supervisor does next (the launcher prints the line of a hang with this too)."""
+    then = "restarting the group" if decision in (RESTART, EXCLUDE) else "stopping the group"
+    return f"stalwart supervisor: rank {rank} {what}; {then}"
+
+
+def describe_exit(kind: str, exitcode: int | None, phase: str, step: int, outside: bool) -> str:
+    """How a worker that left by itself (or was killed) failed, in words, for ``failure_line``."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-exitcode}"
+    elif kind == "rollback":
+        how = "asked for a rollback to the last good state"
+    elif exitcode is None:
+        how = "failed"
+    else:
+        how = f"exited with code {exitcode} (its message is above)"
+    where = f"while training (after step {step})" if phase == "train" else f"in start-up ({phase})"
+    origin = " from outside (not counted toward fault.crash_loop_restarts)" if outside else ""
+    return f"{how}{origin} {where}"
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 @dataclass
 class _Failure:
     kind: str
@@ -113,6 +144,7 @@ class Supervisor:
     _resume_step: int = 0              # the step this attempt resumes from, as far as the supervisor knows
     _command_start: float | None = None
     _startup_reported: bool = False
+    say: Callable[[str], None] = _stderr_line            # the console line of each failure it handles
     read_oom: Callable[[], dict] = oom_kills             # the kernel's OOM-kill counters (ft/origin.py)
     _oom_mark: dict = field(default_factory=dict)        # their reading at the previous failure or the launch
 
@@ -278,6 +310,8 @@ class Supervisor:
             rec["also_stopped"] = stopped
         self.failures.append(rec)
         self.log_event("failure", time=now, **rec)
+        if stall is None and kind not in ("user_error", "preempted"):  # the launcher prints a hang's line itself
+            self.say(failure_line(rank, describe_exit(kind, exitcode, phase, step, outside), decision))
         self._pending = _Failure(kind, rank, step, fault_time, now)
         self.verdict = decision
         return decision

@@ -170,10 +170,11 @@ class Checkpointer:
         return loaded.step
 
     # ------------------------------------------------------------------ saving
-    def save(self, block: bool = False) -> Path | None:
-        """Start a checkpoint (async: returns after staging); ``block`` waits until it is committed."""
+    def save(self, block: bool = False, last: bool = False) -> Path | None:
+        """Start a checkpoint (async: returns after staging); ``block`` waits until it is committed;
+        ``last``: the session's last save (nothing trains after it, whether it fails or not)."""
         return self.manager.save(self.core.state.step, self.core.model, self.core.optimizer,
-                                 self.trainer_state(), block=block)
+                                 self.trainer_state(), block=block, last=last)
 
     def maybe_save(self, step: int, end: int, record: dict[str, Any] | None = None) -> None:
         """After step ``step`` (whose ``record`` tells how it went): commit a finished async save; demote a
@@ -230,7 +231,7 @@ class Checkpointer:
         is what the requeued job resumes from."""
         t0 = time.perf_counter()
         with self._phase("checkpoint"):
-            path = self.save(block=True)
+            path = self.save(block=True, last=True)
         seconds = self.preemption.seconds_since()
         error = None if path is not None else self.manager.last_error
         with contextlib.suppress(OSError):  # the step's end -> durable is save_s; the rest finished the step
@@ -244,7 +245,7 @@ class Checkpointer:
         Returns the checkpoint that holds the final state, if any."""
         ckpt = self.resumed_from if not trained else None
         if trained and (self.cfg.at_end or stopped_early):
-            ckpt = self.save(block=True)
+            ckpt = self.save(block=True, last=True)
             if ckpt is None:  # failed under on_failure = continue: the session's end is not durable
                 self._final_save_failed()
         self.manager.wait()  # an in-flight async save commits before exit
