@@ -111,6 +111,32 @@ def test_compare_names_the_first_step_and_tensor(tmp_path, capsys):
         compare.main([str(a), str(tmp_path / "missing")])
 
 
+def test_the_data_component_is_the_global_position_whatever_the_number_of_ranks():
+    """Every rank's loader holds the global data position: 1, 2 or 4 ranks give one ``data`` digest (an
+    elastic resume compares identical); a rank whose position differs changes it."""
+    one = {"pieces": [("params/w", "0", 5)], "rng": "r", "data": "d"}
+    parts = [combine([one] * n)[1] for n in (1, 2, 4)]
+    assert parts[0] == parts[1] == parts[2]
+    assert combine([one, {**one, "data": "e"}])[1]["data"] != parts[0]["data"]
+
+
+def test_compare_notes_runs_on_different_numbers_of_processes(tmp_path, capsys):
+    same = {"params/a": 1}
+    fps = {1: ("x1", {"params": "p1", "data": "d1"}, same), 2: ("x2", {"params": "p2", "data": "d2"}, same)}
+    a, b = _run(tmp_path, "a", fps), _run(tmp_path, "b", fps)
+    starts = {a: [(0, 2), (1, 1)], b: [(0, 1), (1, 1)]}  # a: 2 processes, resumed at step 1 on 1
+    for run, rows in starts.items():
+        (run / "events.jsonl").write_text("".join(json.dumps({"time": 1.0 + i, "event": "start", "step": st,
+                                                              "world_size": n}) + "\n"
+                                                  for i, (st, n) in enumerate(rows)))
+    assert compare.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("identical: 2 common steps") and out[1] == (
+        f"note: the runs trained on different numbers of processes ({a}: 2, then 1 from step 1; {b}: 1); the "
+        "state fingerprint does not depend on it, the gradient sums do unless training.elastic_exact")
+    assert compare.main([str(b), str(b)]) == 0 and len(capsys.readouterr().out.splitlines()) == 1
+
+
 def test_replicas_share_the_work_and_every_piece_has_one_owner():
     from stalwart.train.fingerprint import assign_owners
 

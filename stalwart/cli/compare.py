@@ -4,7 +4,9 @@ Reads the state fingerprints in each run's ``metrics.jsonl`` (``stalwart.train.f
 the steps both runs fingerprinted (a step logged twice, after a resume, keeps its later line) and
 prints the first step whose fingerprint differs, with the components that differ (``params``,
 ``optim``, ``rng``, ``data``). ``--tensors`` also names the first tensor (sorted by name) whose sum
-differs at that step, from each run's ``fingerprints.jsonl``.
+differs at that step, from each run's ``fingerprints.jsonl``. No component depends on the number of
+processes (``data`` is the global data position), so an elastic resume onto fewer processes compares
+identical; when the runs trained on different numbers of processes a ``note:`` line says so.
 
 Exit status: 0 when the runs agree on every common step, 1 when they differ, 2 when they cannot be
 compared (no run directory, no fingerprints, no step in common).
@@ -49,11 +51,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("run_b", help="another run directory")
     p.add_argument("--tensors", action="store_true", help="also name the first tensor that differs")
     args = p.parse_args(argv)
-    from stalwart.observe.fingerprints import compare_runs  # the observe package loads torch
+    from stalwart.observe.fingerprints import compare_runs, process_note  # the observe package loads torch
 
     run_a, run_b = Path(args.run_a), Path(args.run_b)
     step, line = compare_runs(run_a, run_b)
     print(line)
+    note = process_note(run_a, run_b)
+    if note:
+        print(note)
     if step is None:
         return 0
     if args.tensors:

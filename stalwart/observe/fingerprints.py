@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from stalwart.errors import UserError
+from stalwart.metrics.records import read_jsonl
 from stalwart.paths import RunPaths
 
 
@@ -65,3 +66,29 @@ def compare_runs(run_a: Path, run_b: Path) -> tuple[int | None, str]:
             f"loss {a[step]['loss']} vs {b[step]['loss']}")
     return step, (f"differ: first at step {step} ({', '.join(parts) or whole_only}; {loss}); "
                   f"{common.index(step)} common steps before it agree")
+
+
+def process_counts(run: Path) -> list[tuple[int, int]]:
+    """(the step a session started from, its number of processes) for each change of the number, from
+    the run's ``start`` events: ``[(0, 4), (2, 2)]`` is 4 processes, then 2 from step 2."""
+    out: list[tuple[int, int]] = []
+    for e in read_jsonl(RunPaths(run).events):
+        if e.get("event") == "start" and isinstance(e.get("world_size"), int):
+            if not out or out[-1][1] != e["world_size"]:
+                out.append((int(e.get("step") or 0), e["world_size"]))
+    return out
+
+
+def process_note(run_a: Path, run_b: Path) -> str | None:
+    """A note when the two runs trained on different numbers of processes (None when they did not, or one
+    run's events do not say). The state fingerprint does not depend on it (``train/fingerprint.py``);
+    the arithmetic may, which the note says where to look for."""
+    a, b = process_counts(run_a), process_counts(run_b)
+    if not a or not b or a == b:
+        return None
+
+    def said(counts: list[tuple[int, int]]) -> str:
+        return ", then ".join(f"{n} from step {s}" if i else str(n) for i, (s, n) in enumerate(counts))
+
+    return (f"note: the runs trained on different numbers of processes ({run_a}: {said(a)}; {run_b}: {said(b)}); "
+            "the state fingerprint does not depend on it, the gradient sums do unless training.elastic_exact")

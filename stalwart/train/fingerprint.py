@@ -12,8 +12,11 @@ same whether a tensor is replicated (DDP: one copy counted), sharded (FSDP, tens
 by one process: those two components do not depend on the number of processes or the layout. A
 piece is identified by the tensor's name and the global offset of its shard; replicas hold the same
 piece, which is counted once and summed by one of them (in turn: N replicas each do 1/N of the
-work). The ``rng`` component digests the distinct per-rank RNG states and ``data`` the per-rank data
-positions in rank order: both depend on the number of data-parallel ranks (each has its own position).
+work). The ``rng`` component digests the distinct per-rank RNG states and ``data`` the distinct data
+positions: the loader's position is the global one (batches served, and what defines the batches:
+``data/loader.py``), the same on every rank, so ``data`` is a digest of the global data position and
+does not depend on how many ranks read it (an elastic resume onto fewer ranks compares identical); a
+rank whose position differed from the others' would add a second one and change it.
 Once every rank's list of pieces is known (from the first fingerprint on, until the optimizer's state
 appears or the layout changes), a fingerprint costs one fixed-size int64 ``all_gather``.
 
@@ -129,7 +132,8 @@ def combine(ranks: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, str]
 
     Each contribution is ``{"pieces": [(name, offset, sum)], "rng": str, "data": str}``. A piece seen
     on several ranks (a replica) counts once; a tensor's value is the sum of its distinct pieces,
-    modulo 2**32. Pure: unit-tested without processes."""
+    modulo 2**64; RNG states and data positions count once each, so no component depends on the number
+    of ranks. Pure: unit-tested without processes."""
     seen: dict[tuple[str, str], int] = {}
     for contribution in ranks:
         for name, offset, value in contribution["pieces"]:
@@ -142,7 +146,7 @@ def combine(ranks: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, str]
         "params": _digest(f"{k}={v}" for k, v in sums.items() if k.startswith("params/")),
         "optim": _digest(f"{k}={v}" for k, v in sums.items() if k.startswith("optim/")),
         "rng": _digest(sorted({c["rng"] for c in ranks})),
-        "data": _digest(c["data"] for c in ranks),
+        "data": _digest(sorted({c["data"] for c in ranks})),
     }
     return sums, parts
 
