@@ -116,6 +116,25 @@ def test_bad_data_inputs(tmp_path):
         Corpus(str(tmp_path / "*.nothing"))
 
 
+def test_max_mb_reads_the_first_files_and_keys_the_cache_by_them(tmp_path):
+    """data.max_mb: the first files in path order up to that size (at least one), and the data cache's
+    key follows the files read, so a limited corpus never reuses the whole one's entry."""
+    from pathlib import Path
+
+    from stalwart.data.cache import data_key
+
+    for i in range(5):
+        (tmp_path / f"f{i}.txt").write_text(f"document {i} " * 50_000)  # ~0.55 MB each
+    whole = Corpus(str(tmp_path), val_fraction=0.0)
+    first = Corpus(str(tmp_path), val_fraction=0.0, max_mb=1.0)
+    assert [Path(d.path).name for d in first.train] == ["f0.txt", "f1.txt"]  # f1 crosses 1 MB
+    assert [Path(d.path).name for d in Corpus(str(tmp_path), val_fraction=0.0, max_mb=0.01).train] == ["f0.txt"]
+    assert len(whole.train) == 5
+    settings = dict(fmt="auto", text_field="text", val_fraction=0.0, decode_errors="auto", shard_mb=1.0)
+    source = [Source("s", str(tmp_path))]
+    assert data_key(source, [first], "t", **settings) != data_key(source, [whole], "t", **settings)
+
+
 def test_jsonl_and_parquet_sources(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq

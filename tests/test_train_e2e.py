@@ -27,8 +27,12 @@ def test_train_then_generate(run_dir):
         assert key in steps[0], key
     evals = [m for m in metrics if "eval_loss" in m]
     assert [m["step"] for m in evals] == [0, 3, 6]
-    events = [json.loads(x)["event"] for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = [e["event"] for e in records]
     assert events[0] == "start" and events[-1] == "finished" and "checkpoint_saved" in events
+    # One process runs in the command's own process: its start-up is timed from the command.
+    (startup,) = [e for e in records if e["event"] == "startup"]
+    assert 0 < startup["to_first_step_s"] == startup["from_command_s"] and startup["launcher_s"] == 0
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-3", "step-6"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-6"
     out = run_cli("generate", "--run", str(run_dir), "--prompt", "def ", "--max-new-tokens", "12",

@@ -136,6 +136,9 @@ class DataConfig:
                                        min=0.01)
     seq_len: int = option("Tokens per training sequence (documents are packed, no padding).", 256, min=8)
     val_fraction: float = option("Fraction of documents held out for evaluation.", 0.02, min=0.0, max=0.5)
+    max_mb: float = option("Text (not a prepared dataset): use only the first files of data.path, in path "
+                           "order, up to this many megabytes (at least one file), so a machine's first run "
+                           "tokenizes less (the debug config: 4). 0 = every file.", 0.0, min=0.0)
 
 
 @dataclass

@@ -168,6 +168,18 @@ def _expand(path: str) -> list[Path]:
     return _files_under(p) if p.is_dir() else [p]
 
 
+def _first_mb(files: list[Path], max_mb: float) -> list[Path]:
+    """The first of ``files`` whose sizes add up to ``max_mb`` megabytes (the one that crosses it
+    included, so at least one)."""
+    out, total = [], 0
+    for f in files:
+        if out and total >= max_mb * 1e6:
+            break
+        out.append(f)
+        total += f.stat().st_size
+    return out
+
+
 def _check_files(files: list[Path], fmt: str) -> None:
     """A file given by name or glob is read as what its name says; binary content is refused (Arrow
     files only inside a `datasets` directory, whose state.json says what they hold)."""
@@ -227,7 +239,8 @@ class Corpus:
     """Documents split deterministically into train and validation by a hash of their key."""
 
     def __init__(self, path: str, fmt: str = "auto", text_field: str = "text", val_fraction: float = 0.02,
-                 decode_errors: str = "auto") -> None:
+                 decode_errors: str = "auto", max_mb: float = 0.0) -> None:
+        """``max_mb``: only the first files (in path order) up to that many megabytes, at least one; 0 = all."""
         self.text_field = text_field
         self.source = path or f"{default_corpus_root()} (Python standard library)"
         # The bundled corpus has a few files in legacy encodings on purpose (the stdlib's own encoding
@@ -236,7 +249,7 @@ class Corpus:
         self.warn_replaced = decode_errors == "replace"
         self.replaced: dict[str, int] = {}  # file -> invalid bytes replaced so far
         docs: list[DocRef] = []
-        files = _expand(path)
+        files = _first_mb(_expand(path), max_mb) if max_mb > 0 else _expand(path)
         if path:
             _check_files(files, fmt)
         self._jsonl: dict[str, np.ndarray] = {}  # file -> byte offset of each record

@@ -67,10 +67,12 @@ class Heartbeat:
                 self._report_alone()
 
     def _report_alone(self) -> None:
-        """The ``startup`` event of a process without a supervisor (which would write it otherwise)."""
+        """The ``startup`` event of a process without a supervisor (which would write it otherwise): the
+        process is the command's own, so its start is the command's (``from_command_s``)."""
         rank = self.state["rank"]
         rec = read_startup(self.paths, [rank]).get(rank)
-        event = startup_event({rank: rec}, rec["process_start"]) if rec and rec.get("process_start") else None
+        start = rec.get("process_start") if rec else None
+        event = startup_event({rank: rec}, start, start) if start else None
         if event is not None:
             self.log_event("startup", attempt=self.state["attempt"], **event)
 

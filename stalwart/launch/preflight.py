@@ -38,7 +38,8 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
         if cfg.data.mix:
             parse_mix(cfg.data.mix, data.names)
     else:
-        Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors)
+        Corpus(cfg.data.path, cfg.data.format, cfg.data.text_field, cfg.data.val_fraction, cfg.data.decode_errors,
+               cfg.data.max_mb)
     if cfg.fault.group_recovery:
         _check_groups(cfg, world)
     per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None

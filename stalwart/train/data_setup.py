@@ -69,7 +69,7 @@ def build_run_data(cfg, paths: RunPaths, is_main: bool, init_from_hf: str = "") 
         paths.root.mkdir(parents=True, exist_ok=True)
         data = open_prepared(cfg.path) if given else None
         corpus = None if given else Corpus(cfg.path, cfg.format, cfg.text_field, cfg.val_fraction,
-                                           cfg.decode_errors)
+                                           cfg.decode_errors, cfg.max_mb)
         clock = _lap(timing, "scan_s", clock)
         tok = run_tokenizer(cfg, paths.tokenizer, data, corpus, init_from_hf,
                             trained=None if given else cache_root(cfg.cache) / "tokenizers")
@@ -85,7 +85,8 @@ def build_run_data(cfg, paths: RunPaths, is_main: bool, init_from_hf: str = "") 
     tok = load_tokenizer(paths.tokenizer)  # every rank reads the one file the first rank decided
     _lap(timing, "open_s", clock)
     mark_startup(paths, "model", data=timing)
-    where = cfg.path or "the bundled corpus (Python standard library)"
+    where = (cfg.path or "the bundled corpus (Python standard library)") + (
+        f" (its first {cfg.max_mb:g} MB)" if cfg.max_mb and not given else "")
     words = (f"{where} (prepared: {len(data.names)} source(s))" if given
              else f"{where} (tokenized into {_shown(paths.prepared_data)})")
     return RunData(tok, eos_id(tok), data, words, timing)
