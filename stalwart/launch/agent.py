@@ -37,6 +37,7 @@ from stalwart.ft.supervisor import (
     EXCLUDE,
     Supervisor,
     classify,
+    failure_line,
 )
 from stalwart.atomic import write_text_atomic
 from stalwart.launch.fork import forked_entry
@@ -135,8 +136,7 @@ class SupervisedAgent(LocalElasticAgent):
             if stall is None:
                 self._inject_chaos(now)
                 return result
-            print(f"stalwart supervisor: rank {stall.rank} {stall.kind}: {stall.detail}; restarting the group",
-                  file=sys.stderr, flush=True)
+            self.sup.say(failure_line(stall.rank, f"{stall.kind}: {stall.detail}"))
             self._kill_group()
             deadline = time.monotonic() + 10
             while result.state == WorkerState.HEALTHY and time.monotonic() < deadline:
@@ -288,6 +288,10 @@ def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapsho
         sup = Supervisor(fault_cfg, paths.root, snapshot_dir, max_restarts, ranks, events,
                          host_size=fault_cfg.host_size or spec.local_world_size,
                          steps_are_progress=fault_cfg.replica_group >= 0)
+        if fault_cfg.replica_group >= 0:  # its lines name the replica group its ranks belong to
+            sup.say = lambda line, g=fault_cfg.replica_group: print(
+                line.replace("stalwart supervisor:", f"stalwart supervisor: replica group {g}:", 1),
+                file=sys.stderr, flush=True)
         sup.launched(time.time(), nproc_per_node=spec.local_world_size, **launcher)
         holder["sup"] = sup
         return SupervisedAgent(spec, *a, stalwart_supervisor=sup, on_failure=on_failure, **kw)
