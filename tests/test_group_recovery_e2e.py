@@ -13,7 +13,7 @@ from conftest import TINY_RUN, popen_cli, read_metrics, run_cli
 
 from stalwart.metrics.records import read_jsonl
 
-STEPS = 150
+STEPS = 100
 JOB = [*TINY_RUN, "--training.global_batch", "6", "--training.micro_batch", "2", "--training.elastic_exact", "true",
        "--nproc-per-node", "3", "--parallelism.dp_replicate", "3", "--training.steps", str(STEPS),
        "--checkpoint.interval", "0"]
