@@ -173,7 +173,11 @@ class QuorumClient:
             if self.store.check([f"e{e}/broken"]):
                 self.store.compare_set(decided, "", ABORT)
             return None
-        return poll(outcome, self.timeout_s, f"the decision on step {step}")
+        decision = poll(outcome, self.timeout_s, f"the decision on step {step}")
+        if self.rank == 0 and self.group == min(epoch["members"]):  # every rank is past step - 2's keys
+            for key in (f"e{e}/s{step - 2}/ok", f"e{e}/s{step - 2}/d"):
+                self.store.delete_key(key)
+        return decision
 
     def _take_proposal(self, e: int) -> bool:
         """Take the lighthouse's proposal for epoch ``e + 1``, if there is one: it begins after this step."""
