@@ -7,9 +7,13 @@
 | ``slow`` | one worker stopped and continued in a duty cycle (``SLOW_OFF_S`` of every ``SLOW_PERIOD_S``) for ``slow_s`` | - |
 | ``disk_full`` | the tmpfs under ``<run>/checkpoints`` filled to the last block until a save fails (or the hold time), then freed; over once the next save is durable (or the hold time) | namespaces |
 | ``partition`` | every TCP connection of one worker dropped (``tc``: its ports to a queue of length 0 on the job's own loopback) until the supervisor reports a failure (or the hold time), then healed | namespaces, 2+ ranks |
-| ``corrupt_snapshot`` | once a disk checkpoint older than the newest snapshot exists: every worker frozen, a byte flipped in every in-memory snapshot file of the run (``/dev/shm``), one worker killed: the restart must refuse the snapshots by their checksums and resume from disk | ``checkpoint.memory_interval``, ``checkpoint.interval`` |
+| ``corrupt_snapshot`` | once a disk checkpoint older than the newest snapshot exists: every worker frozen, a byte flipped in every in-memory snapshot file of the run (``/dev/shm``), one worker killed (one in every replica group: a group restarted alone takes its peers' memory and reads no snapshot): the restart must refuse the snapshots by their checksums and resume from disk | ``checkpoint.memory_interval``, ``checkpoint.interval`` |
+| ``group_kill`` | SIGKILL to every rank of one replica group at once | ``fault.group_recovery`` |
+| ``all_groups`` | SIGKILL to one rank of every replica group at once (the whole-job fallback) | ``fault.group_recovery`` |
 
-Each ``fire`` returns when the fault's own action is over (a kill at once; a disk freed or a partition
+With ``fault.group_recovery`` the disk filled is the target's group's (each group's checkpoints are a
+tmpfs of their own) and the partition cuts one worker's connections, the cross-group exchange's among
+them. Each ``fire`` returns when the fault's own action is over (a kill at once; a disk freed or a partition
 healed after at most the hold time, a slowdown after its own) with the record of what was done.
 """
 
@@ -22,20 +26,23 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalwart.chaos.groups import GROUP_KINDS
 from stalwart.paths import snapshot_step
 
 if TYPE_CHECKING:  # chaos/job.py loads torch; `stalwart chaos` reads KINDS before it parses its flags
     from stalwart.chaos.job import Job
 
 KINDS = ("kill", "stop", "slow", "disk_full", "partition", "corrupt_snapshot")
-RESTARTING = ("kill", "stop", "partition", "corrupt_snapshot")  # the group is restarted after these
+RESTARTING = ("kill", "stop", "partition", "corrupt_snapshot", *GROUP_KINDS)  # a group is restarted after these
 SLOW_PERIOD_S, SLOW_OFF_S = 0.2, 0.1
 _FILLER = ".chaos-filler"
 
 
 def unavailable(kind: str, nproc: int, memory_interval: int, checkpoint_interval: int,
-                namespaces: str | None) -> str | None:
-    """Why ``kind`` cannot run against this job (one line), or None."""
+                namespaces: str | None, grouped: bool = False) -> str | None:
+    """Why ``kind`` cannot run against this job (one line), or None. ``grouped``: a job of replica groups."""
+    if kind in GROUP_KINDS and not grouped:
+        return f"{kind} needs a job of replica groups (--fault.group_recovery true)"
     if kind in ("disk_full", "partition") and namespaces:
         return namespaces
     if kind == "partition" and nproc < 2:
@@ -57,29 +64,39 @@ def _signal(pid: int, sig: int) -> bool:
 
 
 def _failure_after(job: Job, t: float) -> dict | None:
-    return next((e for e in job.events() if e.get("event") == "failure" and e.get("detect_time", 0) >= t), None)
+    """The first failure any group's supervisor detected at ``t`` or later."""
+    return next((e for events in job.all_events().values() for e in events
+                 if e.get("event") == "failure" and e.get("detect_time", 0) >= t), None)
 
 
-def _event_after(job: Job, name: str, t: float) -> dict | None:
-    return next((e for e in job.events() if e.get("event") == name and e.get("time", 0) >= t), None)
+def _event_after(job: Job, group: int, name: str, t: float) -> dict | None:
+    return next((e for e in job.events(group) if e.get("event") == name and e.get("time", 0) >= t), None)
 
 
-def fire(kind: str, job: Job, beats: dict[int, dict], victim: int, hold_s: float, slow_s: float) -> dict:
-    """Send fault ``kind`` to rank ``victim`` of the group whose heartbeats are ``beats``."""
-    pid = int(beats[victim]["pid"])
-    rec = {"kind": kind, "rank": victim, "pid": pid, "step": beats[victim].get("step"), "time": time.time()}
-    if kind == "kill":
-        rec["sent"] = _signal(pid, signal.SIGKILL)
+def fire(kind: str, job: Job, beats: dict[int, dict], victim: int, hit: list[int], hold_s: float,
+         slow_s: float) -> dict:
+    """Send fault ``kind`` aimed at the job's rank ``victim`` (killing ``hit``, the ranks it signals:
+    ``Layout.hit``), whose heartbeats are in ``beats``."""
+    pid, group = int(beats[victim]["pid"]), beats[victim].get("group", 0)
+    rec = {"kind": kind, "rank": beats[victim].get("rank", victim), "pid": pid, "step": beats[victim].get("step"),
+           "time": time.time()}
+    if job.layout.grouped:
+        rec.update(group=group, groups=sorted({beats[h]["group"] for h in hit}))
+    if kind in ("kill", *GROUP_KINDS):
+        pids = [int(beats[h]["pid"]) for h in hit]
+        rec["sent"] = all([_signal(p, signal.SIGKILL) for p in pids])
+        if len(pids) > 1:
+            rec["pids"] = pids
     elif kind == "stop":
         rec["sent"] = _signal(pid, signal.SIGSTOP)
     elif kind == "slow":
         rec.update(_slow(job, pid, slow_s))
     elif kind == "disk_full":
-        rec.update(_disk_full(job, rec["time"], hold_s))
+        rec.update(_disk_full(job, group, rec["time"], hold_s))
     elif kind == "partition":
         rec.update(_partition(job, pid, rec["time"], hold_s))
     elif kind == "corrupt_snapshot":
-        rec.update(_corrupt_snapshot(job, beats, pid))
+        rec.update(_corrupt_snapshot(job, beats, [int(beats[h]["pid"]) for h in hit]))
     else:
         raise ValueError(kind)
     rec["until"] = time.time()
@@ -123,18 +140,18 @@ def _fill(path: Path) -> int:
     return filled
 
 
-def _disk_full(job: Job, t: float, hold_s: float) -> dict:
-    filler = job.checkpoints / _FILLER
+def _disk_full(job: Job, group: int, t: float, hold_s: float) -> dict:
+    filler = job.checkpoints(group) / _FILLER
     try:
         filled = _fill(filler)
         end = time.time() + hold_s
-        while time.time() < end and job.running() and not _event_after(job, "checkpoint_failed", t):
+        while time.time() < end and job.running() and not _event_after(job, group, "checkpoint_failed", t):
             time.sleep(0.05)
     finally:
         filler.unlink(missing_ok=True)
     freed = time.time()
     end = freed + hold_s  # the next save, on a disk with room again, is the recovery: wait for it
-    while time.time() < end and job.running() and not _event_after(job, "checkpoint_saved", freed):
+    while time.time() < end and job.running() and not _event_after(job, group, "checkpoint_saved", freed):
         time.sleep(0.05)
     return {"sent": True, "filled_mb": round(filled / 2**20, 1), "freed": freed}
 
@@ -222,16 +239,20 @@ def _flip(path: Path) -> bool:
         return False
 
 
-def _corrupt_snapshot(job: Job, beats: dict[int, dict], victim_pid: int) -> dict:
-    """Freeze the group, corrupt every snapshot file, kill one worker; the others stay stopped until the
-    supervisor stops them (no snapshot can be taken between the corruption and the restart)."""
-    pids = [int(b["pid"]) for b in beats.values()]
-    for p in pids:
+def _corrupt_snapshot(job: Job, beats: dict[int, dict], kill_pids: list[int]) -> dict:
+    """Freeze every worker, corrupt every snapshot file (every group's), kill ``kill_pids``; the others stay
+    stopped until their supervisor stops them (no snapshot can be taken between the corruption and the
+    restart)."""
+    for p in [int(b["pid"]) for b in beats.values()]:
         _signal(p, signal.SIGSTOP)
     steps, files = set(), 0
-    for path in sorted(job.snapshot_dir.glob("rank-*/*/step-*.snap")) if job.snapshot_dir else []:
-        if _flip(path):
-            files += 1
-            steps.add(snapshot_step(path))
-    sent = _signal(victim_pid, signal.SIGKILL)
-    return {"sent": sent and files > 0, "files_corrupted": files, "snapshot_steps": sorted(s for s in steps if s)}
+    for snaps in dict.fromkeys(job.snapshot_dirs):  # one directory once (an explicit memory_dir is shared)
+        for path in sorted(snaps.glob("rank-*/*/step-*.snap")) if snaps else []:
+            if _flip(path):
+                files += 1
+                steps.add(snapshot_step(path))
+    sent = all([_signal(p, signal.SIGKILL) for p in kill_pids])
+    out = {"sent": sent and files > 0, "files_corrupted": files, "snapshot_steps": sorted(s for s in steps if s)}
+    if len(kill_pids) > 1:
+        out["pids"] = kill_pids
+    return out
