@@ -172,3 +172,15 @@ def test_goodput_counts_another_groups_loss_apart_from_restarts():
     assert g["buckets"]["group_loss"] == pytest.approx(0.25 + 0.05)
     assert g["buckets"]["productive"] == pytest.approx(10 * 0.1)
     assert g["buckets"]["restart"] == 0 and not g["failures"]
+
+
+@pytest.mark.unit
+def test_a_rank_waiting_on_another_group_is_allowed_twice_the_progress_timeout():
+    from stalwart.ft.detect import Beat, check_heartbeat
+
+    def beat(peers, now):
+        return Beat(0, 0, 29, 0, "train", progress_time=100.0, beat_time=now - 0.1, peers=peers)
+
+    assert check_heartbeat(beat(False, 110.0), 0, 110.0, 0.0, 0, 3.0, 6.0, 900.0).kind == "hang"
+    assert check_heartbeat(beat(True, 110.0), 0, 110.0, 0.0, 0, 3.0, 6.0, 900.0) is None
+    assert check_heartbeat(beat(True, 113.0), 0, 113.0, 0.0, 0, 3.0, 6.0, 900.0).kind == "hang"

@@ -41,11 +41,13 @@ class Beat:
     phase: str            # init | train | finishing
     progress_time: float  # unix time the last step completed (or the phase began)
     beat_time: float      # unix time the thread last wrote
+    peers: bool = False   # waiting on other replica groups (group_recovery's exchange), not on itself
 
     @classmethod
     def from_dict(cls, d: dict) -> Beat:
         return cls(int(d["rank"]), int(d["attempt"]), int(d["step"]), int(d.get("resumed_step", 0)),
-                   str(d.get("phase", "train")), float(d["progress_time"]), float(d["beat_time"]))
+                   str(d.get("phase", "train")), float(d["progress_time"]), float(d["beat_time"]),
+                   bool(d.get("peers", False)))
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ def check_heartbeat(beat: Beat | None, rank: int, now: float, attempt_start: flo
                      f"{heartbeat_timeout_s:g})")
     limit, name = (progress_timeout_s, "progress_timeout_s") if beat.phase == "train" else (
         init_timeout_s, "init_timeout_s")
+    if beat.phase == "train" and beat.peers:  # another group's hang is caught by its own watchdog first
+        limit, name = 2 * progress_timeout_s, "progress_timeout_s x 2: waiting on another replica group"
     if now - beat.progress_time > limit:
         return Stall("hang", rank, beat.step, beat.progress_time,
                      f"no step completed for {now - beat.progress_time:.1f} s after step {beat.step} "

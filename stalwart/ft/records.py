@@ -57,6 +57,11 @@ class Heartbeat:
         self.state["resumed_step"] = step
         self.progress(step, phase="init")
 
+    def waiting_for_peers(self, waiting: bool) -> None:
+        """While true, this rank waits on other replica groups (``fault.group_recovery``): a stall is
+        theirs to report first (the supervisor allows it twice ``fault.progress_timeout_s``)."""
+        self.state = {**self.state, "peers": waiting}
+
     def progress(self, step: int, phase: str = "train") -> None:
         self.state = {**self.state, "step": step, "phase": phase, "progress_time": time.time()}
         self.beat()  # at once: the supervisor times recovery from the step's completion

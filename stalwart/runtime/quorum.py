@@ -91,6 +91,14 @@ class QuorumClient:
         """``store``: the quorum's (prefixed) store itself, instead of connecting to ``addr``."""
         self.group, self.size, self.rank, self.timeout_s = group, size, rank, timeout_s
         self.store = store if store is not None else open_store(addr, timeout_s)[1]
+        self.waiting = lambda waiting: None  # told while this rank waits on the others (its heartbeat)
+
+    def _poll(self, until, what: str, **kwargs):
+        self.waiting(True)
+        try:
+            return poll(until, self.timeout_s, what, **kwargs)
+        finally:
+            self.waiting(False)
 
     def live(self) -> bool:
         return text(self.store, "live") == "1"
@@ -108,12 +116,12 @@ class QuorumClient:
                 return None
             epoch = read_json(self.store, f"e{ack['epoch']}")
             return epoch if epoch is not None and self.group in epoch["members"] else None
-        return poll(ready, self.timeout_s, f"replica group {self.group} waiting to be admitted", most=0.05)
+        return self._poll(ready, f"replica group {self.group} waiting to be admitted", most=0.05)
 
     def next_epoch(self, current: int) -> dict:
         """Epoch ``current + 1`` once the lighthouse (or the rank that took a proposal) wrote it."""
-        return poll(lambda: read_json(self.store, f"e{current + 1}"), self.timeout_s,
-                    f"replica group {self.group} waiting for epoch {current + 1}", most=0.02)
+        return self._poll(lambda: read_json(self.store, f"e{current + 1}"),
+                          f"replica group {self.group} waiting for epoch {current + 1}", most=0.02)
 
     def arrive(self, epoch: dict) -> bool:
         """Wait until every rank of ``epoch`` is here (before its process group is built, which would
@@ -127,7 +135,7 @@ class QuorumClient:
             if self.store.check([f"e{e}/broken"]) or self.store.check([f"e{e + 1}"]):
                 return False
             return None
-        return poll(ready, self.timeout_s, f"the ranks of epoch {e}", most=0.02)
+        return self._poll(ready, f"the ranks of epoch {e}", most=0.02)
 
     def cross_group(self, epoch: dict, timeout_s: float):
         """The process group of every rank of ``epoch``'s members (group order, then rank), on the host's
@@ -156,7 +164,7 @@ class QuorumClient:
                                               self.store.get(decided).decode() == ABORT):
                 return False
             return None
-        return poll(done, self.timeout_s, f"the exchange of step {step}", first=0.0002, most=0.005)
+        return self._poll(done, f"the exchange of step {step}", first=0.0002, most=0.005)
 
     def vote(self, epoch: dict, step: int, ok: bool) -> str:
         """This rank's outcome of ``step``'s exchange; returns the step's decision (all ranks get the same)."""
@@ -173,7 +181,7 @@ class QuorumClient:
             if self.store.check([f"e{e}/broken"]):
                 self.store.compare_set(decided, "", ABORT)
             return None
-        decision = poll(outcome, self.timeout_s, f"the decision on step {step}")
+        decision = self._poll(outcome, f"the decision on step {step}")
         if self.rank == 0 and self.group == min(epoch["members"]):  # every rank is past step - 2's keys
             for key in (f"e{e}/s{step - 2}/ok", f"e{e}/s{step - 2}/d"):
                 self.store.delete_key(key)

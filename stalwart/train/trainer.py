@@ -124,6 +124,8 @@ class Trainer:
                                None, self.core.params)
         self.guard = Guard(cfg.fault, self.paths, env.rank, env.world_size, self.observer.events)
         self.core.opt.gates.append(self.guard.gate)
+        if self.replicas is not None:
+            self.replicas.client.waiting = self.guard.heartbeat.waiting_for_peers
         self.injector = None
         if FaultInjector.wanted(cfg.fault):
             # A plan's ranks are the job's: group g's rank r is g * (its size) + r under group_recovery.
