@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from stalwart.config.job import JobConfig
 from stalwart.errors import UserError
@@ -84,7 +85,9 @@ def _group_main(group: int, size: int, argv: list[str], nproc: int, cfg: JobConf
     code = 1
     try:
         paths = RunPaths.of(cfg.run).replica_group(group)
-        snap = paths.snapshots(cfg.checkpoint.memory_dir) if cfg.checkpoint.memory_interval else None
+        # An explicit checkpoint.memory_dir is shared by the job: each group keeps its snapshots in its own part.
+        memory_dir = str(Path(cfg.checkpoint.memory_dir) / f"group-{group}") if cfg.checkpoint.memory_dir else ""
+        snap = paths.snapshots(memory_dir) if cfg.checkpoint.memory_interval else None
         client: list = []
         # A failed group is stopped at once (SIGKILL, no grace): the other groups hold its state, and the
         # survivors' exchange waits on its last live rank until that rank is gone.
@@ -101,7 +104,8 @@ def _group_main(group: int, size: int, argv: list[str], nproc: int, cfg: JobConf
             os.environ[LOCK_HOLDER_ENV] = str(os.getpid())
             code = run_supervised(["--standalone", f"--nproc-per-node={size}", "--module", TRAIN, *argv,
                                    "--launch.nproc_per_node", str(nproc), "--fault.replica_group", str(group),
-                                   "--fault.lighthouse", addr, "--run.dir", str(paths.root)],
+                                   "--fault.lighthouse", addr, "--run.dir", str(paths.root),
+                                   *(["--checkpoint.memory_dir", memory_dir] if memory_dir else [])],
                                   fault, paths, snap, cfg.launch.restarts(), cfg.launch.fork_workers, failed)
     except BaseException as e:  # noqa: BLE001 - a forked child must not return into its parent's code
         print(f"stalwart train: replica group {group}: {e}", file=sys.stderr, flush=True)
