@@ -41,6 +41,7 @@ from stalwart.ft.supervisor import (
 )
 from stalwart.atomic import write_text_atomic
 from stalwart.launch.fork import forked_entry
+from stalwart.launch.logs import quiet_process_logs
 from stalwart.launch.workers import awaiting_cause, root_cause, stopped
 from stalwart.ft.records import process_start_time, read_exit_records, record_exclusion
 from stalwart.metrics.records import EventLog
@@ -208,38 +209,6 @@ def patched_agent(factory):
         yield
     finally:
         api.LocalElasticAgent, rdzv.TCPStore, rdzv_api.get_free_port = saved
-
-
-class _DropMessage:
-    """A logging filter that drops records whose message contains ``text``."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def filter(self, record) -> bool:
-        return self.text not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_process_logs():
-    """torch logs every worker it stops and every failed exit with a traceback-like block; the
-    supervisor reports the root cause itself, in one line."""
-    import logging
-
-    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # forked workers: "Terminating process ..."
-    saved, spawn_saved = log.level, spawn_log.level
-    log.setLevel(logging.CRITICAL)
-    spawn_log.setLevel(logging.ERROR)
-    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    signalled = _DropMessage("death signal")  # a stop by signal is said once, by run_supervised
-    agent_log.addFilter(signalled)
-    try:
-        yield
-    finally:
-        log.setLevel(saved)
-        spawn_log.setLevel(spawn_saved)
-        agent_log.removeFilter(signalled)
 
 
 def run_supervised(torchrun_argv: list[str], fault_cfg, paths: RunPaths, snapshot_dir: Path | None,

@@ -62,7 +62,8 @@ def run_group(nproc: int, replica_args: list[str]) -> int:
     from torch.distributed.run import config_from_args, get_args_parser
 
     # NOTE: the store patch, the log filter and the forked workers are the training launcher's (one copy of each).
-    from stalwart.launch.agent import patched_agent, quiet_process_logs
+    from stalwart.launch.agent import patched_agent
+    from stalwart.launch.logs import quiet_process_logs
     from stalwart.launch.fork import forked_entry
 
     from stalwart.runtime.group import listen_on
