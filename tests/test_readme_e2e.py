@@ -131,7 +131,7 @@ def test_every_readme_command_works_in_order(tmp_path):
             assert proc.returncode == 2 and len(lines) == 1, (command, proc.stderr[-2000:])
             assert f"from the '{extra}' extra: " in lines[0] and f"[{extra}]" in lines[0], lines[0]
         elif command.startswith("rl sandbox") and not shutil.which("bwrap"):
-            continue  # the sandbox needs bubblewrap; tests/test_rl_sandbox_e2e.py says so too
+            continue  # the sandbox needs bubblewrap; tests/test_sandbox_e2e.py says so too
         else:
             proc = _stalwart(_args(words, tmp_path))
             assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])

@@ -10,9 +10,9 @@ import pytest
 from conftest import read_metrics, run_cli
 from controller_kill import has, kill_when, start
 
-from stalwart.config.rl import SandboxConfig
+from stalwart.config.sandbox import SandboxConfig
 from stalwart.rl.episode import feedback_text
-from stalwart.rl.sandbox import Sandbox
+from stalwart.sandbox.local import Sandbox
 from stalwart.rl.tasks import all_instances
 
 pytestmark = [pytest.mark.e2e,

@@ -6,7 +6,7 @@ a reward worker scores a rollout. Each repeat times the same programs serially a
 `--threads` count sharing one `Sandbox`, each time both with a sandbox per program and batched (the
 programs dealt into one share per thread, each share run in one sandbox, as a reward worker does), and prints one JSON line per measurement with the machine's
 load average at the time (the sandbox is CPU-bound: other work on the machine slows it). With `--url`
-(a running `stalwart rl sandbox --serve`, its own limits), each repeat then times the same programs
+(a running `stalwart sandbox serve`, its own limits), each repeat then times the same programs
 through the service with the reward workers' client (`via`: local or service).
 """
 
@@ -35,7 +35,7 @@ def measure(sandbox, items: list, threads: int, batched: bool) -> dict:
     """Programs/s of scoring every item with `threads` threads, a sandbox per program or the items
     dealt into one share per thread (`score_spread`, as a reward worker does); every reference must
     pass."""
-    from stalwart.rl.sandbox import score_spread
+    from stalwart.sandbox.local import score_spread
 
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -51,8 +51,8 @@ def measure(sandbox, items: list, threads: int, batched: bool) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from stalwart.config.rl import SandboxConfig
-    from stalwart.rl.sandbox import Sandbox
+    from stalwart.config.sandbox import SandboxConfig
+    from stalwart.sandbox.local import Sandbox
 
     p = ArgumentParser(prog="stalwart bench sandbox", description=__doc__.split("\n\n")[0])
     p.add_argument("--programs", type=at_least(1), default=60, help="programs scored per measurement")
@@ -60,12 +60,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=listed(at_least(1)), default="2", help="comma-separated thread counts timed after the serial run")
     p.add_argument("--repeats", type=at_least(1), default=3, help="repeats of the whole measurement")
     p.add_argument("--url", default="", help="also time a sandbox service (comma-separated addresses: "
-                                             "`stalwart rl sandbox --serve` prints its own)")
+                                             "`stalwart sandbox serve` prints its own)")
     args = p.parse_args(argv)
     threads = args.threads
     scorers = {"local": Sandbox(SandboxConfig())}
     if args.url:
-        from stalwart.rl.sandbox_client import SandboxClient
+        from stalwart.sandbox.client import SandboxClient
 
         scorers["service"] = SandboxClient([u for u in args.url.split(",") if u], retry_s=60.0)
     items = _workload(args.programs, args.cases)

@@ -14,7 +14,8 @@ from stalwart.errors import UserError
 # name -> (module, one-line summary). Keep sorted by how often people type them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("stalwart.cli.train", "train a model (launches workers itself, runs under torchrun, or --controller)"),
-    "rl": ("stalwart.cli.rl", "RL post-training (GRPO on one controller); `rl sandbox` scores a program"),
+    "rl": ("stalwart.cli.rl", "RL post-training (GRPO on one controller)"),
+    "sandbox": ("stalwart.cli.sandbox", "run untrusted programs against tests, isolated (run); the sandbox service (serve)"),
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
     "serve": ("stalwart.cli.serve", "serve a model over an OpenAI-compatible API (batched, KV-cached, --tp/--replicas)"),
     "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),

@@ -112,7 +112,7 @@ class VisibleTests:
     the sandbox services, like a reward worker) and words the feedback."""
 
     def __init__(self, spec: EpisodeSpec, tok: Any, eos: int) -> None:
-        from stalwart.rl.sandbox_client import open_sandbox
+        from stalwart.sandbox.client import open_sandbox
 
         cfg, threads, urls, retry_s = spec.sandbox
         self.spec, self.tok, self.eos = spec, tok, eos
@@ -127,7 +127,7 @@ class VisibleTests:
 
     def check(self, jobs: list[tuple[str, list[int]]]) -> list[Any]:
         """(instance key, program tokens) -> the sandbox's verdict on its visible tests, in order."""
-        from stalwart.rl.sandbox import Case, score_spread
+        from stalwart.sandbox.local import Case, score_spread
 
         keys = [(key, self.text(prog)) for key, prog in jobs]
         todo = list(dict.fromkeys(k for k in keys if k not in self.verdicts))

@@ -25,7 +25,7 @@ class RewardActor(Actor):
 
     @endpoint
     def warm(self) -> int:
-        import stalwart.rl.sandbox  # noqa: F401
+        import stalwart.sandbox.local  # noqa: F401
 
         return os.getpid()
 
@@ -33,7 +33,7 @@ class RewardActor(Actor):
     def setup(self, sandbox_cfg: Any, threads: int, urls: list[str] | None = None, retry_s: float = 60.0) -> int:
         """Run programs in this process's own sandboxes, or send them to the sandbox services ``urls``
         (``sandbox_client.SandboxClient``: the same verdicts, the services' limits)."""
-        from stalwart.rl.sandbox_client import open_sandbox
+        from stalwart.sandbox.client import open_sandbox
 
         self.sandbox = open_sandbox(sandbox_cfg, urls, retry_s)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sandbox")
@@ -44,7 +44,7 @@ class RewardActor(Actor):
     def score(self, jobs: list[tuple[str, list[tuple[str, str]]]]) -> dict[str, Any]:
         """jobs: (program source, [(input, expected output), ...]) -> one verdict per job, in order:
         (reward, passed, total, reason)."""
-        from stalwart.rl.sandbox import Case, score_spread
+        from stalwart.sandbox.local import Case, score_spread
 
         t0 = time.perf_counter()
         cased = [(source, [Case(i, o) for i, o in cases]) for source, cases in jobs]

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stalwart.rl.sandbox import Case
+from stalwart.sandbox.verdicts import Case
 
 Params = tuple[int, ...]
 LETTERS = "abcdefgh"

@@ -1,7 +1,7 @@
 """The sandbox service's client and admission as pure logic (no sandbox, no sockets): the client
 spreads programs over the services, skips busy and unreachable ones, honours Retry-After, never
 retries a refusal that would repeat, and checks every verdict it is given; admission holds at most
-concurrency + queue requests. The service itself, for real, is in test_rl_sandbox_e2e.py."""
+concurrency + queue requests. The service itself, for real, is in test_sandbox_e2e.py."""
 
 import json
 import threading
@@ -9,10 +9,10 @@ import threading
 import httpx
 import pytest
 
-from stalwart.rl import sandbox_client
-from stalwart.rl.sandbox import Case, SandboxError, Verdict
-from stalwart.rl.sandbox_client import SandboxClient
-from stalwart.rl.sandbox_service import Admission
+from stalwart.sandbox import client as sandbox_client
+from stalwart.sandbox.local import Case, SandboxError, Verdict
+from stalwart.sandbox.client import SandboxClient
+from stalwart.sandbox.service import Admission
 
 pytestmark = pytest.mark.unit
 
@@ -100,3 +100,17 @@ def test_admission_holds_concurrency_plus_queue_requests():
     assert a.enter() and not a.enter()
     a.leave(started=False)  # a request that never ran (the service stopping)
     assert (a.admitted, a.running, a.waiting) == (2, 1, 1)
+
+
+def test_the_sandbox_package_imports_without_monarch_torch_or_the_model_code():
+    """The sandbox is a service of its own: its modules load none of RL, Monarch, torch or the model."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, stalwart.sandbox.local, stalwart.sandbox.client, stalwart.sandbox.service, "
+             "stalwart.cli.sandbox\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'monarch') "
+             "or m.startswith(('stalwart.rl', 'stalwart.models', 'stalwart.train'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,7 +1,7 @@
-"""The reward sandbox as an HTTP service: `stalwart rl sandbox --serve`.
+"""The sandbox as an HTTP service: `stalwart sandbox serve` (alias `stalwart rl sandbox --serve`).
 
 Reward workers on many hosts send programs to a few sandbox hosts (``workers.sandbox_urls``, through
-``sandbox_client.SandboxClient``) instead of each running bubblewrap itself. The service runs every
+``client.SandboxClient``) instead of each running bubblewrap itself. The service runs every
 program exactly as ``Sandbox.score`` does locally, under its own ``[sandbox]`` limits, so a program
 gets the same verdict either way.
 
@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stalwart.asgi import bind, run
-from stalwart.config.rl import SandboxServiceConfig
-from stalwart.rl.sandbox import Sandbox, SandboxError, cases_from
+from stalwart.config.sandbox import SandboxServiceConfig
+from stalwart.sandbox.local import Sandbox, SandboxError, cases_from
 
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -229,15 +229,16 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
     return app
 
 
-def serve(sandbox: Sandbox, cfg: SandboxServiceConfig) -> None:
-    """Serve until SIGINT or SIGTERM (a graceful stop: requests running finish, exit status 0)."""
+def serve(sandbox: Sandbox, cfg: SandboxServiceConfig, name: str = "stalwart sandbox") -> None:
+    """Serve until SIGINT or SIGTERM (a graceful stop: requests running finish, exit status 0); ``name``
+    (the command that was typed) starts the lines it prints."""
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     concurrency = sandboxes_at_once(cfg)
 
     def listening(port: int) -> None:
-        print(f"stalwart rl sandbox: serving on http://{shown}:{port} ({concurrency} sandboxes at once, "
+        print(f"{name}: serving on http://{shown}:{port} ({concurrency} sandboxes at once, "
               f"{cfg.queue} waiting at most)", flush=True)
 
     sock = bind(cfg.host, cfg.port, ("service.host", "--service.host"), ("service.port", "--service.port"))
     run(create_app(sandbox, cfg), sock, 10, listening)
-    print("stalwart rl sandbox: stopped", flush=True)
+    print(f"{name}: stopped", flush=True)

@@ -1,4 +1,4 @@
-"""A reward worker's side of the sandbox service (``sandbox_service.py``): the same
+"""A reward worker's side of the sandbox service (``service.py``): the same
 ``score(source, cases) -> Verdict`` and ``score_many(jobs)`` as a local ``Sandbox``, run by whichever
 listed service takes it (``score_many`` sends up to 32 programs per request: one sandbox there).
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from stalwart.rl.sandbox import BATCH, Case, SandboxError, Verdict
+from stalwart.sandbox.local import BATCH, Case, SandboxError, Verdict
 
 BACKOFF_S = (0.1, 2.0)  # first and largest wait between rounds over every service
 
@@ -125,7 +125,7 @@ def open_sandbox(cfg: object, urls: list[str] | None, retry_s: float) -> object:
     its own sandboxes under ``cfg`` (a ``SandboxConfig``); both answer ``score(source, cases)``."""
     if urls:
         return SandboxClient(urls, retry_s)
-    from stalwart.rl.sandbox import Sandbox
+    from stalwart.sandbox.local import Sandbox
 
     return Sandbox(cfg)
 

@@ -1,5 +1,5 @@
 """What the reward sandbox takes and gives: cases, the runner's per-case reports (parsed strictly: a
-program's output is untrusted), runs, and verdicts. Pure logic; `sandbox.py` runs the programs."""
+program's output is untrusted), runs, and verdicts. Pure logic; `local.py` runs the programs."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def cases_from(data: object, where: str) -> list[Case]:
 
 
 def parse_reports(data: bytes, total: int, max_output: int) -> tuple[list[Run], bool]:
-    """The runner's records (see sandbox_runner.py), in case order, up to the first one that is
+    """The runner's records (see runner.py), in case order, up to the first one that is
     missing, truncated or malformed; and whether everything was well formed. Sizes are checked
     before anything is sliced: no record may claim more than `max_output` bytes of stdout or
     STDERR_TAIL of stderr, nor more cases than `total`."""

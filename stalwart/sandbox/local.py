@@ -3,7 +3,7 @@
 A `bwrap` sandbox runs a batch of up to BATCH programs, one after another, each against all its cases:
 new user, PID, network, IPC, UTS and cgroup namespaces (no network at all, no other process visible,
 no further user namespace), the root file system made of read-only `/usr` (and its `/lib`, `/bin`
-links) only, the programs and the trusted runner (`sandbox_runner.py`) bound read-only, and
+links) only, the programs and the trusted runner (`runner.py`) bound read-only, and
 `--die-with-parent`. The only writable places are `/tmp` (the working directory is in it) and
 `/dev/shm`, each a tmpfs of `sandbox.memory_mb`: files live in memory the address-space limit does not
 see, so the mounts' size bounds them (the root and `/dev` are remounted read-only). Bubblewrap itself
@@ -48,8 +48,8 @@ import time
 import warnings
 from pathlib import Path
 
-from stalwart.config.rl import SandboxConfig
-from stalwart.rl.verdicts import (  # noqa: F401  (re-exported: the sandbox's API)
+from stalwart.config.sandbox import SandboxConfig
+from stalwart.sandbox.verdicts import (  # noqa: F401  (re-exported: the sandbox's API)
     STDERR_TAIL,
     Case,
     Run,
@@ -64,7 +64,7 @@ from stalwart.rl.verdicts import (  # noqa: F401  (re-exported: the sandbox's AP
 
 NOBODY = 65534
 RUNNER = "/sandbox/runner.py"
-RUNNER_SOURCE = Path(__file__).with_name("sandbox_runner.py")
+RUNNER_SOURCE = Path(__file__).with_name("runner.py")
 WORK = "/tmp/work"
 MAX_SOURCE = 64 * 1024
 # The environment of everything the sandbox starts, bubblewrap included, and of the programs.

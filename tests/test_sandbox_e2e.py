@@ -21,8 +21,8 @@ import httpx
 import pytest
 from conftest import REPO, cli_env, popen_cli, run_cli
 
-from stalwart.config.rl import SandboxConfig
-from stalwart.rl.sandbox import (
+from stalwart.config.sandbox import SandboxConfig
+from stalwart.sandbox.local import (
     ENV,
     KEYRING_FILTER,
     NOBODY,
@@ -35,7 +35,7 @@ from stalwart.rl.sandbox import (
     keyring_filter,
     parse_reports,
 )
-from stalwart.rl.sandbox_client import SandboxClient
+from stalwart.sandbox.client import SandboxClient
 from stalwart.rl.tasks import FAMILIES, Instance
 
 e2e = [pytest.mark.e2e,

@@ -1,6 +1,6 @@
 """The trusted runner inside the reward sandbox: runs each of a batch of programs against its cases.
 
-`stalwart.rl.sandbox` starts it as `python3 -I /sandbox/runner.py`, the sandbox's PID 1 (bubblewrap
+`stalwart.sandbox.local` starts it as `python3 -I /sandbox/runner.py`, the sandbox's PID 1 (bubblewrap
 --as-pid-1: the kernel keeps from it every signal a process of the sandbox sends but SIGCHLD, whose
 handler only wakes it; it reaps the orphans). Standard library only (the sandbox holds no Stalwart). It
 never sees an expected output: the host sends only the cases' inputs, on stdin, framed as
