@@ -78,13 +78,37 @@ def test_the_loss_has_no_gradient_on_feedback_tokens():
 def test_the_feedback_names_the_first_failing_visible_case_and_why():
     cases = [("22", "25"), ("7", "10")]
     assert feedback_text("case 1: wrong answer", cases) == "# input 7 output 10\n# wrong answer\n"
-    assert feedback_text("syntax error: invalid syntax (line 1)", cases) == \
-        "# input 22 output 25\n# syntax error: invalid syntax (line 1)\n"
-    long = feedback_text("case 0: exit status 1: " + "x" * 100, [("a\nb", "c")])
-    assert long == "# input a\\nb output c\n# exit status 1: " + "x" * 30 + "...\n"  # 48 characters at most
+    # a program that does not parse ran no case: its one line names the error
+    assert feedback_text("syntax error: invalid syntax (line 1)", cases) == "# syntax error: invalid syntax (line 1)\n"
+    long = feedback_text("case 0: exit status 2: " + "x" * 100, [("a\nb", "c")])
+    assert long == "# input a\\nb output c\n# exit status 2: " + "x" * 30 + "...\n"  # 48 characters at most
+    assert feedback_text("case 1: exit status 1: NameError: name 'x' is not defined", cases) == \
+        "# input 7 output 10\n# NameError: name 'x' is not defined\n"  # the exception names it, not the status
     # a cut feedback still ends its line
     assert feedback_ids(lambda s: [ord(ch) for ch in s], "abcdef\n", 4, [10]) == [97, 98, 99, 10]
     assert feedback_ids(lambda s: [ord(ch) for ch in s], "ab\n", 4, [10]) == [97, 98, 10]
+
+
+def test_a_cut_feedback_keeps_naming_the_error():
+    """A tokenizer trained on the task's text spends about a token per character of an error message: a
+    32-token feedback cut at its end kept the case and left '# syntax error: ' with no error named."""
+    chars = lambda s: [ord(ch) for ch in s]  # noqa: E731  (a token per character)
+    text = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    cases = [("22", "25"), ("7", "10")]
+    cut = text(feedback_ids(chars, feedback_text("syntax error: '(' was never closed (line 1)", cases), 32, [10]))
+    assert cut == "# syntax error: '(' was never c\n"
+    cut = text(feedback_ids(chars, feedback_text("case 1: exit status 1: NameError: name 'x' is not defined",
+                                                  cases), 40, [10]))
+    assert cut == "# NameError: name 'x' is not defined\n"  # the reason whole; no room left for the case
+    cut = text(feedback_ids(chars, "\n" + feedback_text("case 0: wall-clock timeout", cases), 40, [10]))
+    assert cut == "\n# input 22 output\n# wall-clock timeout\n"  # the case line cut, the reason whole
+    for reason in ("case 0: wrong answer", "case 1: exit status 1: ValueError: invalid literal for int()",
+                   "syntax error: unexpected indent (line 2)", "case 0: CPU-time limit"):
+        for limit in (8, 16, 24, 32, 48):
+            cut = text(feedback_ids(chars, feedback_text(reason, cases), limit, [10]))
+            assert len(cut) <= limit and cut.endswith("\n")
+            why = cut.splitlines()[-1]
+            assert why.startswith("# ") and len(why) >= min(limit - 1, 8), (reason, limit, cut)
 
 
 def test_turn_seeds_keep_the_first_turn_and_differ_after():

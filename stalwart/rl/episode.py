@@ -6,10 +6,10 @@ version, and a group generated again is the same group, bit for bit):
 
     prompt -> program 1 -> [sandbox: visible tests] -> feedback 1 -> program 2 -> ... -> program k
 
-After each turn but the last, the turn's program runs in the sandbox (``rl/sandbox.py``, or the sandbox
+After each turn but the last, the turn's program runs in the sandbox (``sandbox/local.py``, or the sandbox
 services) on the instance's *visible* test cases (``Instance.visible_cases``, drawn apart from the hidden
 ones). If it passes them the episode stops there; otherwise the first failure, two comment lines
-(:func:`feedback_text`, cut to ``rl.feedback_tokens`` tokens), is appended and the policy writes the
+(:func:`feedback_text`, cut to ``rl.feedback_tokens`` tokens, the reason kept first), is appended and the policy writes the
 next program with everything so far as its context. The episode's reward is its *last* program's on
 the hidden tests (``Group.programs``), scored by the reward workers as in one turn.
 
@@ -31,6 +31,7 @@ from typing import Any
 from stalwart.rl import rollout
 
 FIELD_CHARS = 48     # longest input, expected output or reason quoted in a feedback
+MIN_CASE_TOKENS = 6  # fewer tokens of a cut case line than this say nothing: it is dropped
 CACHE_LIMIT = 50_000  # visible-test verdicts a generator remembers (a program run again gets the same)
 
 
@@ -55,20 +56,33 @@ def _quote(text: str) -> str:
 
 def feedback_text(reason: str, cases: list[tuple[str, str]]) -> str:
     """The comment lines a failed turn appends: the first failing visible case's input and expected output
-    (it is visible), then why it failed, the sandbox's verdict reason ("case 1: wrong answer", "syntax
-    error: ...") without its case number. The case comes first: a cut feedback keeps it."""
+    (it is visible), then why it failed, the sandbox's verdict reason ("case 1: wrong answer") without its
+    case number, or an uncaught exception's own line without the "exit status 1: " before it. A program
+    that does not parse ran no case: its feedback is the one line of its syntax error."""
     m = re.match(r"case (\d+): (.*)$", reason, re.S)
-    i, why = (int(m.group(1)), m.group(2)) if m else (0, reason)
+    if not m:
+        return f"# {_quote(reason)}\n"
+    i, why = int(m.group(1)), m.group(2)
+    why = re.sub(r"^exit status 1: (?=\S)", "", why)  # "NameError: ..." names the error; the status adds nothing
     inp, out = cases[min(i, len(cases) - 1)]
     return f"# input {_quote(inp)} output {_quote(out)}\n# {_quote(why)}\n"
 
 
 def feedback_ids(encode: Callable[[str], list[int]], text: str, limit: int, newline: list[int]) -> list[int]:
-    """``text`` as at most ``limit`` tokens; a cut one still ends the line (``newline``: its tokens)."""
+    """``text`` as at most ``limit`` tokens, every line ended (``newline``: its tokens). Its last line,
+    why the program failed, is kept whole where it fits and cut at its end otherwise; what is cut first is
+    the line before it (the case), dropped when fewer than ``MIN_CASE_TOKENS`` of it would be left."""
     ids = encode(text)
     if len(ids) <= limit:
         return ids
-    return ids[:limit - len(newline)] + newline
+    *before, last = text.splitlines(keepends=True)
+    lead = encode("".join(line for line in before if not line.strip()))  # a turn's unfinished line, ended
+    case = encode("".join(line for line in before if line.strip()))
+    why = encode(last)
+    if len(lead) + len(why) > limit:
+        return lead + why[:limit - len(lead) - len(newline)] + newline
+    room = limit - len(why) - len(lead) - len(newline)
+    return lead + (case[:room] + newline if case and room >= MIN_CASE_TOKENS else []) + why
 
 
 @dataclass
