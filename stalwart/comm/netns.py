@@ -1,7 +1,7 @@
-"""Emulated multi-host clusters on one Linux machine: network namespaces joined by a shaped bridge.
+"""Emulated multi-host clusters on one Linux machine: network namespaces joined by shaped, delayed links.
 
 ``with NetnsCluster(hosts=2, rate_mbit=1000) as c:`` creates one namespace per "host" (address
-10.77.0.<h+1> on interface ``stw0``) plus a switch namespace holding a bridge; every host's link to
+10.77.0.<h+1> on interface ``stw0``) plus a switch namespace (a bridge, or a router when a delay line carries the latency); every host's link to
 the switch is shaped with ``tc`` (token bucket for bandwidth; ``netem`` delay when the kernel has it).
 Ranks on the same host talk over that namespace's loopback, fast and unshaped; ranks on different
 hosts cross two shaped veth links. ``run_workers_netns`` runs a gloo job with its ranks placed in
@@ -45,8 +45,30 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _sysctl(ns: str, key: str, value: str) -> None:
+    path = "/proc/sys/" + key.replace(".", "/")
+    subprocess.run(["ip", "netns", "exec", ns, "sh", "-c", f"echo {value} > {path}"], check=True,
+                   capture_output=True, text=True)
+
+
+def _netem_available() -> bool:
+    probe = f"stwnetem{os.getpid()}"
+    _ip("netns", "add", probe, check=False)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                            "delay", "1ms"], capture_output=True, text=True, check=False)
+        return r.returncode == 0
+    finally:
+        _ip("netns", "del", probe, check=False)
+
+
 class NetnsCluster:
-    """``hosts`` namespaces on a bridge; inter-host links shaped to ``rate_mbit`` (+ ``delay_ms`` if netem)."""
+    """``hosts`` namespaces joined by a switch; inter-host links shaped to ``rate_mbit`` and delayed ``delay_ms``.
+
+    The delay is netem's where the kernel has it; elsewhere the switch routes every packet between two
+    hosts through a delay line (:mod:`stalwart.comm.delayline`, a TUN device and a process holding each
+    packet ``delay_ms``): ``delay_how`` says which.
+    """
 
     def __init__(self, hosts: int, rate_mbit: float = 1000.0, delay_ms: float = 0.0):
         if not 1 <= hosts <= 200:
@@ -56,7 +78,9 @@ class NetnsCluster:
         self.switch = f"stw{tag}sw"
         self.names = [f"stw{tag}h{h}" for h in range(hosts)]
         self.delay_applied = False
+        self.delay_how = "none"
         self.notes: list[str] = []
+        self._line: subprocess.Popen | None = None
 
     def addr(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
@@ -75,41 +99,81 @@ class NetnsCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _shape(self, ns: str, dev: str) -> None:
-        """Egress shaping of one link end: netem (delay + rate) when available, else tbf (rate only)."""
+    def _shape(self, ns: str, dev: str, netem: bool) -> None:
+        """Egress shaping of one link end: netem (delay + rate) when it carries the delay, else tbf (rate)."""
         rate = f"{self.rate_mbit:g}mbit"
-        if self.delay_ms > 0:
-            r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem",
-                                "delay", f"{self.delay_ms:g}ms", "rate", rate, "limit", "100000"],
-                               capture_output=True, text=True, check=False)
-            if r.returncode == 0:
-                self.delay_applied = True
-                return
-            note = f"netem unavailable ({r.stderr.strip()}): inter-host latency NOT emulated, bandwidth only"
-            if note not in self.notes:
-                self.notes.append(note)
+        if netem:
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem",
+                            "delay", f"{self.delay_ms:g}ms", "rate", rate, "limit", "100000"],
+                           capture_output=True, text=True, check=True)
+            return
         # Burst of ~1 ms at the rate (at least 64 KiB) keeps tbf accurate at high rates.
         burst = max(65536, int(self.rate_mbit * 1e6 / 8 / 1000))
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                         "burst", str(burst), "latency", "50ms"], check=True, capture_output=True, text=True)
 
     def _build(self) -> None:
+        netem = self.delay_ms > 0 and _netem_available()
+        routed = self.delay_ms > 0 and not netem
         _ip("netns", "add", self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
+        _ip("-n", self.switch, "link", "set", "lo", "up")
+        if routed:
+            # The switch is a router: every host port's packets go to the delay line's TUN device
+            # (table 100), and what the line writes back is routed to the destination's port (main).
+            _sysctl(self.switch, "net.ipv4.ip_forward", "1")
+            for key in ("net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"):
+                _sysctl(self.switch, key, "0")
+            _ip("-n", self.switch, "tuntap", "add", "dev", "wan0", "mode", "tun")
+            _ip("-n", self.switch, "link", "set", "wan0", "up")
+            _ip("-n", self.switch, "route", "add", "default", "dev", "wan0", "table", "100")
+        else:
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
         for h, ns in enumerate(self.names):
             _ip("netns", "add", ns)
             port = f"p{h}"
             _ip("link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
-            _ip("-n", self.switch, "link", "set", port, "master", "br0")
+            if routed:
+                _sysctl(self.switch, f"net.ipv4.conf.{port}.proxy_arp", "1")
+                _sysctl(self.switch, f"net.ipv4.conf.{port}.rp_filter", "0")
+                _ip("-n", self.switch, "rule", "add", "iif", port, "lookup", "100")
+            else:
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
+            if routed:
+                _ip("-n", self.switch, "route", "add", f"{self.addr(h)}/32", "dev", port)
             _ip("-n", ns, "addr", "add", f"{self.addr(h)}/24", "dev", IFNAME)
             _ip("-n", ns, "link", "set", IFNAME, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            self._shape(ns, IFNAME)  # host -> switch
-            self._shape(self.switch, port)  # switch -> host
+            self._shape(ns, IFNAME, netem)  # host -> switch
+            self._shape(self.switch, port, netem)  # switch -> host
+        if netem:
+            self.delay_applied, self.delay_how = True, "netem"
+        elif routed:
+            self._line = subprocess.Popen(
+                ["ip", "netns", "exec", self.switch, sys.executable, "-m", "stalwart.comm.delayline", "wan0",
+                 f"{self.delay_ms:g}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            first = self._line.stdout.readline().strip() if self._line.stdout else ""
+            if first != "ready":
+                raise RuntimeError(f"the delay line did not start: {first or self._line.wait()}")
+            self.delay_applied, self.delay_how = True, "delay line (TUN, no netem here)"
+
+    def link_bytes(self, host: int) -> tuple[int, int]:
+        """(bytes the host sent onto its link, bytes it received from it), counted by the switch's port."""
+        out = []
+        for stat in ("rx_bytes", "tx_bytes"):
+            r = subprocess.run(["ip", "netns", "exec", self.switch, "cat", f"/sys/class/net/p{host}/statistics/{stat}"],
+                               capture_output=True, text=True, check=True)
+            out.append(int(r.stdout))
+        return out[0], out[1]
 
     def close(self) -> None:
+        if self._line is not None and self._line.poll() is None:
+            self._line.terminate()
+            try:
+                self._line.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._line.kill()
         for ns in [*self.names, self.switch]:
             _ip("netns", "del", ns, check=False)
 
