@@ -22,6 +22,15 @@ class SandboxConfig:
     open_files: int = option("Open file descriptors per process (RLIMIT_NOFILE).", 32, min=8)
     python: str = option("Interpreter that runs the programs, inside the sandbox ('auto' = the system's "
                          "/usr/bin/python3 or /usr/local/bin/python3).", "auto")
+    warm: int = option("Sandboxes kept started ahead of need (namespaces, mounts, the interpreter and the runner's "
+                       "imports done), each waiting for a request: a program then starts with a fork.", 2, min=0)
+    reuse: int = option("Requests one warm sandbox serves, one after another, before a fresh one replaces it (each "
+                        "from a pristine fork of its runner, with every process killed and /tmp, /dev/shm and "
+                        "System V IPC emptied between them; 1 = a sandbox per request).", 64, min=1)
+    max_sandboxes: int = option("Sandboxes alive at once at most on this host (0 = as many as memory allows); one "
+                                "more is refused (the service answers 429), never started.", 0, min=0)
+    memory_reserve_mb: int = option("No sandbox starts while the host has less memory available than this "
+                                    "(MemAvailable), MiB: the refusal comes before the OOM killer would.", 1024, min=0)
 
 
 @dataclass

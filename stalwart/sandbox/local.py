@@ -46,9 +46,11 @@ import subprocess
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 from stalwart.config.sandbox import SandboxConfig
+from stalwart.sandbox.warm import SandboxFull, WarmPool, WarmSandbox  # noqa: F401
 from stalwart.sandbox.verdicts import (  # noqa: F401  (re-exported: the sandbox's API)
     STDERR_TAIL,
     Case,
@@ -73,6 +75,11 @@ ENV = {"PATH": "/usr/bin:/bin", "HOME": WORK, "LANG": "C.UTF-8", "PYTHONHASHSEED
 BWRAP_SIZE = (0, 8)  # the first bubblewrap with `--size` for a tmpfs
 BATCH = 32  # programs one sandbox runs, one after another
 BATCH_CPU_S = 60  # CPU-time limit of a batch's runner itself (each program runner gets sandbox.cpu_seconds)
+
+
+def _dispose(pool: WarmPool, folder: Path) -> None:
+    pool.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def syntax_error(source: str) -> str:
@@ -188,6 +195,30 @@ class Sandbox:
             elif os.path.isdir(f"/{link}"):
                 root += ["--ro-bind", f"/{link}", f"/{link}"]
         self._root = root
+        self.choom = shutil.which("choom")  # util-linux too, but newer: without it the OOM score stays as it is
+        # One folder for every sandbox of this object: the runner and the seccomp filter (programs come on stdin).
+        self._folder = Path(tempfile.mkdtemp(prefix="stalwart-sandbox-"))
+        os.chmod(self._folder, 0o711)  # the sandbox user reaches only the folder bound in
+        (self._folder / "sandbox").mkdir(mode=0o755)
+        (self._folder / "sandbox" / "runner.py").write_bytes(self.runner)
+        (self._folder / "sandbox" / "runner.py").chmod(0o644)
+        (self._folder / "seccomp").write_bytes(KEYRING_FILTER or b"")
+        self.pool = WarmPool(self._launch, cfg.warm, cfg.reuse, cfg.max_sandboxes, cfg.memory_reserve_mb)
+        weakref.finalize(self, _dispose, self.pool, self._folder)
+
+    def close(self) -> None:
+        """Stop the warm sandboxes (they also end with this process: --die-with-parent)."""
+        _dispose(self.pool, self._folder)
+
+    def _launch(self) -> tuple[list[str], dict[str, str], tuple[int, ...], object]:
+        """A sandbox's command line, environment and descriptors (the pool starts it), and what closes them."""
+        c = self.cfg
+        # The runner's limit counts itself and the program runner besides the program's processes.
+        nproc = c.processes + 2 if self.namespaced_nproc else _user_processes(self.uid) + c.processes
+        if not KEYRING_FILTER:
+            return self._command(self._folder / "sandbox", nproc), ENV, (), lambda: None
+        fd = os.open(self._folder / "seccomp", os.O_RDONLY)  # one per start: bubblewrap reads it from its offset
+        return self._command(self._folder / "sandbox", nproc, fd), ENV, (fd,), lambda: os.close(fd)
 
     def _command(self, folder: Path, nproc: int, seccomp_fd: int | None = None) -> list[str]:
         c = self.cfg
@@ -199,6 +230,8 @@ class Sandbox:
         # Root drops to `nobody` through setpriv rather than Popen(user=...), which would rule out vfork
         # and copy the page tables of the (large) reward worker for every program.
         drop = [self.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"] if self.setpriv else []
+        # The OOM killer's first choice, before anything else of the host (set while still root: it only rises).
+        drop = [self.choom, "-n", "1000", "--", *drop] if self.choom else drop
         tmpfs = str(c.memory_mb << 20)
         # Bubblewrap applies these in order: the read-only remounts come after every mount beneath.
         return [*drop, self.prlimit, *limits, "--", self.bwrap, *self._root,
@@ -208,7 +241,7 @@ class Sandbox:
                 "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
                 "--as-pid-1", *(["--add-seccomp-fd", str(seccomp_fd)] if seccomp_fd is not None else []),
                 "--clearenv", *(a for name, value in ENV.items() for a in ("--setenv", name, value)),
-                self.python, "-I", RUNNER]
+                self.python, "-I", RUNNER, str(nproc), str(c.cpu_seconds)]
 
     def execute_many(self, jobs: list[tuple[str, list[str]]]) -> list[tuple[list[Run], str]]:
         """Run each job (source, its cases' inputs), up to BATCH programs one after another in a
@@ -225,41 +258,28 @@ class Sandbox:
         return self.execute_many([(source, inputs)])[0]
 
     def _batch(self, jobs: list[tuple[str, list[str]]]) -> list[tuple[list[Run], str]]:
-        """One sandbox for `jobs`: the result of each job its runner finished, and of the one in
-        progress when it ended early (at least one result)."""
+        """One warm sandbox for `jobs`: the result of each job its runner finished, and of the one in
+        progress when it ended early (at least one result). SandboxFull if no sandbox may start."""
         c = self.cfg
-        # The runner's own limit counts itself and the program runner besides the program's processes.
-        nproc = c.processes + 2 if self.namespaced_nproc else _user_processes(self.uid) + c.processes
-        request = [f"{len(jobs)} {nproc} {c.cpu_seconds}\n".encode()]
-        for _, inputs in jobs:
-            request.append(f"{len(inputs)} {c.wall_seconds!r}\n".encode())
+        request = []
+        for source, inputs in jobs:
+            code = source.encode()
+            request += [f"{len(inputs)} {c.wall_seconds!r} {len(code)}\n".encode(), code]
             for text in inputs:
                 data = text.encode()
                 request += [f"{len(data)}\n".encode(), data]
-        with tempfile.TemporaryDirectory(prefix="stalwart-sandbox-") as tmp:
-            os.chmod(tmp, 0o711)  # the sandbox user reaches only the folder bound in
-            folder = Path(tmp) / "sandbox"
-            folder.mkdir(mode=0o755)
-            for i, (source, _) in enumerate(jobs):
-                (folder / f"program-{i}.py").write_text(source)
-            (folder / "runner.py").write_bytes(self.runner)
-            for f in folder.iterdir():
-                f.chmod(0o644)
-            (Path(tmp) / "seccomp").write_bytes(KEYRING_FILTER or b"")
-            with open(Path(tmp) / "stderr", "w+b") as err, open(Path(tmp) / "seccomp", "rb") as bpf:
-                fd = bpf.fileno() if KEYRING_FILTER else None
-                proc = subprocess.Popen(self._command(folder, nproc, fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=err, env=ENV, start_new_session=True,
-                                        pass_fds=() if fd is None else (fd,))
-                try:
-                    data, ends, stop = self._collect(proc, b"".join(request), [len(inputs) for _, inputs in jobs])
-                finally:
-                    if proc.poll() is None:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    proc.stdout.close()
-                err.seek(max(0, os.fstat(err.fileno()).st_size - STDERR_TAIL))
-                stderr = err.read().decode(errors="replace")
+        body = b"".join(request)
+        box = self.pool.take()
+        clean, status = False, None
+        try:
+            data, ends, stop, status = self._collect(box.proc, f"{len(jobs)} {len(body)}\n".encode() + body,
+                                                     [len(inputs) for _, inputs in jobs])
+            clean = stop == "done"  # PID 1 killed and cleaned up after the request: the sandbox serves the next
+        finally:
+            if not clean:
+                box.close()
+            self.pool.give_back(box, clean)
+        stderr = box.stderr_tail(STDERR_TAIL)
         results = []
         max_output = int(c.file_size_mb * (1 << 20))
         for i in range(min(len(ends) + 1, len(jobs))):
@@ -270,61 +290,68 @@ class Sandbox:
                 failure = "" if ok and done else runner_failure(ends[i], ok, stderr)
             elif stop == "malformed":
                 failure = "malformed sandbox runner output"
+            elif stop == "done":  # the request runner ended before this program did (a program killed it)
+                failure = runner_failure(status, ok, stderr)
             else:  # the runner ended, or this program is past its allowance (None: a timeout)
-                failure = runner_failure(None if stop == "timeout" else proc.returncode, ok, stderr)
+                failure = runner_failure(None if stop == "timeout" else box.proc.returncode, ok, stderr)
             results.append((runs, failure))
         return results
 
-    def _collect(self, proc: subprocess.Popen, request: bytes, cases: list[int]) -> tuple[list[bytearray], list, str]:
-        """Send the request and read the runner's frames until every program has ended, the runner's
-        output ends ('ended'), the program in progress is past its wall-clock allowance ('timeout') or a
-        frame is malformed ('malformed'): each program's records, how each program runner that ended
-        did (exit status, -signal, None: out of time), and why the reading stopped ('' if all ended)."""
+    def _collect(self, proc: subprocess.Popen, request: bytes,
+                 cases: list[int]) -> tuple[list[bytearray], list, str, int | None]:
+        """Send the request and read the runner's frames until its `done` line ('done', with the request
+        runner's exit status: every program ended, or the request runner was killed), the runner's output
+        ends ('ended'), the program in progress is past its wall-clock allowance ('timeout') or a frame is
+        malformed ('malformed'): each program's records, how each program runner that ended did (exit
+        status, -signal, None: out of time), why the reading stopped, and the status `done` gave."""
         try:
             proc.stdin.write(request)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+            proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            return [bytearray() for _ in cases], [], "ended", None
         limit = int(self.cfg.file_size_mb * (1 << 20)) + STDERR_TAIL + 200
         data = [bytearray() for _ in cases]
         ends: list[int | None] = []
         buf = bytearray()
         fd = proc.stdout.fileno()
         deadline = time.monotonic() + self.cfg.wall_seconds * cases[0] + 2.0
-        while len(ends) < len(cases):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return data, ends, "timeout"
-            if not select.select([fd], [], [], left)[0]:
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return data, ends, "ended"
-            buf += chunk
-            while len(ends) < len(cases):
+        while True:
+            while True:  # every whole frame in buf
                 nl = buf.find(b"\n", 0, 100)
                 fields = bytes(buf[:nl]).split(b" ") if nl >= 0 else []
                 i = len(ends)
-                if fields[:2] == [b"data", str(i).encode()] and len(fields) == 3 and fields[2].isdigit():
+                if fields[:1] == [b"done"] and len(fields) == 2 and fields[1].lstrip(b"-").isdigit():
+                    return data, ends, "done", int(fields[1])
+                if i < len(cases) and fields[:2] == [b"data", str(i).encode()] and len(fields) == 3 \
+                        and fields[2].isdigit():
                     n = int(fields[2])
                     if len(data[i]) + n > limit * cases[i]:
-                        return data, ends, "malformed"
+                        return data, ends, "malformed", None
                     if len(buf) < nl + 1 + n:
                         break
                     data[i] += buf[nl + 1:nl + 1 + n]
                     del buf[:nl + 1 + n]
-                elif fields[:2] == [b"end", str(i).encode()] and len(fields) == 4 \
+                elif i < len(cases) and fields[:2] == [b"end", str(i).encode()] and len(fields) == 4 \
                         and fields[2] in (b"exit", b"signal", b"timeout") and fields[3].isdigit():
                     number = int(fields[3])
                     ends.append({b"exit": number, b"signal": -number, b"timeout": None}[fields[2]])
                     del buf[:nl + 1]
-                    if len(ends) < len(cases):
-                        deadline = time.monotonic() + self.cfg.wall_seconds * cases[len(ends)] + 2.0
+                    # the next program's allowance; after the last, the runners' clean-up (kills, files)
+                    left = self.cfg.wall_seconds * cases[len(ends)] if len(ends) < len(cases) else 0.0
+                    deadline = time.monotonic() + left + 2.0
                 elif nl >= 0 or len(buf) >= 100:
-                    return data, ends, "malformed"
+                    return data, ends, "malformed", None
                 else:
                     break
-        return data, ends, ""
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return data, ends, "timeout", None
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return data, ends, "ended", None
+            buf += chunk
 
     def run(self, source: str, stdin: str) -> Run:
         """One execution of `source` on `stdin` (a sandbox of its own)."""

@@ -1,30 +1,36 @@
 """The trusted runner inside the reward sandbox: runs each of a batch of programs against its cases.
 
-`stalwart.sandbox.local` starts it as `python3 -I /sandbox/runner.py`, the sandbox's PID 1 (bubblewrap
---as-pid-1: the kernel keeps from it every signal a process of the sandbox sends but SIGCHLD, whose
-handler only wakes it; it reaps the orphans). Standard library only (the sandbox holds no Stalwart). It
-never sees an expected output: the host sends only the cases' inputs, on stdin, framed as
+`stalwart.sandbox.local` starts it as `python3 -I /sandbox/runner.py <process limit> <CPU seconds>`, the
+sandbox's PID 1 (bubblewrap --as-pid-1: the kernel keeps from it every signal a process of the sandbox
+sends but SIGCHLD, whose handler only wakes it; it reaps the orphans). Standard library only (the sandbox
+holds no Stalwart). It imports what it needs and then waits, *warm*, ahead of any request: a sandbox is
+started before the programs it will run exist, and serves one request after another until its stdin
+ends. It never sees an expected output: the host sends only the programs and their cases' inputs, framed as
 
-    <n programs> <process limit> <CPU seconds>\n   then, per program:   <n cases> <wall seconds>\n
-    then, per case of it:   <bytes>\n<input bytes>
+    <n programs> <body bytes>\n   then a body of that many bytes: per program
+    <n cases> <wall seconds> <source bytes>\n<source>   then, per case of it:   <bytes>\n<input bytes>
 
-Program `i` is the file /sandbox/program-<i>.py, bound read-only with this runner. Each program runs in
-a forked *program runner*, which runs each case in a child of its own: input on fd 0 (a pipe), a fresh
-unnamed file in /tmp/work as fd 1 (RLIMIT_FSIZE caps it) and another as fd 2, every other descriptor
-closed (no child holds a report pipe), the program run as `__main__` in that forked interpreter
-(`_run_program`). The case's wall clock is bounded; then every other process but this runner is killed
-(`kill(-1)`), /tmp and /dev/shm are emptied and the System V IPC objects removed, and only then is the
-case's output read and the next case started. The program runner writes one record per case, in order,
-into a pipe this runner reads:
+The body is read into an anonymous memory map, never into Python objects (only its numbers are), and
+the map is zeroed and unmapped once the request is done: a later request's processes, forked from this
+one, find nothing of an earlier request in their memory. Each program runs in a forked *program
+runner*, which runs each case in a child of its own: input on fd 0 (a pipe), a fresh unnamed file in
+/tmp/work as fd 1 (RLIMIT_FSIZE caps it) and another as fd 2, every other descriptor closed (no child
+holds a report pipe), the program (compiled from its source, under the name `PROGRAM`) run as
+`__main__` in that forked interpreter (`_run_program`). The case's wall clock is bounded; then every
+other process but this runner is killed (`kill(-1)`), /tmp and /dev/shm are emptied and the System V
+IPC objects removed, and only then is the case's output read and the next case started. The program
+runner writes one record per case, in order, into a pipe this runner reads:
 
     case <i> exit|signal|timeout <code or signal number> <seconds> <stdout bytes> <stderr bytes>\n
     <stdout><stderr tail>
 
 This runner passes those bytes on to stdout as they come, then says how the program runner ended (its
-whole wall clock is bounded too) and cleans up as after a case:
+whole wall clock is bounded too) and cleans up as after a case; after the request's last program,
+`done 0`:
 
     data <i> <bytes>\n<bytes>          (any number of them)
     end <i> exit|signal|timeout <code or signal number>\n
+    done 0\n
 
 Every process is non-dumpable (set first, inherited), so no program can reach a runner's memory or
 descriptors through /proc or ptrace. After a case out of time (wall clock or CPU) the program runner
@@ -34,6 +40,7 @@ remaining cases; if this runner ends early anyway, the host runs the later progr
 
 import ctypes
 import fcntl
+import mmap
 import os
 import resource
 import select
@@ -42,7 +49,9 @@ import time
 from _signal import SIG_DFL, SIGCHLD, SIGKILL, SIGXCPU, set_wakeup_fd  # `signal` imports enum: slow
 from _signal import signal as handle
 
-PROGRAM = "/sandbox/program-{}.py"
+Span = tuple[int, int]  # [start, end) of the request's body
+
+PROGRAM = "/sandbox/program-{}.py"  # the name a program runs under (__file__, tracebacks); no such file
 WORK = "/tmp/work"
 STDERR_TAIL = 400
 PR_SET_DUMPABLE = 4
@@ -72,15 +81,43 @@ def _read_line(fd: int) -> bytes:
     return line
 
 
-def read_request(fd: int) -> tuple[int, int, list[tuple[float, list[bytes]]]]:
-    """The process limit, a program's CPU-time limit and, per program, its wall-clock limit per case
-    and its cases' inputs."""
-    n, nproc, cpu = _read_line(fd).split()
-    programs = []
+def read_request(fd: int) -> tuple[mmap.mmap, list[tuple[float, Span, list[Span]]]] | None:
+    """The request's body in a memory map and, per program, its wall-clock limit per case, its source and
+    its cases' inputs as spans of that map; None if the input ended before a request began."""
+    first = os.read(fd, 1)
+    if not first:
+        return None
+    n, size = (first + (b"" if first == b"\n" else _read_line(fd))).split()
+    body = mmap.mmap(-1, max(1, int(size)))
+    view, got = memoryview(body), 0
+    while got < int(size):
+        k = os.readv(fd, [view[got:int(size)]])
+        if not k:
+            raise EOFError("input ended early")
+        got += k
+    view.release()
+    pos, programs = 0, []
+
+    def line() -> bytes:
+        nonlocal pos
+        end = body.find(b"\n", pos, pos + 100)
+        if end < 0:
+            raise ValueError("malformed request")
+        out, pos = body[pos:end], end + 1
+        return out
+
+    def span(size: int) -> Span:
+        nonlocal pos
+        if size < 0 or pos + size > len(body):
+            raise ValueError("malformed request")
+        pos += size
+        return pos - size, pos
+
     for _ in range(int(n)):
-        cases, wall = _read_line(fd).split()
-        programs.append((float(wall), [_read_exactly(fd, int(_read_line(fd))) for _ in range(int(cases))]))
-    return int(nproc), int(cpu), programs
+        cases, wall, code = line().split()
+        source = span(int(code))
+        programs.append((float(wall), source, [span(int(line())) for _ in range(int(cases))]))
+    return body, programs
 
 
 def _exit_status(code) -> int:
@@ -223,7 +260,7 @@ def _tail(fd: int, limit: int) -> bytes:
     return os.pread(fd, min(size, limit), max(0, size - limit))
 
 
-def run_case(code, data: bytes, wall: float, path: str) -> tuple[str, int, float, bytes, bytes]:
+def run_case(code, data, wall: float, path: str) -> tuple[str, int, float, bytes, bytes]:
     out = os.open(WORK, os.O_TMPFILE | os.O_RDWR, 0o600)
     err = os.open(WORK, os.O_TMPFILE | os.O_RDWR, 0o600)
     r, w = os.pipe()
@@ -289,10 +326,8 @@ def run_case(code, data: bytes, wall: float, path: str) -> tuple[str, int, float
     return "exit", os.WEXITSTATUS(status), seconds, stdout, stderr
 
 
-def run_cases(path: str, wall: float, inputs: list[bytes]) -> None:
-    """The program runner: each case of the program at `path` in turn, one record per case on fd 1."""
-    with open(path, "rb") as f:
-        source = f.read()
+def run_cases(path: str, source: bytes, wall: float, inputs: list) -> None:
+    """The program runner: each case of `source` (named `path`) in turn, one record per case on fd 1."""
     try:
         code = compile(source, path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as e:
@@ -319,8 +354,9 @@ def _reap(pid: int) -> int | None:
             status = st
 
 
-def run_program(index: int, wall: float, inputs: list[bytes], cpu: int, wake: int) -> bytes:
-    """Run program `index` in a program runner, its records passed on as `data` frames; its `end` line."""
+def run_program(index: int, wall: float, source: bytes, inputs: list, cpu: int, wake: int) -> bytes:
+    """Run program `index` in a program runner, its records passed on as `data` frames; its `end` line.
+    ``source`` and ``inputs`` are views of the request's map (copied only in the program runner)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -332,7 +368,10 @@ def run_program(index: int, wall: float, inputs: list[bytes], cpu: int, wake: in
             os.close(r)
             os.dup2(w, 1)
             os.close(w)
-            run_cases(PROGRAM.format(index), wall, inputs)
+            null = os.open("/dev/null", os.O_RDONLY)  # not the request pipe: the next request is none of its business
+            os.dup2(null, 0)
+            os.close(null)
+            run_cases(PROGRAM.format(index), bytes(source), wall, inputs)
         finally:
             os._exit(0)
     os.close(w)
@@ -375,19 +414,25 @@ def main() -> int:
     if os.getpid() != 1:
         os.write(2, b"runner: must be the sandbox's PID 1 (bubblewrap --as-pid-1)\n")
         return 3
-    nproc, cpu, programs = read_request(0)
-    null = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    nproc, cpu = int(sys.argv[1]), int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
-    handle(SIGCHLD, lambda *_: None)  # wakes the poll above through `wake` when a process ends
+    handle(SIGCHLD, lambda *_: None)  # wakes the poll of run_program through `wake` when a process ends
     set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    for index, (wall, inputs) in enumerate(programs):
-        _write_all(1, run_program(index, wall, inputs, cpu, wake_r))
-    return 0
+    while True:
+        request = read_request(0)
+        if request is None:
+            return 0
+        body, programs = request
+        view = memoryview(body)
+        for index, (wall, (a, b), inputs) in enumerate(programs):
+            _write_all(1, run_program(index, wall, view[a:b], [view[i:j] for i, j in inputs], cpu, wake_r))
+        del view
+        body[:] = bytes(len(body))  # nothing of this request stays in the memory later ones fork from
+        body.close()
+        _write_all(1, b"done 0\n")
 
 
 def _write_all(fd: int, data: bytes) -> None:
