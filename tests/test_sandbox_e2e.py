@@ -485,3 +485,46 @@ def test_the_client_skips_an_unreachable_service_and_names_them_all_when_none_an
     with pytest.raises(SandboxError, match=rf"no sandbox service scored a program within .*{closed}: ConnectError"):
         SandboxClient([closed], retry_s=0.5).score("print(3)", ADD)
     assert time.monotonic() - t0 < 5
+
+
+# Counts the bytes of a marker (given in hex, so the program's own text never holds them) in its own
+# memory, every readable mapping (read in place through ctypes: a non-dumpable process cannot open its
+# /proc/self/mem): what any process of a later request could read.
+SCANS = """import ctypes
+needle = bytes.fromhex(input().strip())
+count = 0
+for line in open('/proc/self/maps'):
+    span, perms = line.split()[:2]
+    if 'r' not in perms or line.rstrip().endswith(('[vvar]', '[vsyscall]', '[vvar_vclock]')):
+        continue
+    lo, hi = (int(x, 16) for x in span.split('-'))
+    for at in range(lo, hi, 1 << 20):
+        count += ctypes.string_at(at, min(hi - at, (1 << 20) + len(needle) - 1)).count(needle)
+print(count)
+"""
+
+
+@pytest.mark.e2e
+def test_a_warm_sandbox_serves_request_after_request_and_no_request_finds_anything_of_an_earlier_one():
+    """What the programs of a reused warm sandbox share is its PID 1 and its namespaces: a program of a
+    later request finds no process, file, IPC object of an earlier request, nor its input anywhere in
+    its own memory (the count equals the one in a fresh sandbox), and the sandbox is not restarted."""
+    fresh = Sandbox(SandboxConfig(**{**LIMITS.__dict__, "warm": 0, "reuse": 1}))
+    warm = Sandbox(SandboxConfig(**{**LIMITS.__dict__, "warm": 0, "reuse": 8}))
+    marker = os.urandom(12).hex().encode()
+    secret = "SECRET" + marker.decode()
+    try:
+        alone = fresh.run(SCANS, marker.hex() + "\n")
+        assert alone.returncode == 0 and int(alone.stdout) >= 1, alone  # its own needle at least
+        assert warm.run("print(len(input()))", secret + "\n").stdout.strip() == str(len(secret))
+        leaves = warm.run(LEAVES.replace("a, b = map(int, input().split())", "a, b = 1, 2; input()"), secret)
+        assert leaves.returncode == 0 and leaves.stdout.strip() == "3", leaves
+        found = warm.run(FINDS, "20 22\n")
+        assert found.stdout.split()[0] == "42", found  # no process, file or IPC object left
+        scanned = warm.run(SCANS, marker.hex() + "\n")
+        assert scanned.stdout == alone.stdout, (scanned, alone)  # no copy of the earlier input in memory
+        assert warm.pool.started == 1  # every request above ran in the one warm sandbox
+        assert fresh.run("print(1)", "").stdout == "1\n" and fresh.pool.started == 2  # reuse 1: one each
+    finally:
+        fresh.close()
+        warm.close()

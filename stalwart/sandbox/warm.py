@@ -93,6 +93,7 @@ class WarmPool:
         self._idle: list[WarmSandbox] = []
         self._busy = 0
         self._starting = 0
+        self.started = 0  # sandboxes started so far
         self._wanted: list[tuple[threading.Event, list]] = []  # callers waiting for a sandbox started for them
         self._cond = threading.Condition()
         self._closed = False
@@ -167,6 +168,7 @@ class WarmPool:
             raise SandboxError(f"cannot start a sandbox: {e}") from None
         finally:
             after()
+        self.started += 1
         return WarmSandbox(proc, err)
 
     def _starter(self) -> None:
@@ -206,4 +208,5 @@ class WarmPool:
                     self._cond.wait(1.0)  # a start that failed: no busy loop
 
     def _refill_due(self) -> bool:
-        return len(self._idle) + self._starting < self.keep
+        """Fewer than ``keep`` sandboxes idle, starting or busy (a busy one comes back warm)."""
+        return self.live < self.keep
