@@ -7,7 +7,9 @@ a reward worker scores a rollout. Each repeat times the same programs serially a
 programs dealt into one share per thread, each share run in one sandbox, as a reward worker does), and prints one JSON line per measurement with the machine's
 load average at the time (the sandbox is CPU-bound: other work on the machine slows it). With `--url`
 (a running `stalwart sandbox serve`, its own limits), each repeat then times the same programs
-through the service with the reward workers' client (`via`: local or service).
+through the service with the reward workers' client (`via`: local or service). `--startup K` and
+`--concurrent N` measure a sandbox's start-up and memory, and how many programs fit at once
+(``bench/sandbox_density.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def _workload(programs: int, cases: int) -> list:
     return items
 
 
+def _load() -> dict:
+    """The machine's load while measuring (/proc/loadavg: 1, 5, 15 minutes)."""
+    with open("/proc/loadavg") as f:
+        return {"loadavg": " ".join(f.read().split()[:3])}
+
+
 def measure(sandbox, items: list, threads: int, batched: bool) -> dict:
     """Programs/s of scoring every item with `threads` threads, a sandbox per program or the items
     dealt into one share per thread (`score_spread`, as a reward worker does); every reference must
@@ -47,7 +55,7 @@ def measure(sandbox, items: list, threads: int, batched: bool) -> dict:
     failed = [v.reason for v in verdicts if v.reward != 1.0]
     return {"threads": threads, "batched": batched, "programs": len(items), "seconds": round(seconds, 3),
             "programs_per_s": round(len(items) / seconds, 2), "failed": len(failed),
-            "first_failure": failed[0] if failed else "", "loadavg_1m": os.getloadavg()[0]}
+            "first_failure": failed[0] if failed else "", **_load()}
 
 
 def main(argv: list[str]) -> int:
@@ -61,9 +69,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=at_least(1), default=3, help="repeats of the whole measurement")
     p.add_argument("--url", default="", help="also time a sandbox service (comma-separated addresses: "
                                              "`stalwart sandbox serve` prints its own)")
+    p.add_argument("--startup", type=at_least(0), default=0, help="time this many programs' start-up (request to "
+                   "first line), warm and cold, and an idle sandbox's memory; then stop")
+    p.add_argument("--concurrent", type=at_least(0), default=0, help="hold this many programs alive at once, each in "
+                   "its own sandbox (1 MiB each, sleeping); report how many fit and what refused more; then stop")
+    p.add_argument("--hold", type=at_least(1), default=60, help="--concurrent: seconds from the first request to "
+                   "the deadline every program sleeps until")
+    p.add_argument("--max-sandboxes", type=at_least(0), default=0, help="sandbox.max_sandboxes (0: memory decides)")
+    p.add_argument("--memory-reserve-mb", type=at_least(0), default=1024, help="sandbox.memory_reserve_mb")
     args = p.parse_args(argv)
+    cfg = SandboxConfig(max_sandboxes=args.max_sandboxes, memory_reserve_mb=args.memory_reserve_mb)
+    if args.startup or args.concurrent:
+        from stalwart.bench import sandbox_density
+
+        return sandbox_density.main(args, cfg)
     threads = args.threads
-    scorers = {"local": Sandbox(SandboxConfig())}
+    scorers = {"local": Sandbox(cfg)}
     if args.url:
         from stalwart.sandbox.client import SandboxClient
 
