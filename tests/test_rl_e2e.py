@@ -7,6 +7,7 @@ trains a group staler than its bound."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,13 +19,14 @@ import pytest
 from conftest import REPO, cli_env, popen_cli, read_metrics, run_cli
 from controller_kill import has, journal, kill_when, start
 
+from stalwart.metrics.records import read_jsonl
 from stalwart.paths import RunPaths
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (apt-get install bubblewrap)")]
 
 TINY = ["--config", "rl_code", "--rl.mode", "sync", "--rl.logprobs", "exact", "--rl.steps", "4", "--sft.steps", "8",
-        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_tokens", "24", "--rl.eval_interval", "100", "--rl.eval_samples", "1",
+        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_tokens", "24", "--rl.eval_interval", "2", "--rl.eval_samples", "1",
         "--task.tests", "2", "--workers.snapshot_interval", "2", "--controller.supervision_poll_s", "0.2"]
 COMPARED = ("reward_mean", "loss", "grad_norm", "logprob_mismatch_max", "clip_fraction", "train_tokens")
 
@@ -34,7 +36,7 @@ def _events(run: Path) -> list[dict]:
 
 
 def _rl_steps(run: Path) -> dict[int, dict]:
-    return {m["step"]: m for m in read_metrics(run) if m.get("kind") == "rl"}
+    return {m["step"]: m for m in read_jsonl(run / "metrics.jsonl") if m.get("kind") == "rl"}
 
 
 def _kill_when(run: Path, plan: list[tuple[int, str]], done: list, proc: subprocess.Popen) -> None:
@@ -53,11 +55,42 @@ def _kill_when(run: Path, plan: list[tuple[int, str]], done: list, proc: subproc
         done.append((step, which, pid))
 
 
+def _on_a_terminal(*args: str, timeout: float = 400) -> str:
+    """`stalwart ARGS` with its output on a pseudo-terminal (as a user's shell runs it); the text it drew."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    proc = popen_cli(*args, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env={**cli_env(), "COLUMNS": "200"})
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    assert proc.wait(timeout=60) == 0, b"".join(chunks)[-4000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """The uninterrupted sync run the others must reproduce."""
+    """The uninterrupted sync run the others must reproduce, run on a terminal: its progress bar shows one
+    time left (its own ETA, not rich's estimate beside it)."""
     run = tmp_path_factory.mktemp("rl") / "plain"
-    run_cli("rl", *TINY, "--run.dir", str(run), timeout=400)
+    shown = _on_a_terminal("rl", *TINY, "--run.dir", str(run))
+    frames = [f for f in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown)) if re.search(r"\b[1-4]/4\b", f)]
+    assert frames and all(f.count("ETA") == 1 for f in frames), frames
+    assert not [f for f in frames if re.search(r"\d+:\d\d:\d\d|-:--:--", f)], frames  # rich's own estimate
     return run
 
 
@@ -107,30 +140,43 @@ def _sessions(entries: list[dict]) -> int:
     return sum(e["cmd"] == "session" for e in entries)
 
 
+def _evals(run: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "elapsed_s"} for m in read_metrics(run) if m.get("kind") == "eval"]
+
+
 def test_a_killed_controller_resumes_bit_for_bit(tmp_path, plain):
-    """kill -9 of the `stalwart rl` controller as step 3's groups are generated (just after the snapshot
-    of step 2), then, resumed, as step 4's are (step 3 trained, its weights being sent): its actors die
-    with it each time. The second run resumes from the trainers' in-memory snapshot of step 2; before
-    the third the snapshots are removed from /dev/shm, so it resumes from the disk checkpoint of step 2
-    and computes step 3 again, checked against the journal. No warm-up is run again, and every RL
-    step's figures and the final evaluation equal the uninterrupted run's."""
+    """kill -9 of the `stalwart rl` controller while it evaluates the held-out instances after step 2 (a
+    snapshot step: its snapshot follows the evaluation), then, resumed from the snapshot of step 0, once
+    step 4 is trained: its actors die with it each time. A disk checkpoint every 3 steps is written at
+    step 3, which takes no snapshot; the snapshots are then removed from /dev/shm, so the third run
+    resumes from that checkpoint and computes step 4 again, checked against the journal. No warm-up is
+    run again; every RL step's figures and every evaluation (the interrupted one too) equal the
+    uninterrupted run's, one metrics row each."""
     run = tmp_path / "killed"
-    cmd = ["rl", *TINY, "--workers.checkpoint_interval", "2", "--run.dir", str(run)]
-    kill_when(start(*cmd), run, lambda j: has(j, "snapshot", 2), timeout_s=400)
-    kill_when(start(*cmd), run, lambda j: _sessions(j) == 2 and has(j, "applied", 3), timeout_s=400)
+    cmd = ["rl", *TINY, "--workers.checkpoint_interval", "3", "--run.dir", str(run)]
+    at_kill = kill_when(start(*cmd), run, lambda j: 2 in _rl_steps(run), timeout_s=400)
+    assert not has(at_kill, "snapshot", 2) and [e["step"] for e in _evals(run)] == [0]  # the evaluation ran
+    kill_when(start(*cmd), run, lambda j: _sessions(j) == 2 and has(j, "applied", 4), timeout_s=400)
+    assert sorted(p.name for p in RunPaths(run).checkpoints.iterdir() if p.name.startswith("step-")) == ["step-3"]
     shutil.rmtree(RunPaths(run).snapshots())
     out = run_cli(*cmd, timeout=400).stdout
-    assert "resumed at RL step 2 from the trainers' disk state" in out
+    assert "resumed at RL step 3 from the trainers' disk state" in out
 
     _same_steps(plain, run)
+    assert [m["step"] for m in read_metrics(run) if m.get("kind") == "rl"] == [1, 2, 3, 4]
+    assert _evals(run) == _evals(plain) and [e["step"] for e in _evals(run)] == [0, 2, 4]
     sa, sb = (json.loads((r / "summary.json").read_text()) for r in (plain, run))
     assert sa["final_reward_mean"] == sb["final_reward_mean"] and sb["groups_trained"] == 16
-    assert sb["resumed"] == {"step": 2, "source": "disk", "checks": 1, "checks_matched": 1, "checks_differed": 0}
+    assert sb["resumed"] == {"step": 3, "source": "disk", "checks": 1, "checks_matched": 1, "checks_differed": 0}
     sessions = [e for e in journal(run) if e["cmd"] == "session"]
-    assert [(e["step"], e["source"]) for e in sessions] == [(0, "init"), (2, "memory"), (2, "disk")]
+    assert [(e["step"], e["source"], e["checks"]) for e in sessions] == [(0, "init", 0), (0, "memory", 2),
+                                                                         (3, "disk", 1)]
     assert len({e["config"] for e in sessions}) == 1
     assert len([m for m in read_metrics(run) if m.get("kind") == "sft"]) == 8  # the warm-up ran once
     assert not RunPaths(run).snapshots().exists()  # a finished run leaves no snapshot behind
+    # what an evaluation covers, as docs/rl.md states it for the recipe (every family, its seed and split)
+    doc = " ".join((REPO / "docs" / "rl.md").read_text().split())
+    assert f"an evaluation covers {sa['held_out_instances']} instances" in doc
 
 
 def test_bad_rl_settings_are_one_line_errors(tmp_path):
@@ -167,14 +213,17 @@ def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_pat
     run = tmp_path / "async"
     cmd = ["rl", *TINY, "--rl.mode", "async", "--rl.max_offpolicy_steps", "1", "--rl.logprobs", "engine",
            "--rl.turns", "2", "--run.dir", str(run)]
-    kill_when(start(*cmd), run, lambda j: has(j, "applied", 3), timeout_s=400)
+    kill_when(start(*cmd), run, lambda j: 3 in _rl_steps(run), timeout_s=400)
+    before = _rl_steps(run)[3]  # step 3's row as the killed session wrote it
     run_cli(*cmd, timeout=400)
     (resumed,) = [e for e in _events(run) if e["event"] == "rl_resumed"]
     assert (resumed["step"], resumed["source"], resumed["checks"], resumed["pending_groups"]) == (2, "memory", 1, 4)
     (check,) = [e for e in _events(run) if e["event"] == "rl_resume_check"]
     assert check["step"] == 3
     steps = _rl_steps(run)
-    assert sorted(steps) == [1, 2, 3, 4]
+    assert [m["step"] for m in read_metrics(run) if m.get("kind") == "rl"] == [1, 2, 3, 4]  # one row a step
+    # step 3 trained the groups generated before the kill (the loop's state kept them and their figures)
+    assert steps[3]["rollout_tokens"] == before["rollout_tokens"] > 0 and steps[3]["gen_s"] == before["gen_s"] > 0
     assert all(m["staleness_max"] <= 1 for m in steps.values())
     assert steps[1]["staleness_max"] == 0 and any(m["staleness_max"] == 1 for m in steps.values())
     journal = [json.loads(x) for x in (run / "controller" / "journal.jsonl").read_text().splitlines()]
@@ -185,8 +234,8 @@ def test_async_overlaps_generation_and_never_exceeds_the_staleness_bound(tmp_pat
     on_policy = [m["logprob_mismatch_max"] for m in steps.values() if m["logprob_mismatch_max"] is not None]
     assert on_policy and all(0 <= x < 1e-3 for x in on_policy)
     assert json.loads((run / "summary.json").read_text())["groups_trained"] == 16
-    turns = [m["turns_mean"] for m in steps.values() if "turns_mean" in m]  # not for step 3's kept groups
-    assert len(turns) >= 3 and all(1.0 <= t <= 2.0 for t in turns)
+    turns = [m["turns_mean"] for m in steps.values()]  # step 3's from its kept groups' generation
+    assert len(turns) == 4 and all(1.0 <= t <= 2.0 for t in turns)
 
 
 def test_adaptive_balancing_moves_a_worker_between_meshes_and_trains_every_group(tmp_path):

@@ -273,6 +273,7 @@ def test_dynamic_sampling_refills_zero_variance_groups_with_new_instances():
 
     from stalwart.config import load
     from stalwart.config.rl import RLConfig
+    from stalwart.rl.dynamic import refill
     from stalwart.rl.loop import Stepper
     from stalwart.rl.rollout import Group, plan_step, refill_plan
 
@@ -301,7 +302,7 @@ def test_dynamic_sampling_refills_zero_variance_groups_with_new_instances():
     planned, _ = run(plan_step(1, 0, pool, 4, 2))
     plans.clear()
     gfig, sfig = {"gen_s": 1.0, "rescore_s": 0.0, "rollout_tokens": 8}, score(planned)
-    trained, sampled, fig = st.refill(1, planned, gfig, sfig)
+    trained, sampled, fig = refill(st, 1, planned, gfig, sfig)
     assert [g.request.index for g in trained] == [0, 2, 4, 6]
     assert [len(p) for p in plans] == [2, 1] and plans[0] == refill_plan(
         1, 1, 0, pool, {g.request.instance.key for g in planned}, 2, 2, 4)
@@ -313,5 +314,5 @@ def test_dynamic_sampling_refills_zero_variance_groups_with_new_instances():
     st.r.dynamic_sampling_rounds = 1
     scores = iter([[1.0, 1.0]] * 4 + [[0.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.5]])  # one round of 4
     planned, _ = run(plan_step(2, 0, pool, 4, 2))
-    trained, _, fig = st.refill(2, planned, gfig, score(planned))
+    trained, _, fig = refill(st, 2, planned, gfig, score(planned))
     assert [g.request.index for g in trained] == [0, 1, 2, 4] and fig["zero_variance_groups"] == 3

@@ -2,6 +2,8 @@
 files, the choice of where to resume, pending groups written and read back bit for bit, and the checks
 of the steps an earlier session completed."""
 
+import json
+
 import pytest
 
 from stalwart.controller.replay import ReplayDiverged
@@ -53,3 +55,20 @@ def test_resumed_steps_must_match_the_journal_in_sync_and_are_reported_in_async(
     lenient = Checks(earlier, False, lambda *a, **k: events.append(k))
     lenient(3, {"groups": ["3/0", "3/1"], "versions": [2, 1]}, same[1])
     assert lenient.differed == 1 and events[-1]["matched"] is False and "versions" in events[-1]["detail"]
+
+
+def test_a_resumed_run_drops_the_rows_it_computes_again(tmp_path):
+    """metrics.jsonl of a controller killed after step 5 and resumed at step 4 (8 steps in all): the warm-up,
+    the steps and evaluations up to 4 stay; step 5's row, a torn last line and a final evaluation go."""
+    from stalwart.metrics.records import read_jsonl
+    from stalwart.rl.state import rewind_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "kind": "sft"}, {"step": 9, "kind": "sft"}, {"step": 0, "kind": "eval"},
+            *({"step": s, "kind": "rl", "loss": s / 3} for s in range(1, 6)), {"step": 4, "kind": "eval"},
+            {"step": 8, "kind": "eval"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "ki')
+    rewind_metrics(path, 4, 8)
+    assert read_jsonl(path) == rows[:7] + [rows[8]] and path.read_text().endswith("}\n")
+    rewind_metrics(tmp_path / "none.jsonl", 4, 8)  # a run killed before its first row
+    assert not (tmp_path / "none.jsonl").exists()

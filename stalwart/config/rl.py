@@ -19,6 +19,7 @@ from stalwart.config.job import (
     OptimizerConfig,
     ParallelismConfig,
     RunConfig,
+    SchedulerConfig,
 )
 from stalwart.config.sandbox import SandboxConfig
 from stalwart.config.serve import EngineConfig
@@ -152,6 +153,15 @@ class GRPOConfig:
 
 
 @dataclass
+class RLSchedulerConfig(SchedulerConfig):
+    """The RL phase's learning-rate schedule, over its optimizer steps (rl.steps x rl.updates_per_step)."""
+    kind: Literal["cosine", "wsd", "constant"] = option(
+        "Learning-rate schedule of the RL phase after warmup: cosine decay, warmup-stable-decay (WSD: the peak, "
+        "then a linear decay over the last decay_fraction), or constant.", "constant")
+    warmup_steps: int = option("Linear warmup optimizer steps from 0 to optimizer.lr.", 0, min=0)
+
+
+@dataclass
 class WorkersConfig:
     generators: int = option("Generators (inference engines), each workers.generator_tp processes.", 1, min=1)
     generator_tp: int = option(
@@ -185,8 +195,9 @@ class WorkersConfig:
                                     "failed trainer costs at most the steps since, replayed from the journal.", 5,
                                     min=1)
     checkpoint_interval: int = option("Every this many RL steps the trainers also write the policy and optimizer "
-                                      "to <run>/checkpoints (the newest kept), beside the loop's state: a rerun "
-                                      "resumes from it when the in-memory snapshots are gone (0 = off).", 0, min=0)
+                                      "to <run>/checkpoints (the newest kept), beside the loop's state, whether "
+                                      "or not the step is a snapshot step: a rerun resumes from it when the "
+                                      "in-memory snapshots are gone (0 = off).", 0, min=0)
     balance: Literal["fixed", "adaptive"] = option(
         "fixed: the actor counts above for the whole run; adaptive: every balance_window steps, move one worker "
         "between the generator and trainer meshes when the measured generation and training time says the step "
@@ -202,7 +213,8 @@ class WorkersConfig:
 class RLConfig:
     run: RunConfig = section(RunConfig, "Run identity and reproducibility.")
     model: ModelConfig = section(ModelConfig, "Policy model architecture (the trainers' and generators' one model).")
-    optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer of the RL phase (constant learning rate).")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer of the RL phase (its schedule: [scheduler]).")
+    scheduler: RLSchedulerConfig = section(RLSchedulerConfig, "Learning-rate schedule of the RL phase.")
     parallelism: ParallelismConfig = section(ParallelismConfig, "Parallel layout of the trainer mesh.")
     comm: CommConfig = section(CommConfig, "Collective algorithms of the trainer mesh.")
     engine: EngineConfig = section(EngineConfig, "The generators' inference engine.")

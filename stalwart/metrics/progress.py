@@ -41,10 +41,11 @@ class RateWindow:
 
 class Progress:
     def __init__(self, total: int, start: int, show_bar: bool, enabled: bool = True, console: Any = None,
-                 label: str = "train") -> None:
+                 label: str = "train", time_left: bool = True) -> None:
         """``enabled``: this process prints at all (rank 0); ``show_bar``: progress updates too.
         ``console``: a rich ``Console`` to draw on (default: stdout when it is a terminal); ``label``:
-        the bar's name and the plain lines' first word's prefix (``train``, ``rl``)."""
+        the bar's name and the plain lines' first word's prefix (``train``, ``rl``); ``time_left``: the
+        bar shows rich's estimate of the time left (off where the caller's info carries its own)."""
         self.label = label
         self.total, self.enabled, self.show_bar = total, enabled, show_bar and enabled
         self.tty = self.show_bar and (console is not None or sys.stdout.isatty())
@@ -54,9 +55,9 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
                 TimeRemainingColumn
 
-            self._bar = RichProgress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(),
-                                     transient=False, console=console)
+            columns = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[info]}", markup=False)] + ([TimeRemainingColumn()] if time_left else [])
+            self._bar = RichProgress(*columns, transient=False, console=console)
             self._task = self._bar.add_task(label, total=total, completed=start, info="")
             self._bar.start()
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from stalwart.config.render import to_toml
 from stalwart.config.rl import RLConfig
-from stalwart.controller.journal import Journal, config_key, earlier_results
+from stalwart.controller.journal import Journal, earlier_results
 from stalwart.controller.gang import GangMesh
 from stalwart.controller.mesh import ActorMesh, ActorsFailed, configure_monarch
 from stalwart.controller.replay import RecoveriesExhausted, ReplayDiverged
@@ -53,44 +53,8 @@ from stalwart.rl.pools import Pool
 from stalwart.rl.progress import RLProgress
 from stalwart.rl.services import SETUP_S, Generators, Rewards, Timeouts, Trainers
 from stalwart.rl.setup import TaskSetup, build_tokenizer, max_prompt_tokens, prompt_text
-from stalwart.rl.state import Checks, StateFiles, capture, resume, resume_point
+from stalwart.rl.state import Checks, StateFiles, capture, resumable, resume, rewind_metrics, run_key
 from stalwart.rl.weights import WeightSync
-
-# Settings that do not change a run's numbers: a rerun may change them and still resume (and check).
-UNDEFINING = {"controller": None, "metrics": None, "sandbox": None,
-              "workers": ("reward_threads", "sandbox_urls", "sandbox_retry_s", "reward_timeout_s", "generate_timeout_s",
-                          "checkpoint_interval")}
-
-
-def run_key(cfg: RLConfig) -> str:
-    """The digest of the settings that define an RL run's numbers (``journal.config_key``)."""
-    d = dataclasses.asdict(cfg)
-    for section, fields in UNDEFINING.items():
-        if fields is None:
-            d.pop(section, None)
-        else:
-            d[section] = {k: v for k, v in d[section].items() if k not in fields}
-    return config_key(d)
-
-
-def resumable(paths: RunPaths, key: str) -> tuple[str, int] | None:
-    """Where a rerun of this run resumes (``state.resume_point``: the newest trainer snapshot complete in
-    ``/dev/shm`` or disk checkpoint whose loop state was written under the same settings), from files
-    alone; None = start afresh. A run left by other settings is refused (one line)."""
-    from stalwart.checkpoint.manager import newest_complete_checkpoint
-    from stalwart.checkpoint.snapshot import SnapshotStore
-    from stalwart.paths import checkpoint_step
-
-    files = StateFiles(paths.rl_state)
-    keys = {s: (files.read(s) or {}).get("config") for s in files.steps()}
-    if keys and key not in keys.values():
-        raise UserError(f"run.dir {paths.root} holds an unfinished RL run with other settings; rerun the command "
-                        "that started it to resume it, or pass another --run.dir")
-    states = [s for s, k in keys.items() if k == key]
-    memory = max(SnapshotStore.common_steps(paths.snapshots()) & set(states), default=None)
-    disk = newest_complete_checkpoint(paths.checkpoints)
-    return resume_point(memory, checkpoint_step(disk) if disk is not None else None, states)
-
 
 class RLDriver:
     def __init__(self, cfg: RLConfig) -> None:
@@ -309,6 +273,7 @@ class RLDriver:
         cfg, svc = self.cfg, self.svc
         source, step = self.point
         state = self.states.read(step)
+        rewind_metrics(self.paths.metrics, step, cfg.rl.steps)  # before this session writes a row
         info = svc.trainers.build("rl", self.args, self.length, cfg.rl.prompts_per_step // svc.trainers.dp,
                                   cfg.rl.steps)
         self.events("rl_trainers", layout=info["layout"], params=info["params"], sft_examples=len(self.task.sft))
@@ -360,6 +325,17 @@ class RLDriver:
                             **{k: ev[k] for k in ("held_out_reward_turn1", "turns_mean") if k in ev},
                             **{f"held_out_reward/{k}": v for k, v in ev["per_family"].items()}})
 
+    def _schedule(self) -> dict[str, Any]:
+        """How the final policy was trained: the RL phase's learning rate, from its peak to its last value
+        (the final figures are those of the policy after the last step, not the best evaluated one)."""
+        from stalwart.train.optim import LRSchedule
+
+        cfg = self.cfg
+        total = cfg.rl.steps * cfg.rl.updates_per_step
+        last = LRSchedule(cfg.scheduler, cfg.optimizer.lr, total).factor(total - 1) * cfg.optimizer.lr
+        return {**dataclasses.asdict(cfg.scheduler), "peak_lr": cfg.optimizer.lr, "final_lr": last,
+                "optimizer_steps": total, "final_policy": "the last step's"}
+
     def _summary(self, sft_fig: dict, start: dict, final: dict, curve: dict) -> dict[str, Any]:
         svc = self.svc
         summary = {"kind": "rl", "mode": self.cfg.rl.mode, "steps": self.cfg.rl.steps,
@@ -370,7 +346,7 @@ class RLDriver:
                    "replacements": {"generator": svc.generators.pool.replacements,
                                     "reward": svc.rewards.pool.replacements,
                                     "trainer": curve.get("trainer_recoveries", 0)},
-                   "wall_s": time.time() - self.t0, "resumed": self.resumed,
+                   "wall_s": time.time() - self.t0, "resumed": self.resumed, "lr_schedule": self._schedule(),
                    # the controller's own peak memory: it holds no weights, so this does not grow with the model
                    "controller_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    **{k: v for k, v in curve.items() if k != "trainer_recoveries"}}

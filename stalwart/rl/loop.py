@@ -25,7 +25,8 @@ from stalwart.controller.mesh import ActorsFailed
 from stalwart.controller.replay import Recovery, RecoveryRole, Restored
 from stalwart.rl import rollout, routing
 from stalwart.rl.balance import Layout, decide
-from stalwart.rl.grpo import group_advantages, informative
+from stalwart.rl.dynamic import refill
+from stalwart.rl.grpo import group_advantages
 from stalwart.rl.services import Generators, Rewards, Trainers
 from stalwart.rl.setup import sft_rows
 from stalwart.rl.weights import Sync, TrainersFailed, WeightSync
@@ -208,7 +209,7 @@ class Stepper:
         sfig = rew.score(groups)
         sampled, dfig = groups, {}
         if r.dynamic_sampling:
-            groups, sampled, dfig = self.refill(s, groups, gfig, sfig)
+            groups, sampled, dfig = refill(self, s, groups, gfig, sfig)
         per_rank = self.pack(s, groups)
         stale = [rollout.staleness(g.version, s) for g in groups]
         self.staleness_max = max(self.staleness_max, max(stale))
@@ -224,8 +225,6 @@ class Stepper:
         t_sync = time.perf_counter()
         wfig = self.publish(s)
         sync_s = time.perf_counter() - t_sync
-        if s % run.cfg.workers.snapshot_interval == 0:
-            self.take_snapshot(s)
         send_s = wfig.get("weight_send_s", 0.0)
         trainer_busy = rec["trainer_s"] + send_s
         self.busy.append((sum(gen.pool.busy_s) - busy0[0], trainer_busy * svc.trainers.n))
@@ -235,7 +234,7 @@ class Stepper:
         rew_busy = sum(rew.pool.busy_s) - busy0[1]
         return {"step": s, "kind": "rl", "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
                 "solved_groups": sum(1 for g in groups if max(g.rewards) == 1.0),
-                "loss": rec["loss"], "grad_norm": rec["grad_norm"],
+                "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
                 **{k: rec[k] for k in ("kl", "clip_fraction", "entropy", "logprob_mismatch_mean",
                                        "logprob_mismatch_max", "ratio_max", "policy_loss", "train_tokens")},
                 **{k: rec[k] for k in ("routing_replayed", "routing_flip_frac", "routing_unrecorded", "routing_layers")
@@ -253,62 +252,46 @@ class Stepper:
                 "generators": gen.n, "trainers": svc.trainers.n, **dfig,
                 **{k: rec[k] for k in ("exact_score_s",) if k in rec}}
 
-    def refill(self, s: int, groups: list[rollout.Group], gfig: dict[str, float], sfig: dict[str, float]
-               ) -> tuple[list[rollout.Group], list[rollout.Group], dict[str, Any]]:
-        """Dynamic sampling (DAPO): a group whose rewards are all alike carries no gradient, so more
-        groups (new instances, generated with the current weights) are sampled and scored in its place,
-        for at most ``rl.dynamic_sampling_rounds`` rounds; places still empty then take zero-variance
-        groups. The step's figures grow by the extra work. Returns (the groups to train, every group
-        sampled, the figures of the refill)."""
-        want, r = len(groups), self.r
-        keep = [g for g in groups if informative(g.rewards)]
-        alike = [g for g in groups if not informative(g.rewards)]
-        sampled, rounds = list(groups), 0
-        while len(keep) < want and rounds < r.dynamic_sampling_rounds:
-            rounds += 1
-            plan = rollout.refill_plan(s, rounds, self.ctx.cfg.run.seed, self.ctx.task.train,
-                                       {g.request.instance.key for g in sampled}, want - len(keep),
-                                       r.group_size, max(g.request.index for g in sampled) + 1)
-            if not plan:
-                break
-            self.catch_up(s)  # generated with the trainers' current weights (version s - 1): on-policy
-            more, fig = self.svc.generators.run(plan)
-            for key in ("gen_s", "rescore_s", "rollout_tokens"):
-                gfig[key] += fig[key]
-            score = self.svc.rewards.score(more)
-            sfig["score_s"] += score["score_s"]
-            sfig["programs_run"] += score["programs_run"]
-            sampled += more
-            keep += [g for g in more if informative(g.rewards)]
-            alike += [g for g in more if not informative(g.rewards)]
-        trained = sorted(keep[:want] + alike[:max(0, want - len(keep))], key=lambda g: g.request.index)
-        return trained, sampled, {"dynamic_sampling_rounds": rounds, "sampled_groups": len(sampled),
-                                  "zero_variance_groups": sum(not informative(g.rewards) for g in trained)}
-
     def run(self) -> dict[str, Any]:
         r, run = self.r, self.ctx
         if self.first == 0:
             self.take_snapshot(0)
-        steps_to = self.steps_to
         run.progress.start(self.first)
         for s in range(self.first + 1, r.steps + 1):
             record = self.step(s)
             run.metrics.write(record)
             run.progress.step(record)
-            self.maybe_rebalance(s)
             if s % r.eval_interval == 0 and s != r.steps:
-                self.catch_up(s + 1)
-                run.progress.phase(f"evaluating the held-out instances after step {s}")
-                ev = run.evaluate(f"step-{s}")
-                run.record_eval(s, ev)
-                run.progress.phase(f"held-out reward {ev['held_out_reward']:.3f} after step {s}")
-                if ev["held_out_reward"] >= 0.8:
-                    steps_to.setdefault("steps_to_0.8", s)
-                    steps_to.setdefault("minutes_to_0.8", (time.time() - run.t0) / 60)
+                self.evaluate(s)
+            self.persist(s)
+            self.maybe_rebalance(s)
         self.catch_up(r.steps + 1)  # the final evaluation follows
         run.progress.close()
         return {"trainer_recoveries": self.recovery.count, "staleness_max": self.staleness_max,
-                "groups_trained": self.groups_before + len(self.trained), **steps_to}
+                "groups_trained": self.groups_before + len(self.trained), **self.steps_to}
+
+    def evaluate(self, s: int) -> None:
+        """The held-out evaluation after step ``s`` (the generators hold the weights of step ``s``)."""
+        run = self.ctx
+        self.catch_up(s + 1)
+        run.progress.phase(f"evaluating the held-out instances after step {s}")
+        ev = run.evaluate(f"step-{s}")
+        run.record_eval(s, ev)
+        run.progress.phase(f"held-out reward {ev['held_out_reward']:.3f} after step {s}")
+        if ev["held_out_reward"] >= 0.8:
+            self.steps_to.setdefault("steps_to_0.8", s)
+            self.steps_to.setdefault("minutes_to_0.8", (time.time() - run.t0) / 60)
+
+    def persist(self, s: int) -> None:
+        """What a rerun resumes from, once step ``s`` is done (its metrics row and its evaluation written):
+        every ``workers.snapshot_interval`` steps the trainers' in-memory snapshot, every
+        ``workers.checkpoint_interval`` steps their disk checkpoint (each on its own schedule), each after
+        the loop's state of ``s``. A controller killed before that (in an evaluation, say) resumes from
+        an earlier state and computes step ``s`` and its evaluation again."""
+        w = self.ctx.cfg.workers
+        memory = s % w.snapshot_interval == 0
+        if memory or (w.checkpoint_interval and s % w.checkpoint_interval == 0):
+            self.take_snapshot(s, memory)
 
     # ------------------------------------------------------------------ balancing
     def maybe_rebalance(self, s: int) -> None:
@@ -362,12 +345,15 @@ class Stepper:
         tr.regroup()
         tr.build("rl", self.ctx.args, self.ctx.length, cfg.rl.prompts_per_step // tr.dp, cfg.rl.steps)
 
-    def take_snapshot(self, s: int) -> None:
-        """The loop's own state of step ``s`` (its pending groups collected first), then the trainers'
-        snapshot of it: every snapshot that exists has its loop state (``rl/state.py``)."""
+    def take_snapshot(self, s: int, memory: bool = True) -> None:
+        """The loop's own state of step ``s`` (its pending groups collected first; with it the trainers'
+        disk checkpoint when one is due, ``RunContext.keep_state``), then, with ``memory``, the trainers'
+        snapshot of it: every snapshot and checkpoint that exists has its loop state (``rl/state.py``)."""
         for t in sorted(self.inflight):
             self.ready[t] = self.svc.generators.collect(self.inflight.pop(t))
         self.ctx.keep_state(s, self)
+        if not memory:
+            return
         self.svc.trainers.snapshot(s)
         self.kept = {k: v for k, v in self.kept.items() if k > s}
         self.snap_step = s

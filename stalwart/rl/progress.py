@@ -45,7 +45,7 @@ class RLProgress:
 
     def start(self, first: int = 0) -> None:
         """The RL steps begin after step ``first`` (0, or where a resumed run goes on): the bar from here."""
-        self.bar = Progress(self.steps, first, self.show, label="rl")
+        self.bar = Progress(self.steps, first, self.show, label="rl", time_left=False)  # the info's ETA is the one
 
     def step(self, record: dict[str, Any]) -> str:
         """Show one RL step's record; returns the text shown after the step counter."""

@@ -10,7 +10,8 @@ trainers' snapshot of ``s`` is taken, so every trainer snapshot that exists has 
   function of the run's seed and the step, so the task order and every sampling seed follow);
 - ``pending``: in async mode, the groups already generated for later steps (with the weight version
   that generated each, so their staleness is known, and with routing replay the experts recorded for
-  them, compactly: ``rl/routing.py``), collected before the state is written;
+  them, compactly: ``rl/routing.py``), collected before the state is written, and (``pending_figures``)
+  their generation's figures (seconds, tokens), which the metrics row of the step that trains them reports;
 - ``verdicts``: the reward cache (a program already judged is never run again, so its verdict is part
   of the run's history);
 - ``figures``: the counters the summary reports (groups trained, the largest staleness, steps to a
@@ -22,11 +23,17 @@ Pure logic and files; no processes.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+import dataclasses
 from typing import Any
 
-from stalwart.atomic import write_json_atomic
+from stalwart.atomic import write_json_atomic, write_text_atomic
+from stalwart.controller.journal import config_key
 from stalwart.controller.replay import ReplayDiverged, divergence
+from stalwart.errors import UserError
+from stalwart.metrics.records import read_jsonl
+from stalwart.paths import RunPaths
 from stalwart.rl import routing
 from stalwart.rl.rollout import Group, GroupRequest
 from stalwart.rl.tasks import Instance
@@ -79,12 +86,24 @@ class StateFiles:
                 (self.root / state_name(s)).unlink(missing_ok=True)
 
     def read(self, step: int) -> dict[str, Any] | None:
-        import json
-
         try:
             return json.loads((self.root / state_name(step)).read_text())
         except (OSError, ValueError):
             return None
+
+
+def rewind_metrics(path: Path, step: int, final: int) -> None:
+    """A resumed run's ``metrics.jsonl`` without the rows of the steps it computes again: the RL steps
+    and evaluations after ``step`` (the killed session's), and the final evaluation (``final``, always
+    run again); the warm-up's rows stay. Each step then has one row, the one of the run that went on
+    (``stalwart train`` appends instead and the later row wins; an RL step computed again in async mode
+    may differ, and its first row would then describe samples that were never trained)."""
+    def again(m: dict[str, Any]) -> bool:
+        kind, at = m.get("kind"), int(m.get("step", 0))
+        return (kind == "rl" and at > step) or (kind == "eval" and (at > step or at == final))
+
+    if Path(path).exists():  # rewritten whole: a torn last line (the kill mid-write) goes too
+        write_text_atomic(path, "".join(json.dumps(m) + "\n" for m in read_jsonl(path) if not again(m)))
 
 
 def resume_point(memory: int | None, disk: int | None, states: list[int]) -> tuple[str, int] | None:
@@ -103,6 +122,8 @@ def capture(stepper: Any, step: int) -> dict[str, Any]:
     svc = stepper.svc
     return {"step": step,
             "pending": {str(t): [group_record(g) for g in groups] for t, (groups, _) in sorted(stepper.ready.items())},
+            "pending_figures": {str(t): {k: v if isinstance(v, int) else float(v) for k, v in fig.items()}
+                                for t, (_, fig) in sorted(stepper.ready.items())},
             "verdicts": [[k, prog, list(v)] for (k, prog), v in svc.rewards.verdicts.items()],
             "figures": {"groups_trained": stepper.groups_before + len(stepper.trained),
                         "staleness_max": stepper.staleness_max, "busy": stepper.busy, "steps_to": stepper.steps_to},
@@ -118,10 +139,46 @@ def resume(stepper: Any, state: dict[str, Any], instances: dict[str, Instance]) 
     stepper.staleness_max = int(fig["staleness_max"])
     stepper.busy = [tuple(b) for b in fig["busy"]]
     stepper.steps_to = dict(fig["steps_to"])
-    empty = {"gen_s": 0.0, "rescore_s": 0.0, "rollout_tokens": 0}
-    stepper.ready = {int(t): ([group_of(r, instances) for r in groups], dict(empty))
+    figures = state["pending_figures"]  # their generation's figures: the step's metrics row reports them
+    stepper.ready = {int(t): ([group_of(r, instances) for r in groups], dict(figures[t]))
                      for t, groups in state["pending"].items()}
     stepper.svc.rewards.verdicts = {(k, prog): tuple(v) for k, prog, v in state["verdicts"]}
+
+
+# Settings that do not change a run's numbers: a rerun may change them and still resume (and check).
+UNDEFINING = {"controller": None, "metrics": None, "sandbox": None,
+              "workers": ("reward_threads", "sandbox_urls", "sandbox_retry_s", "reward_timeout_s", "generate_timeout_s",
+                          "checkpoint_interval")}
+
+
+def run_key(cfg: Any) -> str:
+    """The digest of the settings that define an RL run's numbers (``journal.config_key``)."""
+    d = dataclasses.asdict(cfg)
+    for section, fields in UNDEFINING.items():
+        if fields is None:
+            d.pop(section, None)
+        else:
+            d[section] = {k: v for k, v in d[section].items() if k not in fields}
+    return config_key(d)
+
+
+def resumable(paths: RunPaths, key: str) -> tuple[str, int] | None:
+    """Where a rerun of this run resumes (:func:`resume_point`: the newest trainer snapshot complete in
+    ``/dev/shm`` or disk checkpoint whose loop state was written under the same settings), from files
+    alone; None = start afresh. A run left by other settings is refused (one line)."""
+    from stalwart.checkpoint.manager import newest_complete_checkpoint
+    from stalwart.checkpoint.snapshot import SnapshotStore
+    from stalwart.paths import checkpoint_step
+
+    files = StateFiles(paths.rl_state)
+    keys = {s: (files.read(s) or {}).get("config") for s in files.steps()}
+    if keys and key not in keys.values():
+        raise UserError(f"run.dir {paths.root} holds an unfinished RL run with other settings; rerun the command "
+                        "that started it to resume it, or pass another --run.dir")
+    states = [s for s, k in keys.items() if k == key]
+    memory = max(SnapshotStore.common_steps(paths.snapshots()) & set(states), default=None)
+    disk = newest_complete_checkpoint(paths.checkpoints)
+    return resume_point(memory, checkpoint_step(disk) if disk is not None else None, states)
 
 
 class Checks:

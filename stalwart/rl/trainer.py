@@ -116,13 +116,16 @@ class PolicyTrainerActor(Actor):
 
         c = self.cfg
         opt = c.optimizer if phase == "rl" else dataclasses.replace(c.optimizer, lr=c.sft.lr, weight_decay=0.0)
+        # the RL phase's schedule runs over its optimizer steps (updates_per_step per RL step); the warm-up's is constant
+        schedule = c.scheduler if phase == "rl" else SchedulerConfig(kind="constant", warmup_steps=0)
+        steps = steps * c.rl.updates_per_step if phase == "rl" else steps
         # NOTE: the objectives read whole logits (entropy, log-probabilities per token), so a tensor-parallel
         # head gathers the vocabulary instead of keeping it sharded for a loss-parallel cross-entropy.
         layout = dataclasses.replace(c.parallelism, loss_parallel=False)
         dp = ParallelDims.resolve(layout, self.world).dp
         training = TrainingConfig(steps=max(steps, 1), global_batch=micro_per_rank * dp, micro_batch=1,
                                   grad_clip=c.rl.grad_clip, dtype="float32", device=self.device.type)
-        spec = CoreSpec(args, layout, c.comm, opt, SchedulerConfig(kind="constant", warmup_steps=0), training,
+        spec = CoreSpec(args, layout, c.comm, opt, schedule, training,
                         row_length, micro_per_rank, seed=c.run.seed, deterministic=c.run.deterministic)
         previous = self.core
         self.core = TrainCore.build(spec, DistEnv.of(self.rank, self.world, self.device))
@@ -267,8 +270,7 @@ class PolicyTrainerActor(Actor):
         if step is None:
             raise RuntimeError("no trainer snapshot is complete on every rank: the run cannot recover")
         state = self.snapshots.load(step, self.core.model, self.core.optimizer)
-        self.core.state.step = int(state["optimizer_steps"])
-        self.done = int(state["done"])
+        self._at(int(state["done"]), int(state["optimizer_steps"]))
         return {"rank": self.rank, "step": self.done}
 
     def _manager(self, root: str):
@@ -291,9 +293,15 @@ class PolicyTrainerActor(Actor):
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a ``save_checkpoint`` into this group's layout (collective; resharded as needed)."""
         loaded = self._manager(str(Path(path).parent)).load(Path(path), self.core.model, self.core.optimizer)
-        self.done = int(loaded.trainer_state["step"])
-        self.core.state.step = int(loaded.trainer_state["optimizer_steps"])
+        self._at(int(loaded.trainer_state["step"]), int(loaded.trainer_state["optimizer_steps"]))
         return {"rank": self.rank, "step": self.done}
+
+    def _at(self, done: int, optimizer_steps: int) -> None:
+        """Restored state: ``done`` RL steps, ``optimizer_steps`` optimizer steps (the learning-rate schedule's
+        position too: the RL core's schedule advances once per optimizer step)."""
+        self.done = done
+        self.core.state.step = optimizer_steps
+        self.core.schedule.load_state_dict({"step_count": optimizer_steps})
 
     @endpoint
     def leave(self) -> None:
