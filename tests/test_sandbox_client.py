@@ -27,6 +27,8 @@ def _client(answers: dict[str, list], retry_s: float = 5.0) -> tuple[SandboxClie
     lock = threading.Lock()
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # a down service's health: back at once (health_s 0)
+            return httpx.Response(200, json={"status": "ok"})
         with lock:
             asked.append(request.url.host)
             answer = answers[request.url.host].pop(0)
@@ -37,7 +39,7 @@ def _client(answers: dict[str, list], retry_s: float = 5.0) -> tuple[SandboxClie
         return httpx.Response(status, json=body, headers=headers)
 
     urls = [f"http://{h}:8077/" for h in answers]
-    return SandboxClient(urls, retry_s, http=httpx.Client(transport=httpx.MockTransport(handle))), asked
+    return SandboxClient(urls, retry_s, http=httpx.Client(transport=httpx.MockTransport(handle)), health_s=0.0), asked
 
 
 def test_programs_go_to_the_services_in_turn(monkeypatch):
@@ -53,7 +55,7 @@ def test_busy_and_unreachable_services_are_skipped_then_retried_after_the_wait_t
     client, asked = _client({"a": [(429, {"error": "busy"}, {"Retry-After": "2"}), (200, PASSED, {})],
                              "b": [refused, refused]})
     assert client.score("print(2)", CASES) == Verdict(1.0, 1, 1, "passed")
-    assert asked == ["a", "b", "a"]
+    assert asked == ["a", "b", "b", "a"]  # b is down, back once its health answers (at once here, health_s 0)
     assert len(slept) == 1 and 2.0 <= slept[0] <= 3.0  # a's Retry-After, with jitter above it
     # nobody asked for a wait: the backoff doubles from 0.1 s (jitter below it)
     slept.clear()
@@ -114,3 +116,52 @@ def test_the_sandbox_package_imports_without_monarch_torch_or_the_model_code():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_sandbox_urls_take_a_json_list_or_the_comma_separated_form():
+    from stalwart.config import ConfigError, load
+    from stalwart.config.rl import RLConfig
+
+    urls = ["http://10.0.0.1:8077", "http://10.0.0.2:8077"]
+    for given in ('["http://10.0.0.1:8077", "http://10.0.0.2:8077"]', "http://10.0.0.1:8077,http://10.0.0.2:8077"):
+        assert load(RLConfig, None, ["--workers.sandbox_urls", given]).workers.sandbox_urls == urls
+    with pytest.raises(ConfigError, match=r"workers.sandbox_urls: .* is not a JSON list"):
+        load(RLConfig, None, ["--workers.sandbox_urls", '["http://10.0.0.1:8077"'])
+
+
+def test_a_batch_whose_service_dies_goes_to_another_with_every_verdict_once_and_the_dead_one_comes_back():
+    """A dies mid-batch (its answer never comes): the batch goes to B, whose verdicts repeat the ids sent;
+    A is left alone until its /health answers, then takes requests again. Per-host limits hold."""
+    state = {"a_up": False, "posts": []}
+    lock = threading.Lock()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.method == "GET":
+            return httpx.Response(200 if state["a_up"] or host != "a" else 503, json={"status": "ok"})
+        body = json.loads(request.content)
+        with lock:
+            state["posts"].append((host, len(body["programs"])))
+        if host == "a" and not state["a_up"]:
+            raise httpx.ReadError("connection reset by peer")  # died mid-batch
+        return httpx.Response(200, json={"verdicts": [{"id": p["id"], **PASSED} for p in body["programs"]]})
+
+    client = SandboxClient(["http://a:8077", "http://b:8077"], 10, health_s=0.05,
+                           http=httpx.Client(transport=httpx.MockTransport(handle)), per_host=2)
+    jobs = [("print(2)", CASES)] * 40
+    assert client.score_many(jobs) == [Verdict(1.0, 1, 1, "passed")] * 40
+    assert sum(n for host, n in state["posts"] if host == "b") == 40  # every program scored once, on b
+    assert "http://a:8077" in client.down
+    state["a_up"] = True
+    import time
+
+    time.sleep(0.06)
+    state["posts"].clear()
+    for _ in range(4):
+        client.score_many([("print(2)", CASES)])
+    assert {h for h, _ in state["posts"]} == {"a", "b"} and "http://a:8077" not in client.down
+    # verdicts that do not repeat the ids sent are refused, never taken as another program's
+    bad = SandboxClient(["http://c:8077"], 10, http=httpx.Client(transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, json={"verdicts": [{"id": "x", **PASSED}]}))))
+    with pytest.raises(SandboxError, match="the verdicts answer programs"):
+        bad.score_many([("print(2)", CASES)])

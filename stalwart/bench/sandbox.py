@@ -19,6 +19,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from stalwart.bench.sandbox_density import load as _load
 from stalwart.config.arguments import ArgumentParser, at_least, listed
 
 
@@ -31,12 +32,6 @@ def _workload(programs: int, cases: int) -> list:
         inst = Instance(fam.name, fam.params[(i // len(FAMILIES)) % len(fam.params)])
         items.append((inst.solution, inst.cases(cases, seed=i)))
     return items
-
-
-def _load() -> dict:
-    """The machine's load while measuring (/proc/loadavg: 1, 5, 15 minutes)."""
-    with open("/proc/loadavg") as f:
-        return {"loadavg": " ".join(f.read().split()[:3])}
 
 
 def measure(sandbox, items: list, threads: int, batched: bool) -> dict:

@@ -33,6 +33,12 @@ print('ok')
 """
 
 
+def load() -> dict:
+    """The machine's load while measuring (/proc/loadavg: 1, 5, 15 minutes)."""
+    with open("/proc/loadavg") as f:
+        return {"loadavg": " ".join(f.read().split()[:3])}
+
+
 def oom_kills() -> int:
     try:
         with open("/proc/vmstat") as f:
@@ -75,7 +81,6 @@ def startup(cfg, runs: int) -> list[dict]:
     """Start-up to the first line, warm and cold, interleaved; then an idle warm sandbox's memory."""
     from dataclasses import replace
 
-    from stalwart.bench.sandbox import _load
     from stalwart.sandbox.local import Sandbox
     from stalwart.sandbox.warm import mem_available_mb
 
@@ -89,7 +94,7 @@ def startup(cfg, runs: int) -> list[dict]:
             starts[name].append((float(run.stdout) - t0) * 1000)
             time.sleep(0.05)  # the warm pool's next sandbox is ready (reuse keeps the same one)
     rows = [{"measure": "startup_ms", "mode": name, "runs": runs, "median": round(statistics.median(v), 2),
-             "p90": round(sorted(v)[int(0.9 * (len(v) - 1))], 2), "min": round(min(v), 2), **_load()}
+             "p90": round(sorted(v)[int(0.9 * (len(v) - 1))], 2), "min": round(min(v), 2), **load()}
             for name, v in starts.items()]
     for sandbox in sandboxes.values():
         sandbox.close()
@@ -103,7 +108,7 @@ def startup(cfg, runs: int) -> list[dict]:
     pss, procs = _tree_pss_mb(pids)
     rows.append({"measure": "idle_memory_mb", "sandboxes": len(pids), "pss_per_sandbox": round(pss / len(pids), 2),
                  "processes_per_sandbox": round(procs / len(pids), 1),
-                 "mem_available_drop_per_sandbox": round((before - mem_available_mb()) / len(pids), 2), **_load()})
+                 "mem_available_drop_per_sandbox": round((before - mem_available_mb()) / len(pids), 2), **load()})
     idle.close()
     return rows
 
@@ -112,7 +117,6 @@ def concurrent(cfg, n: int, hold_s: float) -> dict:
     """N programs at once, each in its own sandbox, alive together until a common deadline."""
     from dataclasses import replace
 
-    from stalwart.bench.sandbox import _load
     from stalwart.sandbox.local import Sandbox
     from stalwart.sandbox.warm import SandboxFull, mem_available_mb
 
@@ -160,7 +164,7 @@ def concurrent(cfg, n: int, hold_s: float) -> dict:
             "mem_available_drop_per_running_sandbox_mb": round((mem_before - sample.get("mem_available_mb", mem_before))
                                                                / alive_n, 2),
             "mem_available_at_sample_mb": round(sample.get("mem_available_mb", 0)),
-            "oom_kills": oom_kills() - oom_before, "seconds": round(time.monotonic() - t0, 1), **_load()}
+            "oom_kills": oom_kills() - oom_before, "seconds": round(time.monotonic() - t0, 1), **load()}
 
 
 def _busy_pids(sandbox) -> list[int]:

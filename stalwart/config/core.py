@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import json
 import math
 import tomllib
 import types
@@ -107,7 +108,13 @@ def _coerce(value: Any, tp: Any, where: str, from_cli: bool) -> Any:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(repr(a) for a in allowed)}{extra}")
     if origin is list:
         (inner,) = get_args(tp)
-        if from_cli and isinstance(value, str):
+        if from_cli and isinstance(value, str) and value.strip().startswith("["):  # a JSON list, as in TOML
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {value!r} is not a JSON list ({e}); or give the items "
+                                  "comma-separated") from None
+        elif from_cli and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

@@ -36,11 +36,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from stalwart.asgi import bind, run
 from stalwart.config.sandbox import SandboxServiceConfig
-from stalwart.sandbox.local import Sandbox, SandboxError, cases_from
+from stalwart.sandbox.local import Sandbox, SandboxError, SandboxFull, cases_from
+from stalwart.sandbox.warm import mem_available_mb
 
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -79,8 +88,9 @@ class Admission:
 class ServiceMetrics:
     """The service's Prometheus metrics (one registry per app)."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, sandbox: Sandbox | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open descriptors: its own load
         self.requests = Counter("stalwart_sandbox_requests", "Requests answered, by outcome (ok, busy, "
                                 "bad_request, too_large, error).", ["outcome"], registry=r)
         self.programs = Counter("stalwart_sandbox_programs", "Programs scored, by whether every case passed.",
@@ -97,6 +107,13 @@ class ServiceMetrics:
             lambda: admission.waiting)
         Gauge("stalwart_sandbox_concurrency", "Sandboxes run at once at most.", registry=r).set(admission.concurrency)
         Gauge("stalwart_sandbox_queue_limit", "Requests held waiting at most.", registry=r).set(admission.queue)
+        if sandbox is not None:
+            Gauge("stalwart_sandbox_sandboxes", "Sandboxes alive on this host (idle warm ones, busy and starting).",
+                  registry=r).set_function(lambda: sandbox.pool.live)
+            Gauge("stalwart_sandbox_warm_idle", "Warm sandboxes waiting for a request.",
+                  registry=r).set_function(lambda: len(sandbox.pool._idle))
+            Gauge("stalwart_sandbox_memory_available_bytes", "The host's MemAvailable (sandbox.memory_reserve_mb "
+                  "refuses new sandboxes below it).", registry=r).set_function(lambda: mem_available_mb() * (1 << 20))
 
 
 def sandboxes_at_once(cfg: SandboxServiceConfig) -> int:
@@ -113,9 +130,9 @@ class Refusal(Exception):
         self.status, self.outcome = status, outcome
 
 
-def parse_jobs(data: object, cfg: SandboxServiceConfig) -> tuple[list[tuple[str, list]], bool]:
-    """The (program, cases) jobs of a request body and whether it was a batch; a Refusal names what
-    is wrong."""
+def parse_jobs(data: object, cfg: SandboxServiceConfig) -> tuple[list[tuple[str, list]], bool, list]:
+    """The (program, cases) jobs of a request body, whether it was a batch, and each program's id (None
+    where it carries none; its verdict repeats it); a Refusal names what is wrong."""
     batch = isinstance(data, dict) and set(data) == {"programs"}
     if batch:
         items = data["programs"]
@@ -126,12 +143,15 @@ def parse_jobs(data: object, cfg: SandboxServiceConfig) -> tuple[list[tuple[str,
                                             "per request (service.max_programs)")
     else:
         items = [data]
-    jobs = []
+    jobs, ids = [], []
     for i, item in enumerate(items):
         at = f"programs[{i}]: " if batch else ""
-        if not (isinstance(item, dict) and set(item) == {"program", "cases"} and isinstance(item["program"], str)):
+        if not (isinstance(item, dict) and set(item) - {"id"} == {"program", "cases"} and isinstance(item["program"], str)):
             raise Refusal(400, "bad_request", at + 'the body must be an object with exactly "program" (a string) '
-                                                  'and "cases"')
+                                                  'and "cases" (and, in a batch, an optional "id")')
+        if "id" in item and not (batch and isinstance(item["id"], str) and 0 < len(item["id"]) <= 64):
+            raise Refusal(400, "bad_request", at + '"id" must be a string of 1-64 characters, in a batch')
+        ids.append(item.get("id"))
         try:
             cases = cases_from(item["cases"], "cases")
         except SandboxError as e:
@@ -146,7 +166,7 @@ def parse_jobs(data: object, cfg: SandboxServiceConfig) -> tuple[list[tuple[str,
             raise Refusal(413, "too_large", f"{at}{len(cases)} cases; this service takes at most {cfg.max_cases} "
                                             "per program (service.max_cases)")
         jobs.append((item["program"], cases))
-    return jobs, batch
+    return jobs, batch, ids
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -157,7 +177,7 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
     """The service's app over one ``Sandbox`` (shared by ``concurrency`` threads)."""
     concurrency = sandboxes_at_once(cfg)
     admission = Admission(concurrency, cfg.queue)
-    metrics = ServiceMetrics(admission)
+    metrics = ServiceMetrics(admission, sandbox)
     pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
     max_bytes = int(cfg.max_request_mb * (1 << 20))
     app = FastAPI(title="Stalwart sandbox", docs_url=None, redoc_url=None, openapi_url=None)
@@ -194,7 +214,7 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
             return refuse(400, "bad_request", 'the body must be JSON: {"program": str, "cases": [{"input": str, '
                                               '"output": str}, ...]}')
         try:
-            jobs, batch = parse_jobs(data, cfg)
+            jobs, batch, ids = parse_jobs(data, cfg)
         except Refusal as r:
             return refuse(r.status, r.outcome, str(r))
         if not admission.enter():
@@ -205,6 +225,8 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
         try:
             future = pool.submit(run, jobs, time.monotonic())
             verdicts, seconds = await asyncio.wrap_future(future)
+        except SandboxFull as e:  # no sandbox may start on this host now: another host, or later
+            return refuse(429, "busy", str(e), {"Retry-After": str(max(1, math.ceil(cfg.retry_after_s)))})
         except Exception as e:  # noqa: BLE001 - the sandbox could not run (not the program: that is a verdict)
             return refuse(500, "error", f"the sandbox failed: {type(e).__name__}: {e}")
         finally:
@@ -215,7 +237,9 @@ def create_app(sandbox: Sandbox, cfg: SandboxServiceConfig) -> FastAPI:
             metrics.programs.labels(passed=str(verdict.passed == verdict.total).lower()).inc()
             metrics.cases.inc(verdict.total)
             metrics.seconds.observe(seconds / len(verdicts))
-        return {"verdicts": [v.as_dict() for v in verdicts]} if batch else verdicts[0].as_dict()
+        if not batch:
+            return verdicts[0].as_dict()
+        return {"verdicts": [v.as_dict() if i is None else {"id": i, **v.as_dict()} for i, v in zip(ids, verdicts)]}
 
     @app.get("/health")
     async def health():
