@@ -40,7 +40,6 @@ import os
 import platform
 import select
 import shutil
-import signal
 import struct
 import subprocess
 import tempfile
