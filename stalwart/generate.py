@@ -1,8 +1,8 @@
-"""Choosing tokens: the one sampler (greedy, temperature, top-k, top-p) and the plain autoregressive loop.
+"""Choosing tokens: the one sampler (greedy, temperature, top-k, top-p).
 
-``next_token`` is the one place a token is drawn from logits; the loop below (``stalwart generate``,
-the end-of-training sample) and the inference engine (``infer/sampling.py``, per request, with
-log-probabilities) both call it. Sampling happens on the host with a host generator, so the same seed
+``next_token`` is the one place a token is drawn from logits; the inference engine calls it
+(``infer/sampling.py``, per request, with log-probabilities), and every generation runs through the
+engine: the server, `stalwart generate` and the end-of-training sample (``infer/complete.py``). Sampling happens on the host with a host generator, so the same seed
 draws the same tokens whatever device computed the logits.
 
 The randomness is counter-based (``TokenDraws``): the draws for output token i come from a generator
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from stalwart.runtime.device import HOST, host_generator
+from stalwart.runtime.device import host_generator
 
 
 def token_seed(seed: int, index: int, stream: int = 0) -> int:
@@ -89,26 +89,3 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     return next_tokens(logits[None], temperature, top_k, top_p, [lambda: gen])[0]
-
-
-@torch.no_grad()
-def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, max_seq_len: int,
-           temperature: float = 0.8, top_k: int = 40, seed: int = 0, eos: int | None = None) -> list[int]:
-    """Up to ``max_new_tokens`` tokens continuing ``prompt`` (stopping before ``eos``), on the model's
-    device; each step runs the whole (last ``max_seq_len`` tokens of the) context through the model."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    draws = TokenDraws(seed)
-    ids = list(prompt) or ([eos] if eos is not None else [0])
-    out: list[int] = []
-    for i in range(max_new_tokens):
-        context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1].float().to(HOST)
-        token = next_token(logits, temperature, top_k, 1.0, draws.at(i))
-        if eos is not None and token == eos:
-            break
-        ids.append(token)
-        out.append(token)
-    model.train(was_training)
-    return out

@@ -11,7 +11,7 @@ import torch
 
 from stalwart.config.serve import EngineConfig
 from stalwart.errors import UserError
-from stalwart.generate import sample
+from plain_generate import sample
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.engine import Engine
 from stalwart.infer.outputs import RequestError

@@ -16,7 +16,7 @@ import torch
 from test_serve_app import ARGS, InProcessServer, error, tokenizer  # noqa: F401 - tokenizer is a fixture
 
 from stalwart.config.serve import EngineConfig
-from stalwart.generate import sample
+from plain_generate import sample
 from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams, adjust_logits, choice_seed
 from stalwart.models.llama import Transformer

@@ -305,7 +305,8 @@ class MetricsConfig:
 class SampleConfig:
     prompt: str = option("Prompt for the sample printed at the end of training ('' = no sample).", "def ")
     max_new_tokens: int = option("Tokens to generate for the end-of-training sample.", 80, min=0)
-    temperature: float = option("Sampling temperature (0 = greedy).", 0.8, min=0.0)
+    temperature: float = option("Sampling temperature (0 = greedy; at most 2, the engine's range).", 0.8, min=0.0,
+                                max=2.0)
     top_k: int = option("Sample among the k most likely tokens (0 = all).", 40, min=0)
 
 

@@ -48,7 +48,15 @@ class EngineConfig:
         "per group: for a GPU); 'auto' = batched on an accelerator, grouped on CPU. Greedy tokens are the same; "
         "log-probabilities may differ in the last bits. Bitwise mode (pad_rows > 1) attends each sequence "
         "alone.", "auto")
-    dtype: Literal["float32", "bfloat16"] = option("Weights and activations; float32 on CPU.", "float32")
+    dtype: Literal["float32", "bfloat16"] = option(
+        "Weights and activations (`--dtype`). bfloat16 halves the bytes each token reads; on a CPU with AMX or "
+        "avx512_bf16 its matrix products run in hardware (docs/serving.md, Precision).", "float32")
+    quantize: Literal["none", "int8"] = option(
+        "Quantized weights (`--quantize`): 'int8' = the decoder's linear layers and the output head in int8 per "
+        "output channel, activations quantized per forward pass, computed by PyTorch's FBGEMM / oneDNN kernels "
+        "(infer/quant.py); CPU only, with dtype float32 and tp 1. The same API, structured outputs and "
+        "speculative decoding on top; docs/serving.md, Precision, has speed and log-likelihood against "
+        "float32.", "none")
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where the weights, the KV cache and the forward pass live ('auto' = cuda if available; a device this "
         "machine lacks is refused before any process starts; one GPU per process). Sampling runs on the host "

@@ -87,14 +87,17 @@ def check_layout(a: TransformerArgs, tp: int, pp: int) -> None:
 
 
 def build_model(loaded: Loaded, dtype: torch.dtype, device: torch.device, tp_mesh=None, stage: int = 0,
-                stages: int = 1) -> nn.Module:
+                stages: int = 1, quantize: str = "none") -> nn.Module:
     """The model with the loaded weights, in ``dtype`` on ``device``: pipeline stage ``stage`` of
     ``stages`` (the trainer's split), its heads and MLP units split over ``tp_mesh`` (a mesh on
-    ``device``'s type) if given."""
+    ``device``'s type) if given, its linear layers quantized as ``quantize`` says (``infer/quant.py``)."""
+    from stalwart.infer.quant import apply_quantization, check_quantize
+
+    check_quantize(quantize, dtype, device, tp_mesh.size() if tp_mesh is not None else 1)
     model = layout_model(loaded.args, device, tp_mesh, stage, stages)
     copy_full_state(model, loaded.state)
     model.to(dtype)
-    return model.eval()
+    return apply_quantization(model, quantize).eval()
 
 
 def layout_model(a: TransformerArgs, device: torch.device, tp_mesh=None, stage: int = 0, stages: int = 1) -> nn.Module:
@@ -137,11 +140,15 @@ def check_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 @torch.no_grad()
 def copy_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a model's parameters, keeping each tensor-parallel rank's shard only (a
-    tensor already of the shard's shape, not the full one, is that shard)."""
+    tensor already of the shard's shape, not the full one, is that shard); quantized layers quantize
+    theirs again."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from stalwart.infer.quant import requantize
+
     check_full_state(model, state)  # everything before changing anything
-    own = model.state_dict()
+    own = model.state_dict()  # a quantized layer's entry is a dequantized copy: requantize sets it
+    requantize(model, state)
     for name, param in own.items():
         full = state[name]
         if isinstance(param, DTensor) and tuple(full.shape) != tuple(param.shape):

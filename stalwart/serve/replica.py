@@ -70,7 +70,7 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         torch.set_grad_enabled(False)
         loaded = read_source(source)
         dtype = getattr(torch, cfg.engine.dtype)
-        model = build_model(loaded, dtype, device, tp_mesh, rank // tp, pp)
+        model = build_model(loaded, dtype, device, tp_mesh, rank // tp, pp, cfg.engine.quantize)
         engine_cfg, draft = cfg.engine, None
         if engine_cfg.speculative == "draft":  # rank 0 schedules and drafts; the others follow its steps
             from stalwart.infer.speculative import load_draft_model

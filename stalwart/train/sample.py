@@ -1,9 +1,10 @@
 """The end-of-training sample: gather the full weights onto rank 0 and sample there from a plain
-single-device model, so generation issues no collectives whatever the layout."""
+single-device model through the inference engine (``infer/complete.py``, what `stalwart generate` runs),
+so generation issues no collectives whatever the layout."""
 
 from __future__ import annotations
 
-from stalwart.generate import sample
+from stalwart.infer.complete import complete
 from stalwart.models.llama import Transformer, count_params
 from stalwart.train.init import canonical_name
 
@@ -23,5 +24,5 @@ def sample_from_sharded(cfg, core, tokenizer, eos: int, seed: int, is_main: bool
     plain = Transformer(args)
     plain.load_state_dict({canonical_name(k): v for k, v in full.items()})
     prompt = tokenizer.encode(cfg.prompt, add_special_tokens=False).ids
-    ids = sample(plain, prompt, cfg.max_new_tokens, args.max_seq_len, cfg.temperature, cfg.top_k, seed=seed, eos=eos)
-    return cfg.prompt + tokenizer.decode(ids)
+    done = complete(plain, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, seed=seed, eos_id=eos)
+    return cfg.prompt + tokenizer.decode(done.tokens)
