@@ -53,3 +53,15 @@ def descendants(pid: int) -> set[int]:
         frontier = {c for c, p in parents.items() if p in frontier and c not in out}
         out |= frontier
     return out
+
+
+def name_process(name: str) -> None:
+    """Set this process's name as ``ps``, ``top`` and /proc/PID/comm show it (Linux; at most 15 bytes):
+    forked workers otherwise all carry their launcher's."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)

@@ -481,7 +481,7 @@ def test_a_forked_worker_starts_like_a_new_process():
     import signal
     import sys
 
-    from stalwart.launch.fork import _as_a_new_process, forkable
+    from stalwart.launch.fork import as_a_new_process, forkable
 
     train, replica = "stalwart.train", "stalwart.serve.replica"
     assert forkable(sys.executable, ["-u", "-m", train, "--config", "debug"], train) == ["--config", "debug"]
@@ -494,7 +494,7 @@ def test_a_forked_worker_starts_like_a_new_process():
     try:
         for s in (signal.SIGINT, signal.SIGTERM):  # as torch's agent sets them in the launcher
             signal.signal(s, lambda *a: None)
-        _as_a_new_process()
+        as_a_new_process()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:

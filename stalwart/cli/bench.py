@@ -11,6 +11,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
     "collectives": ("stalwart.bench.collectives", "collective algorithms: bus bandwidth per size, cost-model fit"),
     "inference": ("stalwart.bench.inference", "inference engine vs transformers generate: tokens/s, TTFT, TPOT"),
+    "serving": ("stalwart.bench.serving", "a fleet of `stalwart serve` replicas under a trace: routing policies, "
+                "prefill/decode layouts, latency classes"),
     "speculative": ("stalwart.bench.speculative", "prompt-lookup speculative decoding on code: acceptance, speed-up"),
     "layouts": ("stalwart.bench.layouts", "parallel layouts: tokens/s vs one process, per-rank state bytes"),
     "checkpoint": ("stalwart.bench.checkpoint", "checkpoint save/restore vs raw disk bandwidth, async/snapshot stall"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,17 +15,16 @@ import time
 from pathlib import Path
 
 from stalwart.procs import die_with_parent
+from stalwart.serve.launcher import CrashLoop
 from stalwart.serve.options import device_setting, parse, usage
 
 
 def replica_command(argv: list[str], procs: int, port_file: Path | None, weights_file: Path) -> list[str]:
-    """The command line of one replica: itself if it is one process, else the group launcher.
+    """The command line of one supervised replica: its launcher (serve/launcher.py), which runs its
+    ``procs`` processes and starts a lost one again from the weights it holds in memory.
     ``weights_file``: where it records the weights it applies, to start again with them (serve/applied.py)."""
     args = [*argv, "--replicas", "1"] + (["--port-file", str(port_file)] if port_file and "--port-file" not in argv
                                          else []) + ["--weights-file", str(weights_file)]
-    if procs == 1:
-        return [sys.executable, "-m", "stalwart.serve.replica", *args]
-    # "--" ends the launcher's (torchrun's) own options (it would take --run for its --run-path).
     return [sys.executable, "-m", "stalwart.serve.launcher", str(procs), "--", *args]
 
 
@@ -81,21 +81,35 @@ def _run_replicas(argv: list[str], cfg, source, procs: int, kind: str, env: dict
 
     layout = cfg.layout
     inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
-                            "--layout.replicas", "--layout.router", "--weights-file")) + ["--port", "0", "--host",
-                                                                                         "127.0.0.1"]
+                            "--layout.replicas", "--layout.router", "--weights-file", "--prefill-replicas",
+                            "--decode-replicas", "--layout.prefill_replicas", "--layout.decode_replicas")
+                     ) + ["--port", "0", "--host", "127.0.0.1"]
     files = [tmp / f"replica-{i}.port" for i in range(layout.replicas)]
     weights = [tmp / f"replica-{i}.weights.json" for i in range(layout.replicas)]
     # The replicas take the router's resume extension from the router alone (serve/resume.py).
     secret = new_secret()
     routed_env = dict(env, **{SECRET_ENV: secret})
+    kv_dir = None
+    if layout.prefill_replicas:  # hand-offs between prefill and decode replicas (serve/disagg.py)
+        from stalwart.serve.disagg import KV_DIR_ENV, make_kv_dir
+
+        kv_dir = make_kv_dir(tmp)
+        routed_env[KV_DIR_ENV] = str(kv_dir)
+    prompts = None
+    if layout.routing == "cache-aware":  # the router hashes prompts as the replicas tokenize them
+        from stalwart.serve.prefix import Prompts, tokenizer_file
+
+        prompts = Prompts(tokenizer_file(source.run, source.hf), source.hf)
 
     def start(i: int) -> subprocess.Popen:
         return _start(replica_command(inner, procs, files[i], weights[i]), replica_env(routed_env, kind, i, procs))
 
     children = [start(i) for i in range(layout.replicas)]
     try:
-        return run_router(cfg, source.name, Fleet(children, files, start, weights), port_file, secret)
+        return run_router(cfg, source.name, Fleet(children, files, start, weights, kv_dir), port_file, secret, prompts)
     finally:
+        if kv_dir is not None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
         for p in children:
             if p.poll() is None:
                 stop_replica(p)
@@ -133,13 +147,12 @@ def stop_replica(proc: subprocess.Popen) -> None:
 
 
 USER_ERROR = 2  # a replica that said what to fix (one line) is not started again
-QUICK_FAILURE_S = 60.0  # a replica that fails this soon after starting, 3 times running, is given up
 
 
 def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
-    """Run a replica's process group, started again whenever it fails (a rank died, or rank 0 found its
-    engine dead or stuck: serve/replica.py); SIGINT/SIGTERM here stops it in order (a second one
-    forcibly), and a stop asked for is exit 0."""
+    """Run a replica's launcher, started again whenever it fails (it starts a lost rank again itself and
+    exits only when a rank keeps failing: serve/launcher.py); SIGINT/SIGTERM here stops it in order (a
+    second one forcibly), and a stop asked for is exit 0."""
     asked: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -149,7 +162,7 @@ def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
             stop_replica(child)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    quick = 0
+    crashes = CrashLoop()
     try:
         while True:
             started = time.monotonic()
@@ -157,10 +170,9 @@ def _run_until_stopped(cmd: list[str], env: dict[str, str]) -> int:
             code = child.wait()
             if asked or code in (0, USER_ERROR):
                 break
-            quick = quick + 1 if time.monotonic() - started < QUICK_FAILURE_S else 0
-            if quick >= 3:
-                print(f"stalwart serve: the replica failed {quick} times within {QUICK_FAILURE_S:.0f} s of "
-                      "starting; giving up", file=sys.stderr, flush=True)
+            if crashes.failed(0, started, time.monotonic()):
+                print(f"stalwart serve: the replica failed {crashes.limit} times within {crashes.quick_s:.0f} s "
+                      "of starting; giving up", file=sys.stderr, flush=True)
                 break
             print(f"stalwart serve: the replica exited with code {code}; starting it again", file=sys.stderr,
                   flush=True)

@@ -78,6 +78,11 @@ class TargetSection:
     prompt_tokens: int = option("Mean prompt length, tokens.", 512, min=1)
     output_tokens: int = option("Mean output length, tokens.", 256, min=1)
     max_batch: int = option("Most concurrent sequences the engine batches per replica.", 256, min=1)
+    replicas: int = option("With N >= 2: also choose how many of N one-process replicas prefill and how many "
+                           "decode (`serve --prefill-replicas P --decode-replicas D`, planner/disagg.py), against "
+                           "all N colocated; 0 = not asked.", 0, min=0)
+    chunk_tokens: int = option("The replicas' engine.max_batch_tokens: the prompt chunk a colocated replica's decode "
+                               "step may carry.", 512, min=1)
 
 
 @dataclass
@@ -162,6 +167,8 @@ def main(argv: list[str]) -> int:
     print(f"\nchosen: tp={best.tp} pp={best.pp} replicas={best.replicas}")
     for line in result.why:
         print("  " + line)
+    if cfg.target.replicas >= 2:
+        _print_splits(shape, hosts, req, cfg.target)
     if out is not None:
         doc = {"config": to_dict(cfg), "hosts": dataclasses.asdict(hosts), "shape": dataclasses.asdict(shape),
                "chosen": best.to_dict(), "why": result.why, "ranked": [p.to_dict() for p in shown],
@@ -170,6 +177,21 @@ def main(argv: list[str]) -> int:
             out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"\nwrote {flags['--json']}")
     return 0
+
+
+def _print_splits(shape, hosts, req, t: TargetSection) -> None:
+    from stalwart.planner.disagg import choose, splits
+
+    cands = splits(shape, hosts, req, t.replicas, t.max_batch, t.chunk_tokens, hosts.devices)
+    best = choose(cands)
+    print(f"\nprefill:decode over {t.replicas} one-process replicas (batch {t.max_batch} per decode replica, prompt "
+          f"chunks of {t.chunk_tokens} tokens):")
+    print(f"  {'split':<14} {'tokens/s':>10} {'TPOT p99 ms':>12}  bound by")
+    for c in cands:
+        print(f"  {c.name:<14} {c.tokens_per_s:>10,.0f} {c.tpot_p99_s * 1e3:>12.2f}  {c.bound}")
+    flags = (f"--prefill-replicas {best.prefill} --decode-replicas {best.decode}" if best.prefill
+             else f"--replicas {best.decode}")
+    print(f"chosen: {best.name} ({flags})")
 
 
 if __name__ == "__main__":

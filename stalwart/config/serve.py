@@ -84,6 +84,19 @@ class LayoutConfig:
     replicas: int = option("Independent copies of the model behind a least-loaded router.", 1, min=1)
     router: bool = option("Put the router in front of a single replica too (replicas = 1): the replica is started "
                           "again when it fails, and its streams resume on it once it is back.", False)
+    routing: Literal["cache-aware", "least-load", "round-robin"] = option(
+        "Where the router sends a request (serve/prefix.py): 'cache-aware' = the replica whose KV cache holds the "
+        "longest prefix of its prompt unless that unbalances the load (see balance_abs, balance_rel), else the "
+        "least loaded; 'least-load' = fewest requests in flight; 'round-robin' = each replica in turn.",
+        "cache-aware")
+    balance_abs: int = option("Cache-aware routing ignores the cache and takes the least loaded replica when the "
+                              "busiest has more than this many requests in flight above the idlest ...", 8, min=0)
+    balance_rel: float = option("... and more than this many times as many.", 1.5, min=1.0)
+    prefill_replicas: int = option("Replicas that only compute prompts and hand each stream off after its first "
+                                   "token to a decode replica (serve/disagg.py); with decode_replicas, instead "
+                                   "of replicas. `--prefill-replicas` sets it too.", 0, min=0)
+    decode_replicas: int = option("Replicas that decode the streams prefill replicas hand them (and serve requests "
+                                  "that do not stream whole). `--decode-replicas` sets it too.", 0, min=0)
 
 
 @dataclass
@@ -98,3 +111,15 @@ class ServeConfig:
                               f"engine.max_seqs ({self.engine.max_seqs}): every sequence decodes a token a step")
         if (self.engine.speculative == "draft") != bool(self.engine.draft_model):
             raise ConfigError("engine.speculative = draft and engine.draft_model go together: give both or neither")
+        layout = self.layout
+        if bool(layout.prefill_replicas) != bool(layout.decode_replicas):
+            raise ConfigError("layout.prefill_replicas and layout.decode_replicas go together: give both (at least "
+                              "1 each) or neither")
+        if layout.prefill_replicas:
+            if layout.replicas not in (1, layout.prefill_replicas + layout.decode_replicas):
+                raise ConfigError(f"layout.replicas ({layout.replicas}) with prefill and decode replicas: leave it "
+                                  f"out (they make {layout.prefill_replicas + layout.decode_replicas})")
+            if layout.tp * layout.pp > 1:
+                raise ConfigError("prefill/decode replicas hand keys and values between one-process replicas: "
+                                  "layout.tp and layout.pp must be 1")
+            layout.replicas = layout.prefill_replicas + layout.decode_replicas

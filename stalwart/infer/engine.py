@@ -29,6 +29,7 @@ from stalwart.infer.attention import (KVCache, StepContext, StepLayout, build_la
 from stalwart.infer.blocks import BlockPool
 from stalwart.infer.outputs import Output, RequestError
 from stalwart.generate import TokenDraws
+from stalwart.infer.handoff import export_kv, fits, import_kv, slots_of
 from stalwart.infer.sampling import Choice, SamplingParams, sample_rows, score_rows, stops_on
 from stalwart.infer.scheduler import Piece, Scheduler, Sequence
 from stalwart.infer.speculative import Drafts, build_speculator
@@ -105,6 +106,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, cfg.max_batch_tokens, cfg.max_seqs, cfg.prefix_caching)
         self.requests: dict[str, RequestState] = {}
         self.tokens_generated = 0
+        self.handoff_tokens = {"exported": 0, "imported": 0}  # positions' keys and values handed off (infer/handoff.py)
         self.grammars = Grammars(tokenizer, eos_id, self.args.vocab_size)  # structured outputs' compiler
         self.speculator = build_speculator(cfg, self.scheduler, self.args.max_seq_len, draft)
         self.routes = None  # (cache slots, sparse layers, k): the experts that computed each slot
@@ -147,13 +149,17 @@ class Engine:
                                f"holds {capacity} (lower max_tokens, or raise engine.kv_cache_mb)", "max_tokens")
 
     def add(self, rid: str, prompt: list[int], params: SamplingParams, follows: str | None = None,
-            emitted: list[int] = ()) -> None:
+            emitted: list[int] = (), priority: int = 0, handoff: bool = False, kv: torch.Tensor | None = None) -> None:
         """Queue a request; all or nothing: on any error the engine is as it was. ``follows``: a request
         in flight with the same prompt (another choice of one HTTP request), whose cached prompt this one
         maps once it is computed. ``emitted``: tokens the request already produced on another replica
         (one resumed by the router): they are computed with the prompt, and the text shown and a structured
         output's state are advanced past them; the randomness of each token is its position's
-        (``TokenDraws``), so it goes on drawing as it would have there."""
+        (``TokenDraws``), so it goes on drawing as it would have there. ``priority``: its latency class
+        (lower runs first; infer/scheduler.py). ``handoff``: end it after its first token with reason
+        ``handoff``, its keys and values in the output; ``kv``: those of its prompt (and ``emitted`` but the
+        last) from the engine that handed it off, taken into the cache if they fit (else recomputed)
+        (infer/handoff.py)."""
         self.check(prompt, params)
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight")
@@ -163,7 +169,8 @@ class Engine:
                                f"{params.max_tokens}), each in [0, {self.args.vocab_size})", "resume")
         lead = self.requests.get(follows) if follows is not None else None
         seq = Sequence(rid, list(prompt) + emitted, len(prompt), len(prompt) + params.max_tokens,
-                       reuse_prefix=params.prompt_logprobs is None, follows=lead.seq if lead else None)
+                       reuse_prefix=params.prompt_logprobs is None, follows=lead.seq if lead else None,
+                       priority=priority, handoff=handoff)
         tail = TextTail(self.tokenizer, params.stop, params.min_tokens)
         if emitted:
             tail.push(emitted)  # the text shown so far, as it was shown
@@ -171,6 +178,11 @@ class Engine:
         state = RequestState(seq, params, params.draws(), tail, grammar)
         self.scheduler.add(state.seq)  # last: a sequence in the scheduler always has its request state
         self.requests[rid] = state
+        n = len(seq.tokens) - 1
+        if kv is not None and n > 0 and fits(self.caches, kv, n) and self.scheduler.grow(seq, n):
+            import_kv(self.caches, seq.blocks, kv, self.cfg.block_size)
+            self.handoff_tokens["imported"] += n
+            self.scheduler.commit(Piece(seq, 0, n))  # computed, and its full blocks published
 
     def abort(self, rid: str) -> Output | None:
         state = self.requests.pop(rid, None)
@@ -312,10 +324,7 @@ class Engine:
     def routing_of(self, seq: Sequence) -> torch.Tensor:
         """The experts that computed each of ``seq``'s positions fed so far (all its tokens but the last):
         (positions, sparse layers, k) on the host, read through its block table."""
-        bs, n = self.cfg.block_size, len(seq.tokens) - 1
-        pos = torch.arange(n)
-        slots = torch.tensor(seq.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
-        return self.routes[slots.to(self.device)].to(HOST)
+        return self.routes[slots_of(seq.blocks, len(seq.tokens) - 1, self.cfg.block_size, self.device)].to(HOST)
 
     def _advance(self, state: RequestState, choice: Choice | None) -> Output:
         """Append ``choice``, the request's next token (sampled by ``_sample``, or verified by speculative
@@ -345,7 +354,11 @@ class Engine:
         text, hit = state.tail.push(shown, final=reason is not None)
         if hit:
             reason = "stop"
-        out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version, prompt)
+        kv = None
+        if reason is None and seq.handoff:  # its keys and values go to the engine that decodes it
+            reason, kv = "handoff", export_kv(self.caches, seq.blocks, seq.computed, self.cfg.block_size)
+            self.handoff_tokens["exported"] += seq.computed
+        out = Output(seq.rid, [choice], text, reason is not None, reason, self.weight_version, prompt, kv)
         if reason is not None:
             if self.routes is not None:
                 self.routed[seq.rid] = self.routing_of(seq)
@@ -387,6 +400,15 @@ class Engine:
 
         copy_full_state(self.model, state)
         self.weight_version = version
+        self._forget_prefixes()
+
+    def recompute_all(self) -> None:
+        """Forget every cached key and value: running sequences are recomputed when readmitted (a rank of
+        this replica was started again with an empty cache), and no cached prefix is reused."""
+        self.scheduler.preempt_all()
+        self._forget_prefixes()
+
+    def _forget_prefixes(self) -> None:
         self.pool.by_digest.clear()
         self.pool.digest_of.clear()
 
@@ -396,4 +418,5 @@ class Engine:
                 "kv_blocks_total": self.pool.num_blocks - self.pool.reserved,
                 "preemptions": self.scheduler.preempted_total, "prefix_cached_tokens": self.scheduler.cached_tokens_total,
                 "tokens_generated": self.tokens_generated, "weight_version": self.weight_version,
+                **{f"kv_{k}_tokens": v for k, v in self.handoff_tokens.items()},
                 **(self.speculator.stats() if self.speculator is not None else {})}

@@ -119,3 +119,15 @@ def follow(engine: Engine, link: StepLink, load) -> None:
                 pass
         else:
             return
+
+
+def regroup(model, tp_mesh) -> None:
+    """Point every tensor-parallel layer of ``model`` (laid out by ``load.layout_model``) at ``tp_mesh``'s
+    group: the replica's process group was formed again after one of its processes was started again.
+    The weights stay; only the group their collectives run on changes."""
+    from stalwart.parallel.tensor import LocalShard
+
+    group = tp_mesh.get_group()
+    for module in model.modules():
+        if isinstance(module, LocalShard):
+            module.group = group

@@ -26,6 +26,7 @@ class Output:
     choices: list[Choice]  # tokens generated this step (0 or 1)
     text: str  # text newly safe to show (stop strings held back until they cannot match)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "handoff" (to another engine)
     weight_version: int = 0
     prompt: list[Choice] | None = None  # the prompt's log-probabilities (asked for), with the first output
+    kv: object = None  # a handed-off request's keys and values (torch.Tensor; infer/handoff.py)

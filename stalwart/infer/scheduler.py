@@ -11,6 +11,14 @@ When the cache runs out, the most recently admitted running sequence is preempte
 released and it goes back to the front of the queue with every token it has so far; it is recomputed
 when readmitted (usually from its own still-cached blocks). Requests join and leave between steps, so
 a new request never waits for a batch to drain. Pure logic: no tensors, no clocks.
+
+Latency classes: every sequence has a ``priority`` (lower runs first, vLLM's convention; default 0).
+The queue and the running list are kept in (priority, arrival) order, so a better class is admitted,
+given the step's budget, and spared from preemption first. While a sequence of a better class than some
+running one has a prompt to compute (waiting, or prefilling in chunks), a step runs that class and the
+better ones only: the worse classes keep their blocks and wait that step (their prefill chunks and
+decodes would make the step slower), and one is preempted (recomputed later) when the better request
+needs its sequence slot or its cache blocks. With one class (every request at 0) nothing changes.
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ class Sequence:
     # Another sequence with the same prompt (one of a request's several choices): admitted only once
     # that one's prompt is computed, so its cached blocks are mapped instead of computed again.
     follows: Sequence | None = None
+    priority: int = 0  # latency class: lower runs first
+    handoff: bool = False  # ends after its first token, handed to another engine (infer/handoff.py)
+    order: int = 0  # arrival number (Scheduler.add): first come, first served within a class
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return self.priority, self.order
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted_total = 0
         self.cached_tokens_total = 0  # prompt tokens served from the prefix cache at admission
+        self.arrivals = 0
 
     def capacity_tokens(self) -> int:
         return (self.pool.num_blocks - self.pool.reserved) * self.pool.block_size
@@ -70,7 +86,9 @@ class Scheduler:
         if seq.max_total > self.capacity_tokens():
             raise ValueError(f"the request needs {seq.max_total} tokens of KV cache; the whole cache holds "
                              f"{self.capacity_tokens()}")
-        self.waiting.append(seq)
+        self.arrivals += 1
+        seq.order = self.arrivals
+        self._queue(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,13 +112,14 @@ class Scheduler:
     def schedule(self) -> list[Piece]:
         budget = self.max_batch_tokens
         pieces: list[Piece] = []
+        cutoff = self._cutoff()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq)
-            if n > budget:  # the rest of a long prompt waits for a step with room for its whole chunk
-                i += 1
-                continue
+            if n > budget or (cutoff is not None and seq.priority > cutoff):
+                i += 1  # the rest of a long prompt waits for a step with room for its chunk; a worse class
+                continue  # waits while a better one prefills
             while not self._reserve(seq, seq.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -110,25 +129,62 @@ class Scheduler:
                 pieces.append(Piece(seq, seq.computed, n))
                 budget -= n
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if cutoff is not None and seq.priority > cutoff:
+                break
+            if len(self.running) >= self.max_seqs and not self._make_room(seq):
+                break
             lead = seq.follows
             if self.prefix_caching and lead is not None and lead.blocks and lead.computed < lead.prompt_len:
                 break  # its twin is computing the shared prompt: map it next step
             if self.prefix_caching and not seq.blocks and seq.reuse_prefix:
                 self._map_prefix(seq)
             n = self._chunk(seq)
+            while n <= budget and not self._reserve(seq, seq.computed + n) and self._make_room(seq):
+                pass  # a worse class gave its blocks back
             if n > budget or not self._reserve(seq, seq.computed + n):
                 if not self.running and not pieces:
                     raise RuntimeError("KV cache too small for a single request")  # add() prevents this
                 self._unmap(seq)
                 break
             self.waiting.popleft()
-            self.running.append(seq)
+            self._run(seq)
             self.cached_tokens_total += seq.cached_prompt
             pieces.append(Piece(seq, seq.computed, n))
             budget -= n
         return pieces
+
+    def _cutoff(self) -> int | None:
+        """The class a step is held to: the best class with a prompt to compute, when some running
+        sequence is of a worse one; None when every class may run."""
+        prefilling = [s.priority for s in self.running if s.computed < len(s.tokens) - 1]
+        urgent = min(prefilling + [self.waiting[0].priority] if self.waiting else prefilling, default=None)
+        if urgent is None or not self.running or self.running[-1].priority <= urgent:
+            return None
+        return urgent
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Preempt the worst-class running sequence (latest admitted) if it is of a worse class than
+        ``seq``; whether one was."""
+        if not self.running or self.running[-1].priority <= seq.priority:
+            return False
+        self._preempt(self.running[-1])
+        return True
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the queue in (priority, arrival) order: a preempted sequence goes back before later ones."""
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].rank > seq.rank:
+            at -= 1
+        self.waiting.insert(at, seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Into the running list after every sequence of its class or a better one."""
+        at = len(self.running)
+        while at > 0 and self.running[at - 1].priority > seq.priority:
+            at -= 1
+        self.running.insert(at, seq)
 
     def _chunk(self, seq: Sequence) -> int:
         """Tokens of ``seq`` to compute next: up to the next multiple of the token budget.
@@ -151,6 +207,12 @@ class Scheduler:
             seq.digest = block_digest(seq.digest, seq.tokens[k * bs:(k + 1) * bs])
             self.pool.register(seq.blocks[k], seq.digest)
             seq.registered += 1
+
+    def preempt_all(self) -> None:
+        """Send every running sequence back to the queue, in admission order, to be recomputed (its cached
+        keys and values are lost: a process of the replica was started again with an empty cache)."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
 
     def grow(self, seq: Sequence, upto: int) -> bool:
         """Cache blocks for the first ``upto`` tokens of a running ``seq`` now, if free blocks allow (never
@@ -187,4 +249,4 @@ class Scheduler:
         self._unmap(seq)
         seq.preemptions += 1
         self.preempted_total += 1
-        self.waiting.appendleft(seq)
+        self._queue(seq)

@@ -32,7 +32,7 @@ def forked_worker(module: str, *argv: str) -> None:
     first start, so no worker, first or restarted, imports them again. Runs ``python -m module`` with
     ``argv``; a failure leaves with its exit code, success returns to torch's wrapper (which hands the
     launcher the result)."""
-    _as_a_new_process()
+    as_a_new_process()
     main = importlib.import_module(WORKERS[module][0]).main
     code = main(list(argv))
     if code:
@@ -41,7 +41,7 @@ def forked_worker(module: str, *argv: str) -> None:
         os._exit(code)
 
 
-def _as_a_new_process() -> None:
+def as_a_new_process() -> None:
     """Undo what a fork inherits from the launcher and an exec'd worker would not have: the launcher's
     signal handlers (torch's agent turns SIGINT and SIGTERM into its own exception; a worker's Ctrl-C
     must be a KeyboardInterrupt, its SIGTERM the default until the trainer sets its own), and buffered

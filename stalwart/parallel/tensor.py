@@ -87,12 +87,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, replic
         parallelize_module(block, tp_mesh, plan)
 
 
-def _parallelize_ends(model: nn.Module, tp_mesh, top: dict[str, object]) -> None:
+def _parallelize_ends(model: nn.Module, tp_mesh, top: dict[str, object], src_data_rank: int | None = 0) -> None:
     """Apply the embedding/norm/head plan; keep a tied head tied."""
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     if top:
-        parallelize_module(model, tp_mesh, top)
+        parallelize_module(model, tp_mesh, top, src_data_rank=src_data_rank)
     if tied:
         # Both sides shard the vocabulary dimension (Shard(0)): re-tie to one DTensor parameter.
         model.output.weight = model.tok_embeddings.weight
@@ -105,7 +105,10 @@ def _apply_replicated_stream(model: nn.Module, tp_mesh) -> None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if model.output is not None:
         top["output"] = ColwiseParallel(output_layouts=Replicate())
-    _parallelize_ends(model, tp_mesh, top)
+    # NOTE: no collective while laying out (src_data_rank=None: each rank keeps its own split of what it
+    # holds): this form's weights are always copied in afterwards (a checkpoint, a weight sync), and a
+    # serving rank started again alone lays its model out while the others serve.
+    _parallelize_ends(model, tp_mesh, top, src_data_rank=None)
     plans.append((model, top))
     for block in model.layers.values():
         plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
@@ -113,7 +116,7 @@ def _apply_replicated_stream(model: nn.Module, tp_mesh) -> None:
         if block.moe is None:  # a sparse block runs whole on every rank, on its plain (replicated) weights
             plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
                          "feed_forward.w2": RowwiseParallel()})
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, plan, src_data_rank=None)
         plans.append((block, plan))
     group = tp_mesh.get_group()
     for root, plan in plans:

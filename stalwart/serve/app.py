@@ -25,6 +25,7 @@ from stalwart.errors import UserError
 from stalwart.infer.outputs import Output, RequestError
 from stalwart.infer.sampling import SamplingError, SamplingParams
 from stalwart.serve.chat import ChatFormat
+from stalwart.serve.disagg import PREFILL_FIELD, handoff_of, read_kv, write_kv
 from stalwart.serve.errors import ApiError, error_body, install_error_handlers
 from stalwart.serve.http import ClientGone, unless_client_leaves
 from stalwart.serve.loop import EngineLoop, EngineUnavailable, Failure, Submission, Timing, WeightVersionError
@@ -37,7 +38,6 @@ from stalwart.serve.protocol import (
     SamplingRequest,
     WeightsRequest,
     chat_chunk,
-    chat_prompt,
     chat_response,
     completion_response,
     plan_draws,
@@ -49,11 +49,12 @@ class Job:
     """One engine request seen from the event loop: its outputs arrive on an asyncio queue."""
 
     def __init__(self, app_loop: asyncio.AbstractEventLoop, metrics: ServeMetrics, emitted: list[int] = (),
-                 done: bool = False, versions: list[int] = ()) -> None:
+                 done: bool = False, versions: list[int] = (), priority: int = 0) -> None:
         self.rid = uuid.uuid4().hex
         self.queue: asyncio.Queue[Output | Failure] = asyncio.Queue()
         self.timing = Timing(time.monotonic())
-        self.metrics = metrics
+        self.priority = priority
+        self.ttft, self.tpot = metrics.latency(priority)  # its class's histograms
         # A resumed request (serve/resume.py): the tokens sent before, whether it had finished, the versions.
         self.emitted = list(emitted)
         self.done = done
@@ -67,10 +68,10 @@ class Job:
             t = self.timing
             if t.first_token is None:
                 t.first_token = now
-                self.metrics.ttft.observe(now - t.arrived)
+                self.ttft.observe(now - t.arrived)
             else:  # several tokens at once (speculative decoding's kept drafts): the interval shared out
                 for _ in out.choices:
-                    self.metrics.tpot.observe((now - t.last_token) / len(out.choices))
+                    self.tpot.observe((now - t.last_token) / len(out.choices))
             t.last_token = now
             t.tokens += len(out.choices)
             if not self.versions or self.versions[-1] != out.weight_version:
@@ -79,6 +80,7 @@ class Job:
 
 
 LIVE_TIMEOUT_S = 120.0  # a live update's default wait for the next publish (``timeout``)
+RETRY_AFTER_S = 1  # what /health tells a client to wait while a process of the replica is started again
 
 
 def _error_event(f: Failure) -> str:
@@ -109,7 +111,25 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         problem = loop.problem()
         if problem is not None:  # the engine thread is gone or stuck: this server can answer nothing
             return JSONResponse({**body, "status": "error", "error": problem}, 503)
+        recovering = loop.recovering()
+        if recovering is not None:  # requests wait meanwhile and are served once it is whole again
+            return JSONResponse({**body, "status": "recovering", "error": recovering}, 503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return body
+
+    @app.get("/v1/cache")
+    async def cache(request: Request):
+        """The digests of the prompt blocks this replica's cache holds, for its router only (serve/prefix.py):
+        which prompts others sent is nobody else's business."""
+        if not from_router(request.headers, router_secret):
+            raise ApiError(403, "the cache's contents are for stalwart's router only", None, "permission_error")
+        for _ in range(3):  # the engine thread may change the dict while it is read: read it again
+            try:
+                held = list(engine.pool.by_digest)
+                break
+            except RuntimeError:
+                held = []
+        return {"block_size": engine.cfg.block_size, "digests": [d.hex() for d in held]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -126,10 +146,12 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
                            "not_found_error")
 
     def start(req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
-              resume: Resume | None = None, leads: list[int | None] | None = None) -> list[Job]:
+              resume: Resume | None = None, leads: list[int | None] | None = None, handoff: bool = False
+              ) -> list[Job]:
         """Check every prompt, then queue them together: a request runs whole or not at all. ``resume``:
-        where the stream stood on a replica that was lost (serve/resume.py). ``leads[k]``: the earlier
-        submission whose prompt submission k shares (several choices of one prompt)."""
+        where the stream stood on a replica that was lost or handed it off (serve/resume.py, with the keys
+        and values: serve/disagg.py). ``leads[k]``: the earlier submission whose prompt submission k shares
+        (several choices of one prompt). ``handoff``: hand every output off after its first token."""
         limit = engine.cfg.max_queue
         if len(prompts) > limit:
             many = "sequences (prompts x n or best_of)" if req.draws > 1 else "prompts"
@@ -144,13 +166,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         if loop.queued() + len(prompts) > limit:
             raise ApiError(503, "the server is at capacity; retry later", None, "server_error")
         here = asyncio.get_running_loop()
-        jobs = [Job(here, metrics, resume.tokens[k], resume.finished[k], resume.versions) if resume else
-                Job(here, metrics) for k in range(len(prompts))]
+        jobs = [Job(here, metrics, resume.tokens[k], resume.finished[k], resume.versions, req.priority) if resume
+                else Job(here, metrics, priority=req.priority) for k in range(len(prompts))]
+        kvs = [read_kv(resume.kv[k]) if resume else None for k in range(len(jobs))]
         try:
             leads = leads or [None] * len(jobs)
             loop.submit([Submission(j.rid, prompt, p, j.sink, jobs[lead].rid if lead is not None else None,
-                                    emitted=j.emitted)
-                         for j, prompt, p, lead in zip(jobs, prompts, params, leads) if not j.done])
+                                    emitted=j.emitted, priority=j.priority, handoff=handoff, kv=kv)
+                         for j, prompt, p, lead, kv in zip(jobs, prompts, params, leads, kvs) if not j.done])
         except EngineUnavailable as e:
             raise ApiError(e.status, str(e), None, "server_error") from None
         metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
@@ -190,6 +213,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
                         if routed:
                             event[CHUNK_FIELD] = {"job": i, "tokens": [c.token for c in out.choices],
                                                   "finished": out.finished}
+                            if out.kv is not None:  # handed off: its keys and values for a decode replica
+                                event[CHUNK_FIELD]["kv"] = write_kv(out.kv)
                         yield f"data: {json.dumps(event)}\n\n"
                         if out.finished:
                             pending.discard(job.rid)
@@ -210,14 +235,17 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         return lambda: usage_chunk(rid, kind, created, model_name, sorted({v for j in jobs for v in j.versions}),
                                    sum(len(p) for p in prompts), sum(j.timing.tokens for j in jobs))
 
-    async def resumed(request: Request, outputs: int, streams: bool) -> tuple[bool, Resume | None]:
-        """(whether the router sent ``request``, the stream it resumes if any)."""
+    async def resumed(request: Request, outputs: int, streams: bool) -> tuple[bool, Resume | None, bool]:
+        """(whether the router sent ``request``, the stream it resumes if any, whether a prefill replica
+        hands it off after its first token: serve/disagg.py)."""
         routed = from_router(request.headers, router_secret)
         body = await request.body()
-        resume = resume_of(json.loads(body), routed, outputs) if RESUME_FIELD.encode() in body else None
+        internal = RESUME_FIELD.encode() in body or PREFILL_FIELD.encode() in body
+        parsed = json.loads(body) if internal else None
+        resume = resume_of(parsed, routed, outputs) if internal else None
         if resume is not None and not streams:
             raise ApiError(400, f"{RESUME_FIELD} resumes streams only", RESUME_FIELD)
-        return routed, resume
+        return routed, resume, handoff_of(parsed, routed, streams)
 
     async def collect_all(request: Request, jobs: list[Job]) -> list[tuple[list[Output], Output]]:
         """Every job's outputs; a client that leaves first has its jobs aborted (ClientGone)."""
@@ -238,8 +266,8 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         check_model(req.model)
         prompts = req.token_prompts(tokenizer)
         draws, params = plan_draws(req, len(prompts), req.sampling())
-        routed, resume = await resumed(request, len(draws), req.stream)
-        jobs = start(req, [prompts[d.prompt] for d in draws], params, resume, [d.lead for d in draws])
+        routed, resume, handoff = await resumed(request, len(draws), req.stream)
+        jobs = start(req, [prompts[d.prompt] for d in draws], params, resume, [d.lead for d in draws], handoff)
         rid, created = (resume.id, resume.created) if resume else (f"cmpl-{uuid.uuid4().hex}", int(time.time()))
         texts = req.prompt_texts(prompts, tokenizer) if req.echo else []
         if req.stream:
@@ -255,10 +283,10 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
-        prompt = tokenizer.encode(chat_prompt(req.messages, chat_format), add_special_tokens=False).ids
+        prompt = req.token_prompt(tokenizer, chat_format)
         draws, params = plan_draws(req, 1, req.sampling(room=engine.room(len(prompt))))
-        routed, resume = await resumed(request, len(draws), req.stream)
-        jobs = start(req, [prompt] * len(draws), params, resume, [d.lead for d in draws])
+        routed, resume, handoff = await resumed(request, len(draws), req.stream)
+        jobs = start(req, [prompt] * len(draws), params, resume, [d.lead for d in draws], handoff)
         rid, created = (resume.id, resume.created) if resume else (f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         if req.stream:
             usage = usage_of(rid, "chat.completion.chunk", created, jobs, [prompt]) if req.include_usage else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from stalwart.asgi import bind, run
 from stalwart.atomic import write_text_atomic
@@ -43,14 +43,19 @@ async def unless_client_leaves(request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
-def serve(app, host: str, port: int, what: str, port_file: Path | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (a graceful shutdown; a stop asked for is exit status 0)."""
+def serve(app, host: str, port: int, what: str, port_file: Path | None = None, sock=None,
+          on_serving: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (a graceful shutdown; a stop asked for is exit status 0), on ``sock``
+    when given (bound already: a replica's launcher holds it), else on ``host:port``. ``on_serving()``
+    runs once connections are accepted."""
     shown = f"[{host}]" if ":" in host else host
 
     def listening(actual: int) -> None:
         print(f"stalwart serve: {what} on http://{shown}:{actual}/v1", flush=True)
         if port_file is not None:
             write_text_atomic(port_file, str(actual))
+        if on_serving is not None:
+            on_serving()
 
-    run(app, bind(host, port), 5, listening)
+    run(app, sock if sock is not None else bind(host, port), 5, listening)
     print("stalwart serve: stopped", flush=True)

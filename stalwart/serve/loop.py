@@ -11,7 +11,9 @@ engine thread ever fails it prints why, every request waiting on it gets a 500, 
 refused, and ``failure`` says why (``/health`` reports it): nothing waits on a thread that is gone.
 A thread that is alive but stuck (a step or a weight load that does not end: a hung collective, a rank
 stopped) is reported by ``problem()`` once it overruns its limit, so ``/health`` turns to 503 and a
-router restarts the replica.
+router restarts the replica. In a multi-process replica whose launcher starts a lost rank again
+(serve/heal.py), the thread instead rejoins the group and goes on; ``recovering()`` says so meanwhile,
+and the requests in flight are recomputed, not failed.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Submission:
     sink: Sink
     follows: str | None = None  # an earlier submission of the same request with the same prompt (``n``)
     emitted: list[int] = ()  # tokens a resumed request produced already, on another replica (serve/resume.py)
+    priority: int = 0  # latency class: lower runs first (infer/scheduler.py)
+    handoff: bool = False  # a prefill replica's: ends after the first token, handed off (serve/disagg.py)
+    kv: object = None  # a decode replica's: the handed-off keys and values (infer/handoff.py)
 
 
 class EngineUnavailable(RuntimeError):
@@ -91,9 +96,10 @@ LOAD_LIMIT_S = 900.0
 class EngineLoop:
     def __init__(self, engine: Engine, link=None, load: Callable[[str], dict] | None = None,
                  on_step: Callable[[list[Output], float], None] | None = None,
-                 on_weights: Callable[[int, str | None, dict | None], None] | None = None) -> None:
+                 on_weights: Callable[[int, str | None, dict | None], None] | None = None, healer=None) -> None:
         """``on_weights(version, where, state)``: after each weight update applied, from ``where`` (a path
-        read by ``load``) or as a live ``state``; on the engine thread, before the update is answered."""
+        read by ``load``) or as a live ``state``; on the engine thread, before the update is answered.
+        ``healer``: rank 0's ``serve.heal.GroupHealer`` in a replica whose launcher restarts lost ranks."""
         self.engine = engine
         self.link = link  # infer.group.StepLink on rank 0 of a multi-process replica
         self.load = load  # where -> full state dict, for weight updates
@@ -111,10 +117,14 @@ class EngineLoop:
         self._pending = 0  # requests submitted, not yet in the scheduler
         self.step_limit_s, self.load_limit_s = STEP_LIMIT_S, LOAD_LIMIT_S
         self._busy: tuple[str, float, float] | None = None  # (what, since, limit) while a step or command runs
+        self.healer = healer
+        self._recovering: str | None = None  # why the engine waits for its group to be formed again
         self.thread = threading.Thread(target=self._run, name="stalwart-engine", daemon=True)
 
     def start(self) -> "EngineLoop":
         self.thread.start()
+        if self.healer is not None:
+            self.healer.watch(self.wake, lambda: self.stopped)
         return self
 
     def stop(self) -> None:
@@ -190,6 +200,10 @@ class EngineLoop:
                     f"{busy[2]:g} s)")
         return None
 
+    def recovering(self) -> str | None:
+        """Why this replica waits before serving again (a process of it is being started again), or None."""
+        return self._recovering
+
     @contextlib.contextmanager
     def _running(self, what: str, limit_s: float):
         self._busy = (what, time.monotonic(), limit_s)
@@ -208,14 +222,22 @@ class EngineLoop:
         closed = EngineUnavailable("the server is shutting down", 503)
         try:
             while not self.stopped:
+                if self.healer is not None and self.healer.broken():
+                    self._recover()
                 self._drain()
                 if not self.engine.has_work():
                     self.wake.wait(0.5)
                     self.wake.clear()
                     continue
                 start = time.monotonic()
-                with self._running("step", self.step_limit_s):
-                    outputs = self.engine.step()
+                try:
+                    with self._running("step", self.step_limit_s):
+                        outputs = self.engine.step()
+                except RuntimeError:  # a collective failed: a lost rank, if the launcher names a new attempt
+                    if self.healer is None or not self.healer.broken(self.healer.notice_s):
+                        raise
+                    self._recover()
+                    continue
                 for out in outputs:
                     self._deliver(out)
                 if self.on_step is not None:
@@ -228,6 +250,19 @@ class EngineLoop:
             closed = EngineUnavailable(f"the engine stopped ({self.failure}); the server must be restarted", 500)
         finally:
             self._close(closed)
+
+    def _recover(self) -> None:
+        """Rejoin the replica's group beside a rank started again; the sequences in flight are recomputed
+        (the new rank's cache is empty) and go on."""
+        self._recovering = "a process of this replica is being started again"
+        t0 = time.monotonic()
+        try:
+            self.healer.rejoin(self.engine.model)
+            self.engine.recompute_all()
+        finally:
+            self._recovering = None
+        print(f"stalwart serve: the replica's group is whole again ({time.monotonic() - t0:.1f} s); serving",
+              file=sys.stderr, flush=True)
 
     def _close(self, closed: EngineUnavailable) -> None:
         """Take no more commands; answer every request in flight and every command left."""
@@ -279,7 +314,7 @@ class EngineLoop:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.add(r.rid, r.prompt, r.params, r.follows, r.emitted)
+                self.engine.add(r.rid, r.prompt, r.params, r.follows, r.emitted, r.priority, r.handoff, r.kv)
                 added.append(r.rid)
         except Exception as e:  # noqa: BLE001 - the request is refused; the engine is as it was
             for rid in added:

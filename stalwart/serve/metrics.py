@@ -14,14 +14,17 @@ class ServeMetrics:
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model": model}
+        self.model = model
         r = self.registry
         self.requests = Counter("stalwart_serve_requests", "Requests answered, by outcome.", ["model", "outcome"],
                                 registry=r)
-        self.ttft = Histogram("stalwart_serve_time_to_first_token_seconds", "From arrival to the first token.",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.tpot = Histogram("stalwart_serve_time_per_output_token_seconds",
-                              "Between consecutive output tokens of one request.", ["model"],
-                              buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        # Per latency class (the request's priority; infer/scheduler.py): one series per class seen.
+        self._ttft = Histogram("stalwart_serve_time_to_first_token_seconds", "From arrival to the first token.",
+                               ["model", "priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self._tpot = Histogram("stalwart_serve_time_per_output_token_seconds",
+                               "Between consecutive output tokens of one request.", ["model", "priority"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft, self.tpot = self.latency(0)
         self.prompt_tokens = Counter("stalwart_serve_prompt_tokens", "Prompt tokens received.", ["model"],
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("stalwart_serve_generation_tokens", "Tokens generated.", ["model"],
@@ -43,8 +46,18 @@ class ServeMetrics:
         # the acceptance rate. Absent while speculation is off.
         self.drafts = Gauge("stalwart_serve_speculative_drafts", "Speculative drafts since start, proposed or kept.",
                             ["model", "kind"], registry=r)
-        self.model = model
+        self.prefix_cached = Gauge("stalwart_serve_prefix_cached_tokens", "Prompt tokens served from the prefix "
+                                   "cache since start (over stalwart_serve_prompt_tokens_total: the hit rate).",
+                                   ["model"], registry=r).labels(**labels)
+        self.handoff = Gauge("stalwart_serve_kv_handoff_tokens", "Positions whose keys and values were handed to a "
+                             "decode replica (exported) or taken from a prefill replica (imported) since start.",
+                             ["model", "kind"], registry=r)
         self._window: deque[tuple[float, int]] = deque()
+
+    def latency(self, priority: int) -> tuple:
+        """The (time to first token, time per output token) histograms of a latency class."""
+        return (self._ttft.labels(model=self.model, priority=str(priority)),
+                self._tpot.labels(model=self.model, priority=str(priority)))
 
     def outcome(self, name: str) -> None:
         self.requests.labels(model=self.model, outcome=name).inc()
@@ -63,6 +76,9 @@ class ServeMetrics:
         self.running.set(stats["running"])
         self.kv_usage.set(stats["kv_blocks_used"] / stats["kv_blocks_total"])
         self.weight_version.set(stats["weight_version"])
+        self.prefix_cached.set(stats["prefix_cached_tokens"])
+        for kind in ("exported", "imported"):
+            self.handoff.labels(model=self.model, kind=kind).set(stats[f"kv_{kind}_tokens"])
         if "speculative_proposed" in stats:
             self.drafts.labels(model=self.model, kind="proposed").set(stats["speculative_proposed"])
             self.drafts.labels(model=self.model, kind="kept").set(stats["speculative_accepted"])

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from stalwart.infer.load import Source
 
 USAGE = """usage: stalwart serve (--run RUN_DIR [--checkpoint DIR] | --hf DIR) [--host 127.0.0.1] [--port P]
-                      [--tp N] [--pp N] [--replicas N] [--device auto|cpu|cuda] [--config FILE]
+                      [--tp N] [--pp N] [--replicas N | --prefill-replicas P --decode-replicas D]
+                      [--routing cache-aware|least-load|round-robin] [--device auto|cpu|cuda] [--config FILE]
                       [--dtype float32|bfloat16] [--quantize none|int8]
                       [--section.key VALUE ...]
        stalwart serve --plan [--model.flavor F] [--hosts.preset P] [--target.kind latency|throughput] ...
@@ -26,8 +27,9 @@ swap weights without a restart. Listens on 127.0.0.1 unless --host says otherwis
 
 # CLI-contract flags -> config keys
 ALIASES = {"--host": "server.host", "--port": "server.port", "--tp": "layout.tp", "--pp": "layout.pp",
-           "--replicas": "layout.replicas", "--device": "engine.device", "--dtype": "engine.dtype",
-           "--quantize": "engine.quantize"}
+           "--replicas": "layout.replicas", "--device": "engine.device", "--prefill-replicas": "layout.prefill_replicas",
+           "--decode-replicas": "layout.decode_replicas", "--routing": "layout.routing",
+           "--dtype": "engine.dtype", "--quantize": "engine.quantize"}
 # --port-file and --weights-file are internal: `stalwart serve` gives them to the replicas it starts.
 PATH_FLAGS = ("--run", "--hf", "--checkpoint", "--config", "--port-file", "--weights-file")
 

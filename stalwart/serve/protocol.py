@@ -23,6 +23,7 @@ from stalwart.serve.formats import ResponseFormat, StructuredOutputs, constraint
 # Strict: a value of the wrong JSON type is refused, not coerced ("5" is no max_tokens, true no 1).
 STRICT = ConfigDict(extra="ignore", strict=True)
 MAX_CHOICES = 16  # n and best_of at most
+PRIORITY_RANGE = (-100, 100)  # a request's latency class (lower runs first, as vLLM's priority)
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +55,8 @@ class SamplingRequest(BaseModel):
     # a structured output (serve/formats.py): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # the latency class (infer/scheduler.py): lower is admitted, scheduled and kept first; vLLM's field
+    priority: int = 0
 
     @property
     def include_usage(self) -> bool:
@@ -90,6 +93,9 @@ class SamplingRequest(BaseModel):
         return bias
 
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        lo, hi = PRIORITY_RANGE
+        if not lo <= self.priority <= hi:
+            raise SamplingError(f"priority must be in [{lo}, {hi}] (got {self.priority}; lower runs first)", "priority")
         if not 1 <= self.n <= MAX_CHOICES:
             raise SamplingError(f"n must be in [1, {MAX_CHOICES}] (got {self.n})", "n")
         if self.best_of is not None:
@@ -175,6 +181,10 @@ class ChatRequest(SamplingRequest):
     def param_name(self, engine_name: str | None) -> str | None:
         names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": self._max_tokens_field}
         return names.get(engine_name, engine_name)
+
+    def token_prompt(self, tokenizer, chat: ChatFormat) -> list[int]:
+        """The conversation rendered (``chat``: the model's template) and tokenized, as the engine computes it."""
+        return tokenizer.encode(chat_prompt(self.messages, chat), add_special_tokens=False).ids
 
     def sampling(self, room: int) -> SamplingParams:
         """The sampling parameters; unset, the output may fill the ``room`` the context leaves (as in

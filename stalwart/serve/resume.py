@@ -51,10 +51,11 @@ class Resume:
     tokens: list[list[int]]  # per output, in the request's order: the tokens already sent
     finished: list[bool]
     versions: list[int] = field(default_factory=list)
+    kv: list[str | None] = field(default_factory=list)  # per output: a prefill replica's hand-off (serve/disagg.py)
 
     def to_json(self) -> dict:
         return {"id": self.id, "created": self.created, "tokens": self.tokens, "finished": self.finished,
-                "versions": self.versions}
+                "versions": self.versions, **({"kv": self.kv} if any(self.kv) else {})}
 
 
 def from_router(headers, secret: str | None) -> bool:
@@ -73,7 +74,8 @@ def resume_of(body: object, routed: bool, outputs: int) -> Resume | None:
     r = body[RESUME_FIELD]
     try:
         resume = Resume(str(r["id"]), int(r["created"]), [[int(t) for t in ts] for ts in r["tokens"]],
-                        [bool(f) for f in r["finished"]], [int(v) for v in r.get("versions", [])])
+                        [bool(f) for f in r["finished"]], [int(v) for v in r.get("versions", [])],
+                        [k if isinstance(k, str) else None for k in r.get("kv", [])])
     except (KeyError, TypeError, ValueError) as e:
         raise ApiError(400, f"{RESUME_FIELD} is malformed ({type(e).__name__}: {e})", RESUME_FIELD) from None
     if len(resume.tokens) > outputs or len(resume.finished) != len(resume.tokens):
@@ -82,6 +84,7 @@ def resume_of(body: object, routed: bool, outputs: int) -> Resume | None:
     missing = outputs - len(resume.tokens)  # outputs the router saw nothing of: they start afresh
     resume.tokens += [[] for _ in range(missing)]
     resume.finished += [False] * missing
+    resume.kv = (resume.kv + [None] * outputs)[:outputs]
     return resume
 
 
@@ -95,6 +98,7 @@ class StreamRecord:
     finished: dict[int, bool] = field(default_factory=dict)
     versions: list[int] = field(default_factory=list)
     outputs: int = 0  # the most outputs any chunk named (job + 1)
+    kv: dict[int, str] = field(default_factory=dict)  # outputs a prefill replica handed off: their files
 
     def take(self, event: dict) -> dict:
         """Record a chunk and return it as the client sees it (without the internal field)."""
@@ -109,9 +113,21 @@ class StreamRecord:
             self.outputs = max(self.outputs, k + 1)
             self.tokens.setdefault(k, []).extend(ext.get("tokens", []))
             self.finished[k] = self.finished.get(k, False) or bool(ext.get("finished"))
+            if isinstance(ext.get("kv"), str):  # handed off (serve/disagg.py): not finished for the client
+                self.kv[k], self.finished[k] = ext["kv"], False
+                for c in event.get("choices") or []:
+                    if c.get("finish_reason") == "handoff":
+                        c["finish_reason"] = None
         return event
+
+    def handed_off(self) -> list[str]:
+        """The hand-off files of this stream's outputs, once; a later resume recomputes."""
+        names = list(self.kv.values())
+        self.kv.clear()
+        return names
 
     def resume(self) -> Resume:
         n = self.outputs
         return Resume(self.id or "", self.created, [self.tokens.get(k, []) for k in range(n)],
-                      [self.finished.get(k, False) for k in range(n)], sorted(self.versions))
+                      [self.finished.get(k, False) for k in range(n)], sorted(self.versions),
+                      [self.kv.get(k) for k in range(n)])

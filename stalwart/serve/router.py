@@ -1,7 +1,10 @@
-"""A least-loaded router in front of several replicas (each a full `stalwart serve` on a loopback port).
+"""The router in front of several replicas (each a full `stalwart serve` on a loopback port).
 
-Each request goes to the replica with the fewest requests in flight through this router (ties go to
-the lowest index), among the replicas known to be up. A replica is down from the moment a connection to
+Each request goes, among the replicas known to be up, where the routing policy says (serve/prefix.py:
+the replica holding the longest cached prefix of its prompt unless that unbalances the load, else the
+one with the fewest requests in flight; or least-load; or round-robin). With prefill and decode
+replicas (serve/disagg.py) a stream's prompt goes to a prefill replica, which hands it off to a decode
+replica after the first token. A replica is down from the moment a connection to
 it fails or its ``/health`` is not ok (probed every second), and up again once its ``/health`` is.
 
 No request is lost with a replica. One that gets no answer (the replica died, its engine failed, or it
@@ -35,13 +38,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
 from stalwart.serve.applied import AppliedWeights
+from stalwart.serve.disagg import PREFILL_FIELD, Roles, discard
 from stalwart.serve.errors import error_body, install_error_handlers
 from stalwart.serve.http import ClientGone, unless_client_leaves
+from stalwart.serve.prefix import Policy, Prompts, pick, prompt_digests
 from stalwart.serve.resume import HEADER, RESUME_FIELD, StreamRecord
 
 PROBE_INTERVAL_S = 1.0
 RESTART_AFTER_S = 5.0  # a live replica whose /health fails this long is killed and started again
 UNREACHABLE_AFTER_S = 30.0  # the same for one whose /health does not answer at all
+RECOVERING_LIMIT_S = 120.0  # the same for one whose launcher is starting a process of it again
 DRAIN_TIMEOUT_S = 300.0  # the longest a weight update waits for a replica's requests to finish
 RESUME_WAIT_S = 180.0  # a router over one replica waits this long for it to be back to resume a stream
 
@@ -56,19 +62,20 @@ class Fleet:
     files: list[Path]
     start: Callable[[int], subprocess.Popen]
     weights: list[Path] | None = None
+    kv_dir: Path | None = None  # where prefill replicas leave hand-offs (serve/disagg.py)
 
 
-def pick(in_flight: list[int], up: list[bool] | None = None) -> list[int]:
-    """Replicas in the order to try them: up before down, then least loaded, then lowest index."""
-    up = up if up is not None else [True] * len(in_flight)
-    return sorted(range(len(in_flight)), key=lambda i: (not up[i], in_flight[i], i))
-
-
-def create_router(backends: list[str], fleet: Fleet | None = None, secret: str | None = None) -> FastAPI:
+def create_router(backends: list[str], fleet: Fleet | None = None, secret: str | None = None,
+                  policy: Policy | None = None, prompts: Prompts | None = None, roles: Roles | None = None) -> FastAPI:
     """The router over replicas at ``backends`` (updated in place when one restarts on a new port);
-    ``fleet``: their processes, restarted here; ``secret``: the one they were given (serve/resume.py)."""
+    ``fleet``: their processes, restarted here; ``secret``: the one they were given (serve/resume.py);
+    ``policy``: where to send each request (default least-load); ``prompts``: reads a body's prompt
+    tokens (for cache-aware routing); ``roles``: which replicas prefill and which decode."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
     n = len(backends)
+    policy = policy or Policy("least-load", n, 0, 1.0)
+    roles = roles or Roles(n)
+    cache_aware = policy.name == "cache-aware" and prompts is not None
     in_flight, served, restarts = [0] * n, [0] * n, [0] * n
     up = [True] * n
     failing_since: list[float | None] = [None] * n  # when /health last turned from ok
@@ -90,8 +97,10 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             up[i], reachable, weights_seen[i] = False, False, None
         now = time.monotonic()
         failing_since[i] = None if up[i] else failing_since[i] or now
-        if (fleet is not None and not up[i] and fleet.procs[i].poll() is None
-                and now - failing_since[i] > (RESTART_AFTER_S if reachable else UNREACHABLE_AFTER_S)):
+        # A replica whose launcher is starting a lost process again says so (503 with Retry-After).
+        limit = (UNREACHABLE_AFTER_S if not reachable else RECOVERING_LIMIT_S if "retry-after" in r.headers
+                 else RESTART_AFTER_S)
+        if fleet is not None and not up[i] and fleet.procs[i].poll() is None and now - failing_since[i] > limit:
             why = r.json().get("error", r.status_code) if reachable else "its /health does not answer"
             print(f"stalwart serve: replica {i} is not serving ({why}); restarting it", file=sys.stderr, flush=True)
             with contextlib.suppress(ProcessLookupError):
@@ -111,6 +120,7 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             fleet.files[i].unlink(missing_ok=True)
             fleet.procs[i] = fleet.start(i)
             restarts[i] += 1
+            policy.view.forget(i)
         elif starting[i] and fleet.files[i].is_file():
             url = f"http://127.0.0.1:{int(fleet.files[i].read_text())}"
             if last_update:
@@ -131,11 +141,23 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             backends[i] = url
             starting[i], failing_since[i] = False, None
 
+    async def cached(i: int) -> None:
+        """What replica ``i``'s cache holds (serve/prefix.py)."""
+        try:
+            r = await client.get(backends[i] + "/v1/cache", headers=routed, timeout=10.0)
+            got = r.json()
+            policy.view.block_size = int(got["block_size"])
+            policy.view.reported(i, {bytes.fromhex(d) for d in got["digests"]})
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass  # not answering: its view stays as it was until it does
+
     async def probe() -> None:
         while True:
             for i in range(n):
                 await supervise(i)
             await asyncio.gather(*(check(i) for i in range(n)))
+            if cache_aware:
+                await asyncio.gather(*(cached(i) for i in range(n) if up[i]))
             await asyncio.sleep(PROBE_INTERVAL_S)
 
     @contextlib.asynccontextmanager
@@ -150,11 +172,14 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
     app = FastAPI(title="Stalwart router", docs_url=None, redoc_url=None, lifespan=lifespan)
     install_error_handlers(app)
 
-    async def send(path: str, body: bytes, headers: dict, skip: set[int]) -> tuple[httpx.Response | None, int, str]:
+    async def send(path: str, body: bytes, headers: dict, skip: set[int], among: tuple[list[int], list[int]],
+                   digests: list[bytes] | None = None) -> tuple[httpx.Response | None, int, str]:
         """The first replica's answer (headers read) that is not a failure of the replica itself: (the
-        response, the replica, why the others failed). None when no replica answered so."""
+        response, the replica, why the others failed). None when no replica answered so. ``among``: the
+        replicas to try first and those to fall back on; in each, the policy's order for ``digests``."""
         failures, last, last_i = [], None, -1
-        for i in pick(in_flight, [u and not d for u, d in zip(up, draining)]):
+        usable = [u and not d for u, d in zip(up, draining)]
+        for i in [i for group in among for i in policy.order(in_flight, usable, digests, group)]:
             if i in skip or starting[i]:
                 continue
             in_flight[i] += 1
@@ -175,6 +200,7 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
                 last, last_i = upstream, i
                 continue
             served[i] += 1
+            policy.chose(i, digests)
             return upstream, i, "; ".join(failures)
         if last is not None:  # every replica refused: the last refusal, as it was
             return last, last_i, "; ".join(failures)
@@ -186,12 +212,18 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             parsed = json.loads(body)
         except ValueError:
             parsed = None  # a replica answers what is wrong with it
-        if isinstance(parsed, dict) and RESUME_FIELD in parsed:
-            return error_body(400, f"{RESUME_FIELD} is internal to stalwart's router and is not accepted from "
-                                   "clients", RESUME_FIELD)
+        for internal in (RESUME_FIELD, PREFILL_FIELD):
+            if isinstance(parsed, dict) and internal in parsed:
+                return error_body(400, f"{internal} is internal to stalwart's router and is not accepted from "
+                                       "clients", internal)
         headers = {**routed, "content-type": request.headers.get("content-type", "application/json")}
+        streams = isinstance(parsed, dict) and parsed.get("stream") is True
+        digests = digests_of(path, parsed)
+        if roles.disaggregated and streams:  # the prompt on a prefill replica, which hands it off
+            body = json.dumps({**parsed, PREFILL_FIELD: True}).encode()
         try:
-            upstream, i, why = await unless_client_leaves(request, send(path, body, headers, set()))
+            upstream, i, why = await unless_client_leaves(request, send(path, body, headers, set(),
+                                                                        roles.first(streams), digests))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the replica saw the connection close
         if upstream is None:
@@ -199,20 +231,36 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
         keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
         if upstream.is_closed:  # a refusal read in full by send()
             return Response(upstream.content, upstream.status_code, headers=keep)
-        if upstream.status_code == 200 and isinstance(parsed, dict) and parsed.get("stream") is True:
-            return StreamingResponse(resumable(upstream, i, path, parsed, headers), headers=keep)
+        if upstream.status_code == 200 and streams:
+            return StreamingResponse(resumable(upstream, i, path, parsed, headers, digests), headers=keep)
         return StreamingResponse(_relay(upstream, in_flight, i), status_code=upstream.status_code, headers=keep)
 
-    async def resumable(upstream: httpx.Response, i: int, path: str, body: dict, headers: dict):
-        """Relay a stream; when its replica is lost, resume it on another (serve/resume.py)."""
+    def digests_of(path: str, parsed: object) -> list[bytes] | None:
+        """The block digests of a request's (first) prompt, for cache-aware routing; None if not known."""
+        bs = policy.view.block_size
+        if not cache_aware or bs is None or not isinstance(parsed, dict):
+            return None
+        tokens = prompts.tokens(path, parsed)
+        return prompt_digests(tokens[0], bs) if tokens else None
+
+    async def resumable(upstream: httpx.Response, i: int, path: str, body: dict, headers: dict,
+                        digests: list[bytes] | None):
+        """Relay a stream; when its replica is lost, resume it on another (serve/resume.py); when a
+        prefill replica hands it off, go on from its first token on a decode replica (serve/disagg.py)."""
         record, tried = StreamRecord(), set()
         while True:
+            handed = False
             try:
                 async for data in _events(upstream):
                     if data == "[DONE]":
+                        if record.kv:  # handed off: on to a decode replica
+                            handed = True
+                            break
                         yield b"data: [DONE]\n\n"
                         return
                     event = json.loads(data)
+                    if record.kv and not event.get("choices") and "usage" in event:
+                        continue  # the decode replica sends the usage of the whole stream
                     error = event.get("error")
                     if isinstance(error, dict) and error.get("type") == "server_error":
                         break  # the replica's engine failed
@@ -224,11 +272,20 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
             finally:
                 await upstream.aclose()
                 in_flight[i] -= 1
-            up[i] = False
-            tried.add(i)
+            if not handed:
+                up[i] = False
+                tried.add(i)
             # Nothing relayed yet: the request as it came; else from where the stream stood.
-            resume = json.dumps(body if record.id is None else {**body, RESUME_FIELD: record.resume().to_json()})
-            upstream, i, why = await send(path, resume.encode(), headers, tried)
+            if record.id is None:
+                again, among = body, roles.first(True)
+                if roles.disaggregated:
+                    again = {**body, PREFILL_FIELD: True}
+            else:
+                again, among = {**body, RESUME_FIELD: record.resume().to_json()}, (roles.decode, roles.prefill)
+            names = record.handed_off()
+            resume = json.dumps(again)
+            upstream, i, why = await send(path, resume.encode(), headers, tried, among, digests)
+            discard(fleet.kv_dir if fleet else None, names)  # read by the decode replica, or by nobody
             if upstream is None and n == 1 and fleet is not None:  # the one replica: resume once it is back
                 upstream, i, why = await send_when_back(path, resume.encode(), headers)
             if upstream is None or upstream.status_code != 200:
@@ -246,7 +303,7 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
         deadline = time.monotonic() + RESUME_WAIT_S
         while time.monotonic() < deadline:
             if any(u and not s for u, s in zip(up, starting)):
-                return await send(path, body, headers, set())
+                return await send(path, body, headers, set(), (roles.decode, roles.prefill))
             await asyncio.sleep(0.2)
         return None, -1, f"no replica was back within {RESUME_WAIT_S:.0f} s"
 
@@ -276,9 +333,9 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
     async def health():
         ok = await asyncio.gather(*(check(i) for i in range(n)))
         return JSONResponse({"status": "ok" if all(ok) else "degraded", "replicas": [
-            {"url": b, "ok": k, "in_flight": f, "served": s, "restarts": r, "weight_version": v}
-            for b, k, f, s, r, v in zip(backends, ok, in_flight, served, restarts, weights_seen)]},
-            200 if any(ok) else 503)
+            {"url": b, "ok": k, "in_flight": f, "served": s, "restarts": r, "weight_version": v, "role": roles.name(i)}
+            for i, (b, k, f, s, r, v) in enumerate(zip(backends, ok, in_flight, served, restarts, weights_seen))],
+            "routing": policy.stats()}, 200 if any(ok) else 503)
 
     @app.post("/v1/weights")
     async def weights(request: Request):
@@ -350,6 +407,10 @@ def create_router(backends: list[str], fleet: Fleet | None = None, secret: str |
         lines += ["# HELP stalwart_router_replica_restarts_total Times the replica was started again.",
                   "# TYPE stalwart_router_replica_restarts_total counter"]
         lines += [f'stalwart_router_replica_restarts_total{{replica="{i}"}} {r}' for i, r in enumerate(restarts)]
+        lines += ["# HELP stalwart_router_prefix_blocks_total Prompt blocks routed, and of them held by the replica "
+                  "chosen (cache-aware routing's hit rate).", "# TYPE stalwart_router_prefix_blocks_total counter"]
+        stats = policy.stats()
+        lines += [f'stalwart_router_prefix_blocks_total{{kind="{k}"}} {stats[k + "_blocks"]}' for k in ("prompt", "matched")]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
@@ -387,11 +448,17 @@ def wait_for_ports(procs: list[subprocess.Popen], files: list[Path], timeout_s: 
     raise UserError(f"replicas did not start within {timeout_s:.0f} s")
 
 
-def run_router(cfg: ServeConfig, name: str, fleet: Fleet, port_file: Path | None, secret: str | None) -> int:
+def run_router(cfg: ServeConfig, name: str, fleet: Fleet, port_file: Path | None, secret: str | None,
+               prompts: Prompts | None = None) -> int:
     from stalwart.serve.http import serve
 
     ports = wait_for_ports(fleet.procs, fleet.files)
     backends = [f"http://127.0.0.1:{p}" for p in ports]
-    serve(create_router(backends, fleet, secret), cfg.server.host, cfg.server.port,
-          f"{name} router over {len(backends)} replicas (tp={cfg.layout.tp} pp={cfg.layout.pp} each)", port_file)
+    layout = cfg.layout
+    policy = Policy(layout.routing, len(backends), layout.balance_abs, layout.balance_rel)
+    roles = Roles(len(backends), layout.prefill_replicas)
+    split = f"{layout.prefill_replicas} prefill + {layout.decode_replicas} decode" if roles.disaggregated else \
+        f"{len(backends)}"
+    serve(create_router(backends, fleet, secret, policy, prompts, roles), cfg.server.host, cfg.server.port,
+          f"{name} router ({layout.routing}) over {split} replicas (tp={layout.tp} pp={layout.pp} each)", port_file)
     return 0
