@@ -1,9 +1,10 @@
 """One model replica: load, split over the tensor-parallel group, run the engine, serve HTTP on rank 0.
 
-With one process it runs in the `stalwart serve` process itself; with ``--tp N --pp M`` torch's
-elastic agent (``serve/launcher.py``) runs N x M copies of ``python -m stalwart.serve.replica``, each
-forked from that launcher once it has imported the replica's modules, and rank 0 serves while the others follow its steps (``infer/group.py``). The device and the process group
-come from the runtime (``engine.device``; the group's store on loopback).
+With one process and no supervisor it runs in the `stalwart serve` process itself. Otherwise its launcher
+(``serve/launcher.py``) runs it: each rank is a fork of the launcher, which read the weights once, serves
+the group's store and holds the HTTP socket (``serve.heal.GroupPlace``); rank 0 serves while the others
+follow its steps (``infer/group.py``), and a rank that the launcher starts again finds the others rejoining
+its group (``serve/heal.py``). The device comes from the runtime (``engine.device``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from stalwart.config.serve import ServeConfig
 from stalwart.errors import UserError
 from stalwart.infer.load import Source
 from stalwart.procs import die_with_parent
+from stalwart.serve.heal import GroupPlace
 
-IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a follower rank waits this long for rank 0's next step
 UNHEALTHY_EXIT_S = 5.0  # rank 0 of a group exits once its engine has been dead or stuck this long
 EXIT_UNHEALTHY = 3
 
 
 def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
-                device_setting: str = "engine.device", weights_file: Path | None = None) -> int:
+                device_setting: str = "engine.device", weights_file: Path | None = None,
+                place: GroupPlace | None = None) -> int:
     """Serve ``source``'s weights, or, when ``weights_file`` records a weight update this replica applied
-    before it was started again (serve/applied.py), those weights as that version."""
+    before it was started again (serve/applied.py), those weights as that version. ``place``: this rank's
+    place in a replica its launcher runs (the weights it read, the store, rank 0's socket)."""
     import torch
 
     from stalwart.infer.engine import Engine
@@ -39,46 +42,47 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
     from stalwart.serve.loop import EngineLoop
     from stalwart.serve.resume import replica_secret
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    world, rank = (place.world, place.rank) if place is not None else (1, 0)
     tp, pp = cfg.layout.tp, cfg.layout.pp
     if world != tp * pp:
         raise UserError(f"this replica has {world} processes but layout.tp x layout.pp = {tp * pp}")
-    tp_mesh = link = pipe = None
+    tp_mesh = link = pipe = healer = None
     stops = _note_stop_signals() if rank != 0 else []
-    if world > 1:
-        from stalwart.infer.group import PipeLink, StepLink
-        from stalwart.runtime.group import device_mesh, init_from_env
+    device = resolve_device(cfg.engine.device, rank, device_setting)
+    if place is not None:
+        from stalwart.serve.heal import GroupHealer
 
-        # An idle server waits in a broadcast for the next step for as long as it is idle.
-        device = init_from_env(cfg.engine.device, IDLE_TIMEOUT_S, device_setting).device
-        mesh = device_mesh(device, (pp, tp), ("pp", "tp"))
-        tp_mesh = mesh["tp"] if tp > 1 else None
-        link = StepLink()
-        pipe = PipeLink(rank, tp, pp, device) if pp > 1 else None
-    else:
-        device = resolve_device(cfg.engine.device, 0, device_setting)
+        healer = GroupHealer(place, device, (pp, tp))
     applied = AppliedWeights(weights_file) if weights_file is not None else None
     last = applied.read() if applied is not None else None
     version, named = 0, source  # the command line's source names the model and its chat format
-    if last is not None:  # every rank reads the same record: the group loads the same weights
-        source, version = last
-        if rank == 0:
-            print(f"stalwart serve: started again with the weights last applied (version {version}, "
-                  f"{source.checkpoint or source.run or source.hf})", file=sys.stderr, flush=True)
+    loaded = place.loaded if place is not None else None
+    if last is not None and (loaded is None or last[1] != place.version):  # the group loads the same weights
+        source, version, loaded = *last, None
+        print(f"stalwart serve: rank {rank} started again with the weights last applied (version {version}, "
+              f"{source.checkpoint or source.run or source.hf})", file=sys.stderr, flush=True)
+    elif loaded is not None:
+        version = place.version
     try:
         torch.set_grad_enabled(False)
-        loaded = read_source(source)
         dtype = getattr(torch, cfg.engine.dtype)
-        model = build_model(loaded, dtype, device, tp_mesh, rank // tp, pp, cfg.engine.quantize)
+        # Read before joining the group: reading a run checkpoint in a group is a collective over it, and a
+        # rank started again alone would wait in it for the others (which serve meanwhile).
+        loaded = loaded or read_source(source)
         engine_cfg, draft = cfg.engine, None
-        if engine_cfg.speculative == "draft":  # rank 0 schedules and drafts; the others follow its steps
+        if engine_cfg.speculative == "draft" and rank == 0:  # rank 0 schedules and drafts
             from stalwart.infer.speculative import load_draft_model
 
-            # Every rank reads it: reading a run checkpoint is a collective over the group.
             draft = load_draft_model(engine_cfg.draft_model, loaded.args.vocab_size, loaded.tokenizer, dtype, device)
-            if rank != 0:
-                draft, engine_cfg = None, replace(engine_cfg, speculative="off", draft_model="")
+        elif engine_cfg.speculative == "draft":  # the others follow its steps
+            engine_cfg = replace(engine_cfg, speculative="off", draft_model="")
+        if world > 1:
+            from stalwart.infer.group import PipeLink, StepLink
+
+            tp_mesh = healer.join()
+            link = StepLink()
+            pipe = PipeLink(rank, tp, pp, device) if pp > 1 else None
+        model = build_model(loaded, dtype, device, tp_mesh, rank // tp, pp, cfg.engine.quantize)
         engine = Engine(model, loaded.tokenizer, loaded.eos_id, engine_cfg, tp_size=tp, link=link, pipe=pipe,
                         weight_version=version, draft=draft)
         origins: dict[str, Path] = {}  # what each update's path named when it was read (a run: its checkpoint)
@@ -92,20 +96,21 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
             if applied is not None:
                 applied.keep(version, where, origins.pop(where, None) if where else None, state, engine)
 
+        if world > 1:
+            healer.ready(model)  # every rank laid out and loaded (a rank started again: the others wait)
         if rank != 0:
-            from stalwart.infer.group import follow
-
-            follow(engine, link, load)
+            _follow(engine, link, load, healer if world > 1 else None)
             return 0
         name = cfg.server.model_name or named.name
-        loop = EngineLoop(engine, link, load, on_weights=keep).start()
-        if world > 1:  # its launcher starts the group again when a process exits
+        loop = EngineLoop(engine, link, load, on_weights=keep, healer=healer if world > 1 else None).start()
+        if world > 1:  # its launcher starts this process again when it exits
             _exit_when_unhealthy(loop, UNHEALTHY_EXIT_S)
         try:
             what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
                     f"blocks of {cfg.engine.block_size} tokens)")
             app = create_app(loop, name, router_secret=replica_secret(), chat=ChatFormat.of_dir(named.hf))
-            serve(app, cfg.server.host, cfg.server.port, what, port_file)
+            serving = (lambda: healer.announce_serving(os.getpid())) if healer is not None else None
+            serve(app, cfg.server.host, cfg.server.port, what, port_file, place.sock if place else None, serving)
         finally:
             loop.stop()
         return 0
@@ -117,6 +122,20 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         from stalwart.runtime.group import leave
 
         leave()
+
+
+def _follow(engine, link, load, healer) -> None:
+    """A rank other than 0: follow rank 0's steps until it says stop, rejoining the group whenever the
+    launcher starts a lost rank again (rank 0 included)."""
+    from stalwart.infer.group import follow
+
+    while True:
+        try:
+            return follow(engine, link, load)
+        except RuntimeError:  # a collective failed: a rank was lost, if the launcher names a new attempt
+            if healer is None or not healer.broken(healer.notice_s):
+                raise
+            healer.rejoin(engine.model)
 
 
 def _exit_when_unhealthy(loop, after_s: float) -> None:
@@ -153,8 +172,8 @@ def _note_stop_signals() -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    """Entry of a replica process started by `stalwart serve` (alone, or as one rank of serve/launcher.py's
-    group, forked from that launcher): its exit status (2, with one line, for what the user must fix)."""
+    """Entry of a one-process replica started by `stalwart serve` without a launcher: its exit status (2,
+    with one line, for what the user must fix)."""
     from stalwart.serve.options import device_setting, parse
 
     die_with_parent()
