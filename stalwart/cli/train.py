@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
 
     if opts.get("--controller"):
         return _controller(cfg, nproc)
-    if cfg.fault.group_recovery:
+    if cfg.fault.group_recovery or cfg.parallelism.islands > 1:
         from stalwart.launch.groups import launch_groups
 
         return launch_groups(argv, nproc, cfg)

@@ -13,6 +13,7 @@ from typing import Literal
 from stalwart.config.controller import ControllerConfig
 from stalwart.config.core import ConfigError, option, section
 from stalwart.config.fault import FaultConfig
+from stalwart.config.islands import IslandsConfig
 from stalwart.config.profile import ProfileConfig
 
 
@@ -203,6 +204,9 @@ class ParallelismConfig:
     tp: int = option("Tensor-parallel degree (with sequence parallel).", 1, min=1)
     pp: int = option("Pipeline-parallel degree.", 1, min=1)
     cp: int = option("Context-parallel degree.", 1, min=1)
+    islands: int = option("Islands (sites): the processes split into this many jobs that train on their own "
+                          "and meet only in the outer sync of [islands] (DiLoCo, Streaming DiLoCo, or synchronous "
+                          "as the baseline); 1 = one synchronous job.", 1, min=1)
     ep: int = option("Expert-parallel degree: the routed experts are split over this many of the FSDP ranks "
                      "(tokens travel by all-to-all); must divide dp_shard and the number of experts.", 1, min=1)
     reshard_after_forward: bool = option("FSDP: free gathered parameters after forward (less memory, one more "
@@ -380,6 +384,8 @@ class JobConfig:
     debug: DebugConfig = section(DebugConfig, "Debugging aids (gradient dumps).")
     profile: ProfileConfig = section(ProfileConfig, "Kernel profiler trace and memory snapshot of a few steps.")
     fault: FaultConfig = section(FaultConfig, "Fault tolerance: detection bounds, policies, fault injection.")
+    islands: IslandsConfig = section(IslandsConfig, "Training across sites: the islands' outer sync "
+                                     "(parallelism.islands).")
     controller: ControllerConfig = section(ControllerConfig, "Single-controller mode (stalwart train --controller).")
 
     def __post_init__(self) -> None:
@@ -403,10 +409,25 @@ class JobConfig:
             if (t.global_batch // t.micro_batch) % p.dp_replicate:
                 raise ConfigError(f"fault.group_recovery: the {t.global_batch // t.micro_batch} micro-batches of a "
                                   f"step must split evenly over the {p.dp_replicate} replica groups")
+        if self.parallelism.islands > 1:
+            self._check_islands()
         if self.publish.interval and self.parallelism.pp > 1:
             raise ConfigError(f"publish.interval: live weights cannot be sent from a pipeline-parallel layout "
                               f"(parallelism.pp = {self.parallelism.pp}: each stage holds only its layers); serve "
                               "this run's checkpoints instead")
+
+    def _check_islands(self) -> None:
+        p, t, k = self.parallelism, self.training, self.parallelism.islands
+        if self.fault.group_recovery:
+            raise ConfigError("parallelism.islands and fault.group_recovery are two ways to split a job: an island "
+                              "already restarts alone; drop --fault.group_recovery")
+        if self.fault.replica_group >= k:
+            raise ConfigError(f"fault.replica_group ({self.fault.replica_group}) must be below parallelism.islands "
+                              f"({k}): islands are numbered from 0")
+        if t.global_batch % (k * t.micro_batch):
+            raise ConfigError(f"training.global_batch ({t.global_batch}) is the whole job's: it must split into "
+                              f"{k} islands x whole micro-batches of {t.micro_batch}")
+        self.islands.validate(k, t.steps)
 
     def notes(self) -> list[str]:
         """Settings that are valid but adjusted; the run prints each once at start."""

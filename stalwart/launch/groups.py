@@ -1,6 +1,7 @@
-"""``stalwart train`` with ``fault.group_recovery``: replica groups that fail and recover on their own.
+"""``stalwart train`` with ``fault.group_recovery`` (replica groups that fail and recover on their own) or
+``parallelism.islands`` (islands that train alone and meet in an outer sync: ``train/islands.py``).
 
-The launcher serves the quorum store and runs the lighthouse (``launch/lighthouse.py``) on a thread,
+The launcher serves the quorum store and runs the lighthouse (``launch/lighthouse.py``; groups only) on a thread,
 and forks one supervised launcher per replica group (``run_supervised``, the same agent as every
 multi-process run, for ``S`` processes). A group's supervisor restarts only its own workers; it tells
 the lighthouse at once through the store (``failed/<g>``), and the other groups' processes keep
@@ -41,15 +42,17 @@ def launch_groups(argv: list[str], nproc: int, cfg: JobConfig) -> int:
     One host: every group, ``nproc / dp_replicate`` workers each, and the lighthouse on loopback (or at
     ``fault.lighthouse``). Several hosts: ``fault.replica_group = g`` runs group ``g`` alone here with
     ``nproc`` workers, and group 0's host serves the lighthouse at ``fault.lighthouse``."""
-    groups, hosted = cfg.parallelism.dp_replicate, cfg.fault.replica_group >= 0
+    islands = cfg.parallelism.islands > 1  # islands (train/islands.py) are launched as groups are
+    groups = cfg.parallelism.islands if islands else cfg.parallelism.dp_replicate
+    hosted = cfg.fault.replica_group >= 0
     here = [cfg.fault.replica_group] if hosted else list(range(groups))
     size = nproc if hosted else nproc // groups
     paths = RunPaths.of(cfg.run)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.launch.threads(nproc)))
     addr = cfg.fault.lighthouse
     if hosted and not addr:
-        raise UserError("fault.replica_group runs one replica group on this host: give the lighthouse's address "
-                        "(group 0's host) with --fault.lighthouse HOST:PORT")
+        raise UserError("fault.replica_group runs one replica group (or island) on this host: give the "
+                        "lighthouse's address (group 0's host) with --fault.lighthouse HOST:PORT")
     if addr:
         parse_addr(addr)  # a malformed address is one line here, before any group starts
     serve = not hosted or here == [0]
@@ -67,7 +70,9 @@ def launch_groups(argv: list[str], nproc: int, cfg: JobConfig) -> int:
         events = EventLog(paths.replica_group(here[0]).events if hosted else paths.events, enabled=True)
         events("group_launch", groups=groups, processes_per_group=size, lighthouse=addr, serves_lighthouse=serve,
                group_launchers={str(g): pid for pid, g in children.items()})
-        lighthouse = LighthouseThread(Lighthouse(store, groups, cfg.fault.rejoin_timeout_s, events)) if serve else None
+        lighthouse = None
+        if serve and not islands:
+            lighthouse = LighthouseThread(Lighthouse(store, groups, cfg.fault.rejoin_timeout_s, events))
         try:
             with lighthouse or contextlib.nullcontext(), _forwarding(list(children)):
                 codes = _wait(children, store, lighthouse)

@@ -26,7 +26,15 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", nproc))
     if cfg.fault.group_recovery and cfg.fault.replica_group >= 0:  # one replica group of the job on this host
         world = nproc * cfg.parallelism.dp_replicate
+    islands = cfg.parallelism.islands
+    if islands > 1:  # the layout is an island's: its own processes
+        if cfg.fault.replica_group < 0 and nproc % islands:
+            raise LayoutError(f"parallelism.islands: {nproc} processes do not split into {islands} islands")
+        world = nproc if cfg.fault.replica_group >= 0 else nproc // islands
     dims = ParallelDims.resolve(cfg.parallelism, world)
+    if islands > 1 and world > 1 and (dims.dp_shard > 1 or dims.tp * dims.pp * dims.cp * dims.ep > 1):
+        raise LayoutError("parallelism.islands: every rank of an island holds the whole model for now (its ranks "
+                          f"replicate: {dims.describe()} was asked); set --parallelism.data_parallel replicate")
     paths = RunPaths.of(cfg.run)
     vocab = load_tokenizer(paths.tokenizer).get_vocab_size() if paths.tokenizer.is_file() else 256
     args = resolve_args(cfg.model, vocab, cfg.data.seq_len)
@@ -42,12 +50,14 @@ def preflight(cfg: JobConfig, nproc: int) -> None:
                cfg.data.max_mb)
     if cfg.fault.group_recovery:
         _check_groups(cfg, world)
-    per_rank = cfg.training.global_batch // dims.dp if cfg.training.global_batch % dims.dp == 0 else None
+    batch = cfg.training.global_batch // max(islands, 1)  # an island's share
+    per_rank = batch // dims.dp if batch % dims.dp == 0 else None
     if per_rank is None or per_rank % cfg.training.micro_batch:
         raise LayoutError(
-            f"training.global_batch ({cfg.training.global_batch}) must split into {dims.dp} data-parallel ranks x "
+            f"training.global_batch ({cfg.training.global_batch}) must split into {islands} island(s) x {dims.dp} "
+            "data-parallel ranks x "
             f"whole micro-batches of {cfg.training.micro_batch}; e.g. set --training.global_batch "
-            f"{dims.dp * cfg.training.micro_batch}")
+            f"{islands * dims.dp * cfg.training.micro_batch}")
     # With torch from here on.
     from stalwart.runtime.device import check_device
     from stalwart.train.checkpointer import Checkpointer

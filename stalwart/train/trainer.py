@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,9 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.paths = RunPaths.of(cfg.run)
         # fault.group_recovery: this process's replica group is a job of its own, each rank a whole replica.
-        grouped = cfg.fault.replica_group >= 0
+        grouped = cfg.fault.group_recovery and cfg.fault.replica_group >= 0
+        # parallelism.islands: this process's island is a job of its own; the islands meet in the outer sync.
+        islands = cfg.parallelism.islands if cfg.fault.replica_group >= 0 and cfg.parallelism.islands > 1 else 1
         par = inner_parallelism(cfg.parallelism, env.world_size) if grouped else cfg.parallelism
         ParallelDims.resolve(par, env.world_size)  # an impossible layout fails before any work
         if env.is_main and cfg.parallelism.tp > env.local_world_size:
@@ -82,7 +85,7 @@ class Trainer:
         # Settings changed since the previous session (a resume with other flags): named at begin().
         self.config_changes = replace_config(self.paths.config, to_toml(cfg)) if env.is_main else {}
         dp_rank = dims.dp_rank(env.rank)
-        groups = cfg.parallelism.dp_replicate if grouped else 1
+        groups = cfg.parallelism.dp_replicate if grouped else islands
         data = self.data.loader(cfg.data, cfg.data.seq_len, cfg.training.global_batch, cfg.training.micro_batch,
                                 max(cfg.fault.replica_group, 0) * dims.dp + dp_rank, groups * dims.dp, cfg.run.seed)
         val_batches = self.data.validation(data, cfg.eval.batches * cfg.training.global_batch,
@@ -91,7 +94,8 @@ class Trainer:
         # The observer comes first: the core's phases are timed by its timer.
         dtype, self.dtype_reason, peak = _resolve_precision(cfg.training.dtype, cfg.metrics.peak_tflops, env)
         self.peak_source = peak.describe()
-        spec = CoreSpec(model_args, par, cfg.comm, cfg.optimizer, cfg.scheduler, cfg.training,
+        training = replace(cfg.training, global_batch=cfg.training.global_batch // islands)  # an island's share
+        spec = CoreSpec(model_args, par, cfg.comm, cfg.optimizer, cfg.scheduler, training,
                         cfg.data.seq_len, data.accum_steps, cfg.run.seed, cfg.run.deterministic, compute_dtype=dtype,
                         cache_dir=cfg.data.cache)
         self.observer = Observer(cfg.observe, cfg.metrics, self.paths, cfg.run.name, env, spec.flops_per_token,
@@ -106,7 +110,16 @@ class Trainer:
         self.evaluator = Evaluator(cfg.eval, self.core, val_batches, self.observer)
         describe = {"layout": dims.degrees(), "stalwart": __version__, "torch": torch.__version__,
                     "config_sha256": hashlib.sha256(to_toml(cfg).encode()).hexdigest()}
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.paths, env, self.core, {"data": data},
+        self.islands = None
+        if islands > 1:
+            from stalwart.runtime.quorum import open_store
+            from stalwart.train.islands import Islands
+
+            store = open_store(cfg.fault.lighthouse, cfg.fault.init_timeout_s)[1] if env.rank == 0 else None
+            self.islands = Islands(cfg.islands, cfg.fault.replica_group, islands, env, self.core, store,
+                                   model_args.n_layers, self.observer.events, self.observer.say)
+        stateful = {"data": data, **({"islands": self.islands} if self.islands else {})}
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.paths, env, self.core, stateful,
                                          self.observer.events, describe, phase=self.observer.phase)
         self.fingerprinter = Fingerprinter(self.core.model, self.core.optimizer, data.state_dict,
                                            cfg.metrics.log_interval, cfg.training.stop_at_step or cfg.training.steps,
@@ -126,6 +139,11 @@ class Trainer:
         self.core.opt.gates.append(self.guard.gate)
         if self.replicas is not None:
             self.replicas.client.waiting = self.guard.heartbeat.waiting_for_peers
+        if self.islands is not None and self.islands.link is not None:
+            self.islands.link.waiting = self.guard.heartbeat.waiting_for_peers
+            self.islands.link.failed = lambda e: self.observer.say(
+                f"island {cfg.fault.replica_group}: the exchange between islands failed ({str(e)[:300]}); waiting "
+                "for the lost island to restart")
         self.injector = None
         if FaultInjector.wanted(cfg.fault):
             # A plan's ranks are the job's: group g's rank r is g * (its size) + r under group_recovery.
@@ -161,6 +179,10 @@ class Trainer:
             record = self.core.train_step(self.loader.next() if batches is None else batches)
         if data_after is not None:
             self.loader.load_state_dict(data_after)
+        if self.islands is not None:  # the outer sync of this step, before the step is saved
+            self.islands.after_step(n)
+            if n == self.cfg.training.steps:
+                self.islands.final()
         self.fingerprinter.maybe_stamp(n, record)
         self.observer.log(record)
         self.evaluator.maybe_run(n, self.end)
@@ -222,6 +244,8 @@ class Trainer:
         }
         summary["sample"] = self._sample() if not stopped_early else None
         summary["fault_tolerance"] = self.guard.summary()
+        if self.islands is not None:
+            summary["islands"] = {"island": self.cfg.fault.replica_group, **self.islands.summary()}
         if self.core.pm.comm_thread is not None:  # the custom collectives, as rank 0 ran them
             summary["custom_collectives"] = self.core.pm.comm_thread.summary()
         if self.env.is_main and trained:  # a session that trained nothing keeps the previous summary
