@@ -16,7 +16,8 @@ repeat a new seed, so no configuration finds the previous repeat's prompts cache
   under the same flood with every request at priority 0 (``one-class``).
 Every configuration is a server of its own, started once (all before the first repeat), measured in turn
 within each repeat. Printed per run: output tokens/s, time to first token and time per output token (p50,
-p99), the prefix-cache hit rate (prompt tokens the replicas served from their cache over prompt tokens
+p99 over requests; a request's TPOT is its time from the first token to the last over the tokens after
+the first, as `stalwart bench inference` counts it), the prefix-cache hit rate (prompt tokens the replicas served from their cache over prompt tokens
 received, from their /metrics), the 1-minute load average; then each repeat's ratios against the first
 configuration. Greedy decoding (temperature 0): ``--check`` compares every configuration's output texts
 request by request with the first's.
@@ -37,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart.bench.inference import pct
 from stalwart.config.arguments import ArgumentParser, at_least, listed, one_of
 
 TRACES = ("shared-prefix", "mixed", "priority")
@@ -96,7 +98,7 @@ async def one(client, url: str, r: Req, stats: Stats, priority: int | None = Non
     body = {"prompt": r.prompt, "max_tokens": r.out, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "priority": r.priority if priority is None else priority}
     t0 = time.perf_counter()
-    last, text = None, ""
+    stamps, text = [], ""
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
@@ -109,14 +111,13 @@ async def one(client, url: str, r: Req, stats: Stats, priority: int | None = Non
             if event.get("usage"):
                 stats.tokens += event["usage"]["completion_tokens"]
             for c in event.get("choices") or []:
-                now = time.perf_counter()
-                if last is None:
-                    stats.ttft.append(now - t0)
-                else:
-                    stats.tpot.append(now - last)
-                last = now
+                stamps.append(time.perf_counter())
                 text += c.get("text") or ""
     stats.texts[r.key] = text
+    if stamps:  # as `stalwart bench inference` counts them: TPOT per request, its tokens after the first
+        stats.ttft.append(stamps[0] - t0)
+        if len(stamps) > 1:
+            stats.tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
 
 
 async def drive(url: str, sessions: list[list[Req]], clients: int, stats: Stats, priority: int | None = None) -> None:
@@ -243,16 +244,12 @@ def build_model(flavor: str, seq_len: int, tmp: Path) -> Path:
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
 def configs(a) -> dict[str, list[str]]:
     """Each configuration's `stalwart serve` flags (after the model's)."""
     common = ["--engine.kv_cache_mb", str(a.kv_cache_mb), "--engine.max_batch_tokens", str(a.max_batch_tokens)]
     if a.trace == "shared-prefix":
-        return {p: [*common, "--replicas", str(a.replicas), "--routing", p] for p in a.policies}
+        balance = ["--layout.balance_abs", str(a.balance_abs)] if a.balance_abs is not None else []
+        return {p: [*common, "--replicas", str(a.replicas), "--routing", p, *balance] for p in a.policies}
     if a.trace == "mixed":
         out = {}
         for layout in a.layouts:
@@ -282,6 +279,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--replicas", type=at_least(1), default=4)
     p.add_argument("--policies", type=listed(one_of(["cache-aware", "round-robin", "least-load"])),
                    default="cache-aware,round-robin,least-load")
+    p.add_argument("--balance-abs", type=at_least(0), default=None,
+                   help="layout.balance_abs of the servers (default: serve's)")
     p.add_argument("--layouts", type=listed(layout_item), default="colocated,1:3,2:2")
     p.add_argument("--repeats", type=at_least(1), default=2)
     p.add_argument("--clients", type=at_least(1), default=16)

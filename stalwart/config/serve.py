@@ -111,6 +111,9 @@ class ServeConfig:
                               f"engine.max_seqs ({self.engine.max_seqs}): every sequence decodes a token a step")
         if (self.engine.speculative == "draft") != bool(self.engine.draft_model):
             raise ConfigError("engine.speculative = draft and engine.draft_model go together: give both or neither")
+        if self.engine.quantize != "none" and (self.engine.dtype != "float32" or self.layout.tp > 1):
+            raise ConfigError(f"engine.quantize = {self.engine.quantize} takes float32 activations and whole weights "
+                              "in each process: set engine.dtype = float32 and layout.tp = 1")
         layout = self.layout
         if bool(layout.prefill_replicas) != bool(layout.decode_replicas):
             raise ConfigError("layout.prefill_replicas and layout.decode_replicas go together: give both (at least "
