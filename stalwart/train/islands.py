@@ -80,7 +80,7 @@ class CrossLink:
         if self.pg is None:
             self.tag = self._attempts()
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"isl/pg/{self.tag}", self.store), self.island, self.k,
-                                            timedelta(seconds=min(60.0, self.timeout_s)))
+                                            timedelta(seconds=self.timeout_s))
         return self.pg
 
     def broken(self) -> None:
@@ -125,6 +125,11 @@ class Islands:
         self.params = [p for _, p in named]
         frag = fragments_of([n for n, _ in named], n_layers, self.schedule.p)
         self.fragments = [[p for p, f in zip(self.params, frag) if f == i] for i in range(self.schedule.p)]
+        if not all(self.fragments):
+            from stalwart.errors import UserError
+
+            raise UserError(f"islands.fragments = {self.schedule.p}: the model's {n_layers} layers do not fill as many "
+                            f"fragments; use --islands.fragments {min(n_layers, self.schedule.p)} or fewer")
         self.link = CrossLink(store, island, islands, cfg.sync_timeout_s, waiting) if env.rank == 0 else None
         self.syncs = 0          # outer syncs applied
         self.last_fragment = -1  # the fragment of the last one
