@@ -184,3 +184,25 @@ def test_cli_rejects_bad_input_with_one_line():
         main(["--model.flavor", "llama9"])
     with pytest.raises(ConfigError, match="target.context"):
         main(["--target.context", "100"])
+
+
+@pytest.mark.unit
+def test_prefill_decode_splits_and_the_choice(capsys):
+    """planner/disagg.py: colocated and every P:D; a split's p99 time per token is free of the prompt chunks
+    colocated's carries; the least p99 within 10 % of the most throughput is chosen; the CLI prints it."""
+    from stalwart.planner.disagg import choose, splits
+
+    shape, cpu = shape_from_args(MODEL_FLAVORS["tiny"]), PRESETS["cpu"]
+    req = dataclasses.replace(REQ, context_tokens=2048, prompt_tokens=200, output_tokens=80, param_bytes=4, kv_bytes=4)
+    cands = splits(shape, cpu, req, 4, 4, 512, cpu.devices)
+    assert sorted(c.name for c in cands) == ["1:3", "2:2", "3:1", "colocated x4"]
+    colocated = next(c for c in cands if not c.prefill)
+    assert all(c.tpot_p99_s < colocated.tpot_p99_s for c in cands if c.prefill)
+    assert choose(cands).name == "1:3" and choose(cands, within=0.99) is colocated
+    assert choose(cands, max_tpot_s=0.009).name == "2:2"  # the bound rules 1:3 out
+    few = splits(shape, cpu, dataclasses.replace(req, prompt_tokens=1500, output_tokens=40), 4, 4, 512, cpu.devices)
+    assert choose(few).prefill == 0  # prompt-heavy: every split loses more than 10 % of the throughput
+    assert main(["--model.flavor", "tiny", "--model.params_dtype", "fp32", "--target.context", "2048",
+                 "--target.prompt_tokens", "200", "--target.output_tokens", "80", "--target.replicas", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill:decode over 4 one-process replicas" in out and "\nchosen: " in out.split("prefill:decode")[1]

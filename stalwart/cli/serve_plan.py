@@ -183,7 +183,7 @@ def _print_splits(shape, hosts, req, t: TargetSection) -> None:
     from stalwart.planner.disagg import choose, splits
 
     cands = splits(shape, hosts, req, t.replicas, t.max_batch, t.chunk_tokens, hosts.devices)
-    best = choose(cands)
+    best = choose(cands, req.max_tpot_ms * 1e-3)
     print(f"\nprefill:decode over {t.replicas} one-process replicas (batch {t.max_batch} per decode replica, prompt "
           f"chunks of {t.chunk_tokens} tokens):")
     print(f"  {'split':<14} {'tokens/s':>10} {'TPOT p99 ms':>12}  bound by")

@@ -58,9 +58,10 @@ def splits(shape: ModelShape, hosts: HostSpec, req: ServingRequest, replicas: in
     return sorted(out, key=lambda s: (-s.tokens_per_s, s.tpot_p99_s))
 
 
-def choose(candidates: list[Split]) -> Split:
-    """The disaggregated split with the most throughput that is no slower than colocated per token;
-    colocated when none serves at least colocated's throughput."""
-    colocated = next(s for s in candidates if not s.prefill)
-    split = [s for s in candidates if s.prefill and s.tokens_per_s >= colocated.tokens_per_s]
-    return split[0] if split else colocated
+def choose(candidates: list[Split], max_tpot_s: float = 0.0, within: float = 0.9) -> Split:
+    """Among the splits that meet ``max_tpot_s`` (0: no bound; none: all), the least p99 time per token of
+    those within ``within`` of the most throughput: moving prompts off the decode replicas costs some
+    throughput (the split's sides are rarely balanced) and buys the decode steps that carry no prompt."""
+    ok = [c for c in candidates if not max_tpot_s or c.tpot_p99_s <= max_tpot_s] or candidates
+    most = max(c.tokens_per_s for c in ok)
+    return min((c for c in ok if c.tokens_per_s >= within * most), key=lambda c: (c.tpot_p99_s, -c.tokens_per_s))
