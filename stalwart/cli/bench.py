@@ -10,6 +10,8 @@ from stalwart.cli.extras import require
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("stalwart.bench.throughput", "reference training workload: tokens/s, GFLOP/s, peak memory"),
     "collectives": ("stalwart.bench.collectives", "collective algorithms: bus bandwidth per size, cost-model fit"),
+    "islands": ("stalwart.bench.islands", "training across sites on a shaped, delayed emulated network: sync vs "
+                "DiLoCo vs streaming"),
     "inference": ("stalwart.bench.inference", "inference engine vs transformers generate: tokens/s, TTFT, TPOT"),
     "serving": ("stalwart.bench.serving", "a fleet of `stalwart serve` replicas under a trace: routing policies, "
                 "prefill/decode layouts, latency classes"),
