@@ -105,3 +105,21 @@ def test_priorities_change_no_greedy_token():
             got.setdefault(o.rid, []).extend(c.token for c in o.choices)
     assert engine.scheduler.preempted_total > 0  # the classes did preempt
     assert [got[str(i)] for i in range(len(batch))] == alone
+
+
+def test_priority_through_the_api_its_range_and_per_class_metrics():
+    import httpx
+
+    from inproc_server import serve_in_process
+
+    engine = Engine(build(), ByteTokenizer(), None, EngineConfig())
+    with serve_in_process(engine) as (url, _):
+        for priority in (3, 0):
+            r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0,
+                                                          "priority": priority}, timeout=60)
+            assert r.status_code == 200, r.text
+        bad = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "priority": 101}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        metrics = httpx.get(url + "/metrics", timeout=60).text
+        for priority in ("3", "0"):
+            assert f'stalwart_serve_time_to_first_token_seconds_count{{model="tiny",priority="{priority}"}} 1.0' in metrics
