@@ -303,7 +303,7 @@ class Islands:
         else:
             self._unflat(f, anchor)
         self.syncs, self.last_fragment = sync.index + 1, f
-        self.events("island_sync", index=sync.index, fragment=f, launched=sync.launch, applied=sync.apply,
+        self.events("island_sync", step=self.core.state.step, index=sync.index, fragment=f, launched=sync.launch, applied=sync.apply,
                     caught_up=kind == "state", sent_bytes=self.sent_bytes, wait_s=round(self.wait_s, 4),
                     rebuilds=self.link.rebuilds if self.link else 0)
 
@@ -356,6 +356,11 @@ class Islands:
                 self._apply(sync, self._finish(sync))
             finally:
                 self.schedule.tau = tau
+
+    def record(self) -> dict:
+        """This island's figures for the step's metrics row (cumulative over the session)."""
+        return {"island_syncs": self.syncs, "island_sent_bytes": self.sent_bytes,
+                "island_wait_s": round(self.wait_s, 4)}
 
     def summary(self) -> dict:
         return {"islands": self.k, "algorithm": self.cfg.algorithm, "syncs": self.syncs,

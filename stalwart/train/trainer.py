@@ -183,6 +183,7 @@ class Trainer:
             self.islands.after_step(n)
             if n == self.cfg.training.steps:
                 self.islands.final()
+            record.update(self.islands.record())
         self.fingerprinter.maybe_stamp(n, record)
         self.observer.log(record)
         self.evaluator.maybe_run(n, self.end)

@@ -16,7 +16,7 @@ const CHARTS = [                 // [element id, fields]; the first field solid,
 ];
 const RL_CHARTS = new Set(["chart-reward", "chart-kl", "chart-mismatch", "chart-staleness", "chart-rl-tps",
                            "chart-idle"]);
-const MARKS = /restart|recover|rollback|resumed|failure|skip|spike|exclu|controller_start|group_step_redone|group_transfer/;
+const MARKS = /restart|recover|rollback|resumed|failure|skip|spike|exclu|controller_start|group_step_redone|group_transfer|island_sync/;
 const S = {runs: [], picked: null, focus: null, data: {}, panels: null, charts: {}, sigs: {},
            smooth: 0, log: false, zoomed: false, xrange: null, syncing: false, marks: []};
 
