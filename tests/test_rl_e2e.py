@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.e2e,
 TINY = ["--config", "rl_code", "--rl.mode", "sync", "--rl.logprobs", "exact", "--rl.steps", "4", "--sft.steps", "8",
         "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_tokens", "24", "--rl.eval_interval", "2", "--rl.eval_samples", "1",
         "--task.tests", "2", "--workers.snapshot_interval", "2", "--controller.supervision_poll_s", "0.2"]
-COMPARED = ("reward_mean", "loss", "grad_norm", "logprob_mismatch_max", "clip_fraction", "train_tokens")
+COMPARED = ("reward_mean", "loss", "grad_norm", "lr", "logprob_mismatch_max", "clip_fraction", "train_tokens")
 
 
 def _events(run: Path) -> list[dict]:
@@ -141,7 +141,8 @@ def _sessions(entries: list[dict]) -> int:
 
 
 def _evals(run: Path) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != "elapsed_s"} for m in read_metrics(run) if m.get("kind") == "eval"]
+    return [{k: v for k, v in m.items() if k != "elapsed_s"} for m in read_jsonl(run / "metrics.jsonl")
+            if m.get("kind") == "eval"]
 
 
 def test_a_killed_controller_resumes_bit_for_bit(tmp_path, plain):
@@ -270,7 +271,8 @@ def test_rl_raises_the_held_out_reward_of_a_small_task(tmp_path):
     out = run_cli("rl", "--config", "rl_code", "--run.dir", str(run), "--run.seed", "1", "--task.families",
                   "add,sub,mul,length,list_count,word_count", "--rl.steps", "40", "--rl.prompts_per_step", "8",
                   "--rl.group_size", "8", "--rl.mode", "sync", "--rl.logprobs", "exact", "--rl.eval_samples", "2",
-                  "--rl.updates_per_step", "2", "--optimizer.lr", "5e-4", "--rl.eval_interval", "10",
+                  "--rl.updates_per_step", "2", "--optimizer.lr", "5e-4", "--scheduler.kind", "constant",
+                  "--rl.eval_interval", "10",
                   timeout=400).stdout
     s = json.loads((run / "summary.json").read_text())
     assert s["initial_reward_mean"] <= 0.4 and s["final_reward_mean"] >= 0.45, s
