@@ -9,7 +9,8 @@ load average at the time (the sandbox is CPU-bound: other work on the machine sl
 (a running `stalwart sandbox serve`, its own limits), each repeat then times the same programs
 through the service with the reward workers' client (`via`: local or service). `--startup K` and
 `--concurrent N` measure a sandbox's start-up and memory, and how many programs fit at once
-(``bench/sandbox_density.py``).
+(``bench/sandbox_density.py``); `--fleet K` floods K services on emulated hosts and kills one
+(``bench/sandbox_fleet.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,26 @@ def measure(sandbox, items: list, threads: int, batched: bool) -> dict:
             "first_failure": failed[0] if failed else "", **_load()}
 
 
+def _fleet(p, args, cfg) -> int:
+    from stalwart.bench.sandbox_fleet import fleet
+    from stalwart.comm.netns import unavailable_reason
+
+    kill = args.kill_at if args.kill_at >= 0 else None
+    restart = args.restart_at if args.restart_at >= 0 else None
+    if kill is not None and not 1.0 <= kill < args.flood_s:
+        p.error(f"--kill-at must lie inside the flood (1 to {args.flood_s} s), or be negative for none")
+    if restart is not None and (kill is None or not kill < restart < args.flood_s):
+        p.error("--restart-at must lie after --kill-at and inside the flood")
+    if not 1 <= args.batch <= 32 or not 0.1 <= args.window_s <= args.flood_s / 4:
+        p.error("--batch must be 1-32 and --window-s 0.1 s to a quarter of the flood")
+    why = unavailable_reason()
+    if why:
+        p.error(f"--fleet needs emulated hosts: {why}")
+    print(json.dumps({**fleet(cfg, args.fleet, args.flood_s, kill, restart, args.flood_threads, args.batch,
+                               jobs=64, cases=args.cases, window=args.window_s), **_load()}), flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from stalwart.config.sandbox import SandboxConfig
     from stalwart.sandbox.local import Sandbox
@@ -70,10 +91,22 @@ def main(argv: list[str]) -> int:
                    "its own sandbox (1 MiB each, sleeping); report how many fit and what refused more; then stop")
     p.add_argument("--hold", type=at_least(1), default=60, help="--concurrent: seconds from the first request to "
                    "the deadline every program sleeps until")
+    p.add_argument("--fleet", type=at_least(0), default=0, help="run this many sandbox services on emulated hosts "
+                   "(network namespaces; root) and flood them from another; then stop")
+    p.add_argument("--flood-s", type=at_least(1), default=60, help="--fleet: seconds of the flood")
+    p.add_argument("--kill-at", type=float, default=20.0, help="--fleet: seconds into the flood at which the first "
+                   "service is killed (SIGKILL); negative: none")
+    p.add_argument("--restart-at", type=float, default=-1.0, help="--fleet: seconds into the flood at which the "
+                   "killed service starts again (negative: never)")
+    p.add_argument("--flood-threads", type=at_least(1), default=12, help="--fleet: batches kept in flight")
+    p.add_argument("--batch", type=at_least(1), default=8, help="--fleet: programs per batch (at most 32)")
+    p.add_argument("--window-s", type=float, default=1.0, help="--fleet: window of the recovery's programs/s")
     p.add_argument("--max-sandboxes", type=at_least(0), default=0, help="sandbox.max_sandboxes (0: memory decides)")
     p.add_argument("--memory-reserve-mb", type=at_least(0), default=1024, help="sandbox.memory_reserve_mb")
     args = p.parse_args(argv)
     cfg = SandboxConfig(max_sandboxes=args.max_sandboxes, memory_reserve_mb=args.memory_reserve_mb)
+    if args.fleet:
+        return _fleet(p, args, cfg)
     if args.startup or args.concurrent:
         from stalwart.bench import sandbox_density
 

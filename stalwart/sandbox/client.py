@@ -32,6 +32,7 @@ import httpx
 from stalwart.sandbox.local import BATCH, Case, SandboxError, Verdict
 
 BACKOFF_S = (0.1, 2.0)  # first and largest wait between rounds over every service
+HEALTH_TIMEOUT_S = 2.0  # a down service's /health must answer within this
 
 
 class SandboxClient:
@@ -45,7 +46,7 @@ class SandboxClient:
         self.retry_s, self.per_host, self.health_s = retry_s, per_host, health_s
         # A request may wait in a service's queue behind other programs: the read bound is the whole budget.
         self.http = http or httpx.Client(timeout=httpx.Timeout(retry_s, connect=min(5.0, retry_s)),
-                                         limits=httpx.Limits(max_connections=per_host * len(urls) + 8))
+                                         transport=transport(urls, per_host))
         self.inflight = dict.fromkeys(self.urls, 0)
         self.down: dict[str, float] = {}  # url -> when its health may be asked next
         self._turn = itertools.count()
@@ -121,7 +122,11 @@ class SandboxClient:
     def _revive(self) -> None:
         """Ask each down service whose time has come for its health: back in the rotation if it answers."""
         now = time.monotonic()
-        for url in [u for u, at in list(self.down.items()) if at <= now]:
+        with self._cond:
+            due = [u for u, at in self.down.items() if at <= now]
+            for url in due:  # this thread asks; the others skip it meanwhile instead of asking too
+                self.down[url] = now + self.health_s + HEALTH_TIMEOUT_S
+        for url in due:
             if self._healthy(url):
                 with self._cond:
                     self.down.pop(url, None)
@@ -129,7 +134,7 @@ class SandboxClient:
     def _healthy(self, url: str) -> bool:
         """Ask a down service's ``/health``: whether it answers ok (else asked again after health_s)."""
         try:
-            ok = self.http.get(f"{url}/health", timeout=min(2.0, self.health_s * 2)).status_code == 200
+            ok = self.http.get(f"{url}/health", timeout=min(HEALTH_TIMEOUT_S, self.health_s * 2)).status_code == 200
         except httpx.HTTPError:
             ok = False
         if not ok:
@@ -161,6 +166,12 @@ class SandboxClient:
             return max(0.0, float(resp.headers.get("retry-after", 0)))
         except ValueError:
             return 0.0
+
+
+def transport(urls: list[str], per_host: int) -> httpx.HTTPTransport:
+    """The connection pool a client over ``urls`` needs: ``per_host`` requests to each at once, and room
+    for health checks."""
+    return httpx.HTTPTransport(limits=httpx.Limits(max_connections=per_host * len(urls) + 8))
 
 
 def _job(source: str, cases: list[Case]) -> dict:
