@@ -83,16 +83,17 @@ def test_live_weights_from_a_running_train(tmp_path):
         # (`stalwart generate` prints its text and a newline; the comparison drops trailing newlines alike)
         assert [t.rstrip("\n") for t in served] == [generate_from(run, step, p) for p in PROMPTS], before
 
-        # kill -9 of the replica mid-stream: started again with the live weights, the stream resumes.
+        # kill -9 of the replica's process mid-stream: its launcher starts it again with the live weights
+        # (the snapshot on disk: the launcher holds the checkpoint it started from), the stream resumes.
         body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 1.0, "seed": 5, "ignore_eos": True,
                 "stream": True}
         undisturbed = stream(server, body)
         assert len(undisturbed) > 50 and stream(server, body, kill_after=1) == undisturbed
         deadline = time.monotonic() + 120
-        while (health := httpx.get(server.url + "/health", timeout=30).json())["status"] != "ok" or \
-                health["replicas"][0]["restarts"] != 1:
+        while (health := httpx.get(server.url + "/health", timeout=30).json())["status"] != "ok":
             assert time.monotonic() < deadline, (health, server.output()[-3000:])
             time.sleep(0.5)
+        assert "replica process rank 0 was killed by SIGKILL; starting it again" in server.output()
         assert served_version(server) == version
         assert server.greedy(PROMPTS) == served and "started again with the weights last applied" in server.output()
 

@@ -40,7 +40,7 @@ class GroupPlace:
     loaded: Loaded | None  # the weights the launcher read once (None: this rank reads them)
     version: int  # the weight version of ``loaded``
     sock: socket.socket | None = None  # rank 0's: the HTTP socket the launcher holds and answers on meanwhile
-    serving_fd: int | None = None  # rank 0's: a pipe to the launcher, told once rank 0 accepts connections
+    serving_fd: int | None = None  # rank 0's: a pipe to the launcher's keeper, told once rank 0 accepts connections
 
 
 class GroupHealer:
@@ -126,11 +126,9 @@ class GroupHealer:
             regroup(model, self.tp_mesh)
 
     def announce_serving(self, pid: int) -> None:
-        """Rank 0 accepts connections: the launcher stops answering on its socket. (A pipe, not the store:
-        the launcher forks while it reads it, and a thread inside a store call at a fork can leave a lock
-        held in the child.)"""
+        """Rank 0 accepts connections: the launcher's keeper stops answering on its socket."""
         if self.place.serving_fd is not None:
-            os.write(self.place.serving_fd, f"{pid}\n".encode())
+            os.write(self.place.serving_fd, f"serving {pid}\n".encode())
 
     def watch(self, wake: threading.Event, stopped) -> None:
         """Rank 0: note a newer attempt as soon as one is named and set ``wake`` (its engine thread may be

@@ -6,14 +6,16 @@ behind the router. It outlives the replica's processes, so that losing one costs
 - it reads the weights once (the command line's source, or those last applied: serve/applied.py) and
   keeps them in memory; each rank, first or started again, is a fork of this process and takes its
   shard from that memory (copy-on-write) instead of importing torch and reading the checkpoint again;
-- it serves the group's store, on loopback, where the ranks form their process group attempt after
-  attempt (serve/heal.py; gloo's sockets on loopback too). Only the HTTP server follows ``--host``;
 - it holds the HTTP socket: rank 0 serves on it, and whenever no rank 0 does (start-up, rank 0 being
-  started again) this process answers on it, 503 with ``Retry-After`` (serve/standby.py);
+  started again) its keeper process answers on it, 503 with ``Retry-After`` (serve/standby.py). The
+  keeper also serves the group's store, on loopback, where the ranks form their process group attempt
+  after attempt (serve/heal.py; gloo's sockets on loopback too). Only the HTTP server follows ``--host``.
+  Both need threads, so they live in the keeper: this process, which forks the ranks, runs none;
 - a rank that exits unasked (killed, crashed, or rank 0 finding its engine dead or stuck) is started
   again alone under the next attempt; the others keep their weights, and rank 0 its requests, and rejoin.
-  A rank that fails ``CrashLoop.limit`` times within ``QUICK_FAILURE_S`` of starting gives the replica
-  up (exit 1, every rank stopped): `stalwart serve` or the router starts it whole again;
+  A rank that fails on its own (an exit status, not a signal: a kill from outside is no crash loop)
+  ``CrashLoop.limit`` times within ``QUICK_FAILURE_S`` of starting gives the replica up (exit 1, every
+  rank stopped): `stalwart serve` or the router starts it whole again;
 - the first SIGINT/SIGTERM asks rank 0 to stop (it stops serving, tells the other ranks to stop, and
   every process exits 0); a second one sends every rank SIGTERM, and a third, or ``STOP_GRACE_S``
   (``FORCED_GRACE_S`` after the second) without an end, kills every rank. A stop asked for is exit
@@ -86,9 +88,9 @@ class ReplicaLauncher:
 
         from stalwart.asgi import bind
         from stalwart.launch.fork import preload
-        from stalwart.runtime.group import controller_store, listen_on
+        from stalwart.runtime.group import listen_on
+        from stalwart.runtime.standalone import connect_store
         from stalwart.serve.heal import ATTEMPT, SETUP_S
-        from stalwart.serve.standby import Standby
 
         listen_on(LOOPBACK)
         # The ranks are forks of this process: it must not start OpenMP's threads (a fork cannot use them),
@@ -97,15 +99,21 @@ class ReplicaLauncher:
         torch.set_num_threads(1)
         self.sock = bind(self.cfg.server.host, self.cfg.server.port)
         self.sock.listen(2048)
-        name = self.cfg.server.model_name or self.source.name
-        self.standby = Standby(self.sock, name)
-        self.standby.start("starting", "the replica is starting")
-        self.store = controller_store(self.nproc, SETUP_S)
+        self.control_read, self.control_write = os.pipe()  # to the keeper: rank 0 down / serving
+        ports_read, ports_write = os.pipe()
+        self.keeper = os.fork()
+        if self.keeper == 0:
+            self._keeper_main(ports_write)  # never returns
+        os.close(self.control_read)
+        os.close(ports_write)
+        with os.fdopen(ports_read) as ports:
+            store_port = int(ports.readline() or 0)
+        if not store_port:
+            raise RuntimeError("the replica's keeper process could not start its store")
+        self.store = connect_store(store_port, SETUP_S)  # a client: this process runs no thread of its own
         self.store.set(ATTEMPT, str(self.attempt))
         preload(REPLICA)
         self.loaded, self.version = self._read_weights()
-        self.serving_read, self.serving_write = os.pipe()
-        threading.Thread(target=self._watch_serving, name="stalwart-standby-watch", daemon=True).start()
 
     def _read_weights(self):
         """The weights every rank starts from: those last applied if a record names them, else the
@@ -117,13 +125,42 @@ class ReplicaLauncher:
         source, version = last if last is not None else (self.source, 0)
         return read_source(source), version
 
-    def _watch_serving(self) -> None:
-        """Stop answering on the socket once the current rank 0 says it accepts connections (each rank 0
-        writes its pid to the pipe then)."""
-        with os.fdopen(self.serving_read, "r") as pipe:
-            for line in pipe:
-                if int(line) in [pid for pid, rank in list(self.pids.items()) if rank == 0]:
-                    self.standby.stop()
+    def _keeper_main(self, ports_write: int) -> None:
+        """The keeper: the process that serves the group's store and answers on the HTTP socket while no
+        rank 0 serves (serve/standby.py), told which by the pipe (``down`` from this launcher, ``serving``
+        from rank 0). Both need threads, and the launcher must have none: a fork copies a lock another
+        thread holds (the store's, a stream's) into the child, held for good."""
+        code = 1
+        try:
+            from stalwart.launch.fork import as_a_new_process
+            from stalwart.procs import die_with_parent, name_process
+            from stalwart.runtime.group import controller_store
+            from stalwart.serve.heal import SETUP_S
+            from stalwart.serve.standby import Standby
+
+            as_a_new_process()
+            die_with_parent(signal.SIGKILL)
+            name_process("stalwart-keeper")
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a stop is the launcher's; the pipe's end ends this
+                signal.signal(sig, signal.SIG_IGN)
+            os.close(self.control_write)
+            store = controller_store(self.nproc, SETUP_S)
+            os.write(ports_write, f"{store.port}\n".encode())
+            os.close(ports_write)
+            standby = Standby(self.sock, self.cfg.server.model_name or self.source.name)
+            standby.start("starting", "the replica is starting")
+            with os.fdopen(self.control_read) as control:
+                for line in control:
+                    if line.startswith("down"):
+                        standby.start("recovering", "rank 0 of this replica is being started again")
+                    elif line.startswith("serving"):
+                        standby.stop()
+            code = 0
+        except BaseException:  # noqa: BLE001 - this process ends here whatever happened; say why
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
 
     # -- the ranks ---------------------------------------------------------------------------------
 
@@ -131,7 +168,7 @@ class ReplicaLauncher:
         from stalwart.serve.heal import GroupPlace
 
         place = GroupPlace(rank, self.nproc, self.store.port, self.loaded, self.version,
-                           self.sock if rank == 0 else None, self.serving_write if rank == 0 else None)
+                           self.sock if rank == 0 else None, self.control_write if rank == 0 else None)
         pid = os.fork()
         if pid == 0:
             self._rank_main(place)  # never returns
@@ -150,10 +187,9 @@ class ReplicaLauncher:
             as_a_new_process()
             die_with_parent()
             name_process(f"stalwart-rank{place.rank}")
-            os.close(self.serving_read)  # these are this process's copies only
-            if place.rank != 0:
+            if place.rank != 0:  # this process's copies only
                 self.sock.close()
-                os.close(self.serving_write)
+                os.close(self.control_write)
             torch.set_num_threads(self.threads)
             os.environ.update(RANK=str(place.rank), LOCAL_RANK=str(place.rank), WORLD_SIZE=str(self.nproc),
                               LOCAL_WORLD_SIZE=str(self.nproc))
@@ -179,7 +215,7 @@ class ReplicaLauncher:
         print(f"stalwart serve: replica process rank {rank} {describe_exit(code)}; starting it again (the "
               f"other ranks keep their state)", file=sys.stderr, flush=True)
         if rank == 0:
-            self.standby.start("recovering", "rank 0 of this replica is being started again")
+            os.write(self.control_write, b"down\n")
         self.fork(rank)
 
     def run(self) -> int:
@@ -194,6 +230,11 @@ class ReplicaLauncher:
                 pid, status = os.wait()
             except ChildProcessError:
                 break
+            if pid == self.keeper and not self.stops:
+                print(f"stalwart serve: the replica's keeper process {describe_exit(os.waitstatus_to_exitcode(status))}"
+                      "; stopping the replica", file=sys.stderr, flush=True)
+                result = 1
+                self._stop_all()
             rank = self.pids.pop(pid, None)
             if rank is None:
                 continue
@@ -206,7 +247,7 @@ class ReplicaLauncher:
             elif rank == 0 and code == 0:  # rank 0 stopped, as asked of it directly, and told the others to
                 self.stops += 1
                 self._kill_later(STOP_GRACE_S)
-            elif self.crashes.failed(rank, self.started[rank], time.monotonic()):
+            elif code > 0 and self.crashes.failed(rank, self.started[rank], time.monotonic()):
                 print(f"stalwart serve: replica process rank {rank} {describe_exit(code)}, failing "
                       f"{self.crashes.limit} times within {self.crashes.quick_s:.0f} s of starting; stopping the "
                       "replica", file=sys.stderr, flush=True)
@@ -214,6 +255,9 @@ class ReplicaLauncher:
                 self._stop_all()
             else:
                 self.restart(rank, code)
+        os.close(self.control_write)  # the keeper's pipe ends: it exits
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.keeper, 0)
         return result
 
     # -- stopping ----------------------------------------------------------------------------------
