@@ -13,12 +13,13 @@ from stalwart.config.loading import split_args
 from stalwart.planner.config import PlanConfig, apply_shape_overrides
 from stalwart.planner.cost import Network, Options
 from stalwart.planner.hardware import GPUS
+from stalwart.planner.islands import compare, table
 from stalwart.planner.layout import Workload
 from stalwart.planner.search import Space, explain, rank_layouts
 from stalwart.planner.shapes import FLAVORS
 from stalwart.planner.validation import TOLERANCE, check_all
 
-INTRO = """usage: stalwart plan [--config PATH] [--json PATH] [--validate] [--section.key VALUE ...]
+INTRO = """usage: stalwart plan [--config PATH] [--json PATH] [--validate | --islands] [--section.key VALUE ...]
 
 Enumerates parallel layouts (fsdp/dp, tp, pp with schedule and virtual stages, cp, micro-batch,
 activation checkpointing, and expert parallel for mixture-of-experts shapes) for a model on a cluster,
@@ -29,6 +30,8 @@ options:
   --config PATH   TOML file with the sections below
   --json PATH     also write the ranking (and validation) as JSON
   --validate      compare the model with published throughput points (exit 1 if any is off by >15%)
+  --islands       islands joined by a slow link: step time, utilisation and link bytes of synchronous
+                  training vs DiLoCo vs streaming DiLoCo (the [islands] section)
   -h, --help      this help"""
 
 
@@ -46,8 +49,10 @@ def main(argv: list[str]) -> int:
         print("\nConfiguration (TOML [section] key = value, or --section.key VALUE; CLI > file > defaults):")
         print(help_text(PlanConfig))
         return 0
-    flags, rest = split_args(argv, {"--config": True, "--json": True, "--validate": False})
+    flags, rest = split_args(argv, {"--config": True, "--json": True, "--validate": False, "--islands": False})
     validate = "--validate" in flags
+    if validate and "--islands" in flags:
+        raise ConfigError("--validate and --islands are two different reports: pass one")
     cfg = load(PlanConfig, flags.get("--config"), rest)
     out = output_file(flags["--json"], "--json") if "--json" in flags else None
     doc: dict = {"config": to_dict(cfg)}
@@ -61,6 +66,8 @@ def main(argv: list[str]) -> int:
             if abs(r["error"]) > TOLERANCE:
                 rc = 1
         doc["validation"] = rows
+    elif "--islands" in flags:
+        doc["islands"] = plan_islands(cfg)
     else:
         w = build_workload(cfg)
         c, s = cfg.cluster, cfg.search
@@ -104,6 +111,28 @@ def main(argv: list[str]) -> int:
             out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"\nwrote {flags['--json']}")
     return rc
+
+
+def plan_islands(cfg: PlanConfig) -> list[dict]:
+    """`--islands`: print the comparison; its rows for --json."""
+    w, i = build_workload(cfg), cfg.islands
+    params = i.params or w.shape.params
+    step_s, source = i.step_s, "islands.step_s"
+    if not step_s:
+        ranked = [x for x in rank_layouts(w, i.procs, GPUS[cfg.cluster.gpu], Network(gpus_per_host=cfg.cluster.gpus_per_host),
+                                          Options(), space=Space(tp=(1, 2, 4, 8), pp=(1,), cp=(1,)))
+                  if x.fits]
+        if not ranked:
+            raise ConfigError(f"no layout of {i.procs} x {cfg.cluster.gpu} fits {cfg.model.flavor} at "
+                              f"{w.global_batch} sequences per island: pass --islands.step_s (a measured step time)")
+        step_s, source = ranked[0].time.step_s, f"planner: {ranked[0].layout.describe()} on {i.procs} x {cfg.cluster.gpu}"
+    rows = compare(i, params, step_s)
+    print(f"stalwart plan --islands: {i.count} islands x {i.procs} process(es), link {i.link_mbit:g} Mbit/s, "
+          f"{i.latency_ms:g} ms one way ({i.congestion}); {params:,} parameters; inner step {step_s:.4g} s ({source}); "
+          f"{w.tokens_per_step:,} tokens per island step" + (f"; a run of {i.steps} steps" if i.steps else "; steady state"))
+    for line in table(rows, w.tokens_per_step):
+        print(line)
+    return [{"label": label, **p.to_dict()} for label, p in rows]
 
 
 if __name__ == "__main__":

@@ -82,11 +82,43 @@ class SearchSection:
 
 
 @dataclass
+class IslandsSection:
+    """``stalwart plan --islands``: islands joined by a slow link (stalwart/planner/islands.py)."""
+
+    count: int = option("Islands (each a job of its own; only the outer sync crosses the link).", 2, min=2)
+    procs: int = option("Processes (GPUs) per island.", 1, min=1)
+    link_mbit: float = option("Inter-island link bandwidth, Mbit/s each way.", 100.0, min=1e-3)
+    latency_ms: float = option("Inter-island link latency, one way, ms.", 50.0, min=0.0)
+    params: int = option("Parameters synced (0 = the model flavor's).", 0, min=0)
+    step_s: float = option("Seconds of one inner step of an island without the link (measured: a run's "
+                           "step_time_s); 0 = the planner's best layout for `procs` GPUs of cluster.gpu at "
+                           "workload.global_batch sequences per island.", 0.0, min=0.0)
+    inner_steps: list[int] = option("H values to compare (DiLoCo and streaming rows for each).",
+                                    factory=lambda: [50, 100])
+    fragments: int = option("Streaming: fragments P (streaming rows for each H that is a multiple of P).", 4,
+                            min=1)
+    overlap: int = option("Streaming: inner steps tau an exchange overlaps (below H / P).", 1, min=0)
+    quantize: Literal["none", "bf16", "int8", "int4"] = option("Streaming: the outer gradient on the link.", "int4")
+    diloco_quantize: Literal["none", "bf16", "int8", "int4"] = option("DiLoCo: the outer gradient on the link.",
+                                                                     "none")
+    block: int = option("Values per quantization scale (int8/int4).", 256, min=8)
+    steps: int = option("Predict a run of this many steps from a fresh connection, its final sync included "
+                        "(0 = the steady state).", 0, min=0)
+    island_gbit: float = option("Bandwidth inside an island, Gbit/s: rank 0 broadcasts each sync's result to the "
+                                "island's other processes (10 for an emulated host; NVLink-class for GPUs).", 10.0,
+                                min=1e-3)
+    congestion: Literal["bbr", "cubic"] = option("TCP congestion control on the link: 'bbr' keeps its window "
+                                                 "across idle periods and paces; 'cubic' restarts slow start "
+                                                 "after an idle retransmission timeout.", "bbr")
+
+
+@dataclass
 class PlanConfig:
     model: ModelSection = section(ModelSection, "Model shape.")
     workload: WorkloadSection = section(WorkloadSection, "Sequence length and batch.")
     cluster: ClusterSection = section(ClusterSection, "GPUs and network.")
     search: SearchSection = section(SearchSection, "The layouts to enumerate and the assumptions.")
+    islands: IslandsSection = section(IslandsSection, "Islands joined by a slow link (`stalwart plan --islands`).")
 
     def __post_init__(self) -> None:
         w = self.workload
@@ -100,3 +132,14 @@ class PlanConfig:
         for name in ("schedules", "ac", "fsdp"):
             if not getattr(self.search, name):
                 raise ConfigError(f"search.{name} must not be empty")
+        i = self.islands
+        if not i.inner_steps or min(i.inner_steps) < 1:
+            raise ConfigError("islands.inner_steps must list positive integers")
+        streamed = [h for h in i.inner_steps if h % i.fragments == 0]
+        if not streamed:
+            raise ConfigError(f"islands.inner_steps: no H is a multiple of islands.fragments ({i.fragments}); "
+                              "streaming syncs a fragment every H / fragments steps")
+        for h in streamed:
+            if i.overlap >= h // i.fragments:
+                raise ConfigError(f"islands.overlap ({i.overlap}) must be below the {h // i.fragments} steps between "
+                                  f"two fragments' syncs at H = {h}")
