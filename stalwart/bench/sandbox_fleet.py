@@ -157,11 +157,11 @@ def summarize(run: dict, expected: list[list], kill_at: float | None, hosts: lis
         before = [rate(s, s + window) for s in _steps(min(2.0, kill_at / 2), kill_at - window)]
         base = statistics.median(before) if before else 0.0
         bar = base * (len(hosts) - 1) / len(hosts)
-        after = [s for s in _steps(kill_at, total_s - window) if rate(s, s + window) >= bar]
+        flooding = _steps(kill_at, seconds - window)  # not the drain after the flood: no batch starts then
+        after = [s for s in flooding if rate(s, s + window) >= bar]
         out.update(rate_before_kill=round(base, 1), recovered_at=round(bar, 1),
                    recovery_s=round(after[0] + window - kill_at, 1) if after else None,
-                   lowest_after_kill=round(min((rate(s, s + window) for s in _steps(kill_at, total_s - window)),
-                                               default=0.0), 1))
+                   lowest_after_kill=round(min((rate(s, s + window) for s in flooding), default=0.0), 1))
     if restart_at is not None:
         back = [t0 - start for host, t0, _, status, _ in run["wire"]
                 if host == hosts[0] and status == 200 and t0 - start >= restart_at]

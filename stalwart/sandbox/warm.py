@@ -2,8 +2,8 @@
 
 A sandbox's fixed cost (bubblewrap's namespaces and mounts, the interpreter, the runner's imports; about
 30 ms of CPU) is paid before a request arrives, on the pool's own starter thread, so a request finds a
-runner already waiting (``runner.py``: PID 1 forks a pristine request runner per request, which forks
-each program). A sandbox serves at most ``sandbox.reuse`` requests, and only while every one of them
+runner already waiting (``runner.py``: PID 1 keeps a program runner forked ahead for the next
+request's first program, and forks one per later program; each forks a child per case). A sandbox serves at most ``sandbox.reuse`` requests, and only while every one of them
 ended cleanly (its frames well formed, its runner's ``done`` line read); any other end retires it.
 
 The pool also admits: a new sandbox starts only while fewer than ``sandbox.max_sandboxes`` are alive
