@@ -3,8 +3,9 @@ memory-bound elementwise work, ring collectives per network tier, pipeline bubbl
 
 Calibration constants (the only fitted numbers; everything else is a datasheet figure or a count):
 
-* ``GEMM_EFFICIENCY``: fraction of the datasheet bf16 peak a large, well-shaped GEMM sustains in a
-  training loop. The datasheet peak is at boost clock; sustained clocks under load are lower.
+* ``GPUSpec.gemm_efficiency`` (``hardware.py``, fitted per GPU generation by ``calibration.py``):
+  fraction of the datasheet bf16 peak a large, well-shaped GEMM sustains in a training loop. The
+  datasheet peak is at boost clock; sustained clocks under load are lower.
 * ``ATTENTION_EFFICIENCY``: the same for fused (flash) attention, forward and backward together.
 * ``MEMORY_EFFICIENCY``: achievable fraction of HBM bandwidth for streaming kernels.
 * ``NETWORK_EFFICIENCY``: NCCL bus bandwidth as a fraction of the link (NVLink or NIC) bandwidth.
@@ -20,7 +21,6 @@ from stalwart.planner.hardware import GPUSpec, clock_factor
 from stalwart.planner.layout import Layout, Workload, layers_per_stage, micro_batches
 from stalwart.planner.memory import Precision, expert_params_per_rank, params_per_rank
 
-GEMM_EFFICIENCY = 0.62
 ATTENTION_EFFICIENCY = 0.35
 MEMORY_EFFICIENCY = 0.80
 NETWORK_EFFICIENCY = 0.75
@@ -45,6 +45,7 @@ class Options:
     async_tp: bool = False             # tensor-parallel collectives overlapped with GEMMs
     power_limit_w: float = 0.0         # 0 = datasheet TDP
     reduce_bytes: int = 4              # gradient reduction dtype (Llama 3 reduces in fp32)
+    gemm_efficiency: float = 0.0       # 0 = the GPU's fitted value (GPUSpec.gemm_efficiency); the fit varies it
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def step_time(w: Workload, lay: Layout, gpu: GPUSpec, net: Network = Network(), 
     h, kv = s.dim, s.kv_dim
     t = lay.tp
     peak = gpu.bf16_tflops * 1e12 * clock_factor(gpu, opt.power_limit_w)
-    gemm_peak = peak * GEMM_EFFICIENCY
+    gemm_peak = peak * (opt.gemm_efficiency or gpu.gemm_efficiency)
     hbm = gpu.hbm_tbps * 1e12 * MEMORY_EFFICIENCY
     n = lay.micro_batch * w.seq_len / lay.cp                       # tokens per micro-batch per rank
 

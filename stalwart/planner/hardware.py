@@ -14,14 +14,20 @@ class GPUSpec:
     nvlink_gbps: float      # NVLink bandwidth per GPU per direction, GB/s
     sms: int                # streaming multiprocessors (GEMM wave quantisation)
     tdp_w: float            # board power the peak is specified at
+    gemm_efficiency: float  # fitted: the share of the peak large GEMMs sustain in training (planner/calibration.py)
 
+
+# Fitted on the published rows marked "fit" (planner/published.py, planner/calibration.py): Hopper's
+# datasheet peak is further from what its GEMMs sustain at training clocks than Ampere's.
+HOPPER_GEMM = 0.621
+AMPERE_GEMM = 0.556
 
 GPUS: dict[str, GPUSpec] = {
-    "H100": GPUSpec("H100 SXM5 80GB", 989.0, 80.0, 3.35, 450.0, 132, 700.0),
-    "H200": GPUSpec("H200 SXM5 141GB", 989.0, 141.0, 4.8, 450.0, 132, 700.0),
-    "A100": GPUSpec("A100 SXM4 80GB", 312.0, 80.0, 2.04, 300.0, 108, 400.0),
+    "H100": GPUSpec("H100 SXM5 80GB", 989.0, 80.0, 3.35, 450.0, 132, 700.0, HOPPER_GEMM),
+    "H200": GPUSpec("H200 SXM5 141GB", 989.0, 141.0, 4.8, 450.0, 132, 700.0, HOPPER_GEMM),
+    "A100": GPUSpec("A100 SXM4 80GB", 312.0, 80.0, 2.04, 300.0, 108, 400.0, AMPERE_GEMM),
     # The H100 variant of Meta's Grand Teton hosts that torchtitan benchmarks on (HBM2e, 2.4 TB/s).
-    "H100-96G": GPUSpec("H100 96GB HBM2e", 989.0, 96.0, 2.4, 450.0, 132, 700.0),
+    "H100-96G": GPUSpec("H100 96GB HBM2e", 989.0, 96.0, 2.4, 450.0, 132, 700.0, HOPPER_GEMM),
 }
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from stalwart.config import ConfigError
 from stalwart.models.flavors import TransformerArgs
-from stalwart.planner.cost import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, NETWORK_EFFICIENCY, Network
+from stalwart.planner.cost import MEMORY_EFFICIENCY, NETWORK_EFFICIENCY, Network
 from stalwart.planner.hardware import GPUS
 from stalwart.planner.layout import Layout, Workload
 from stalwart.planner.memory import params_per_rank
@@ -90,7 +90,7 @@ def host_presets() -> dict[str, HostSpec]:
         # per layer; plan it with --hosts.host_layer_us 450 (docs/serving.md, Placement).
         out[key.lower()] = HostSpec(
             gpu.name, hosts=1, procs_per_host=net.gpus_per_host, memory_gb=gpu.hbm_gb, headroom_gb=4.0,
-            flops_per_s=gpu.bf16_tflops * 1e12 * GEMM_EFFICIENCY,
+            flops_per_s=gpu.bf16_tflops * 1e12 * gpu.gemm_efficiency,
             memory_gb_per_s=gpu.hbm_tbps * 1e3 * MEMORY_EFFICIENCY,
             intra_host_gb_per_s=gpu.nvlink_gbps * NETWORK_EFFICIENCY, intra_host_latency_us=net.nvlink_latency_us,
             inter_host_gb_per_s=net.nic_gbps / 8 * NETWORK_EFFICIENCY, inter_host_latency_us=net.net_latency_us)
