@@ -13,6 +13,18 @@ Each system is warmed up once per model before anything is timed (the warm-up's 
 The engine's KV cache is sized to hold the whole workload, as transformers' caches are.
 Reported per run: output tokens/s, time to first token and time per output token (p50, p99), the load
 average when it ran; then each repeat's throughput ratio over every peer.
+
+Precisions (``--precisions float32,bfloat16,int8``): each is an engine system of its own
+(``stalwart-bf16``: the weights and activations in bfloat16; ``stalwart-int8``: ``engine.quantize =
+int8``, infer/quant.py), and transformers runs in float32 (``transformers``) and, when bfloat16 or int8 is
+asked for, in bfloat16 (``transformers-bf16``). Every engine is compared with every peer.
+Quality (``--heldout FILE``): the log-likelihood of the file's tokens, in windows of the context, through
+the engine's echo path (``prompt_logprobs``, ``max_tokens`` 0: what the server runs for lm-evaluation-harness's
+``echo=True, max_tokens=0`` requests) in each precision, transformers' in its precisions, each one's
+difference from float32's, and each engine's greedy agreement with float32's (the share of greedy output
+tokens equal to float32's, position by position, over the workloads run). ``--weights`` serves a
+trained model (a run directory, one of its checkpoints, or a Hugging Face directory) instead of the
+flavors' random initialisations, which make a log-likelihood meaningless.
 """
 
 from __future__ import annotations
@@ -23,10 +35,12 @@ import os
 import random
 import time
 import typing
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
 
+from stalwart.bench.quality import report_quality
 from stalwart.config.arguments import ArgumentParser, at_least, listed, one_of
 from stalwart.config.serve import EngineConfig
 from stalwart.export.hf import hf_config, to_hf_state
@@ -50,10 +64,13 @@ class Result:
     tokens: int
     ttft: list[float]
     tpot: list[float]
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)  # each request's tokens (the engine's)
 
 
 WORKLOADS = ("batch 1", "batch 32", "mixed")
 PEERS = ("transformers", "transformers-cb")
+PRECISIONS = ("float32", "bfloat16", "int8")
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
 
 
 def flavor_vocab(text: str) -> tuple[str, int]:
@@ -64,14 +81,15 @@ def flavor_vocab(text: str) -> tuple[str, int]:
     return one_of(FLAVORS)(flavor), at_least(2)(vocab)
 
 
-def workloads(vocab: int, seed: int = 0) -> dict[str, list[Req]]:
+def workloads(vocab: int, seed: int = 0, context: int = 1024) -> dict[str, list[Req]]:
+    """The request sets; the mixed trace's prompts stay within a ``context`` of fewer than 512 tokens."""
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
 
     return {"batch 1": [Req(prompt(64), 64)], "batch 32": [Req(prompt(64), 64) for _ in range(32)],
-            "mixed": [Req(prompt(rng.randint(8, 384)), rng.randint(8, 128)) for _ in range(32)]}
+            "mixed": [Req(prompt(rng.randint(8, min(384, context - 128))), rng.randint(8, 128)) for _ in range(32)]}
 
 
 def engine_config(model: Transformer, reqs: list[Req], base: EngineConfig) -> EngineConfig:
@@ -97,13 +115,17 @@ def run_engine(model: Transformer, reqs: list[Req], cfg: EngineConfig) -> Result
     for i, r in enumerate(reqs):
         engine.add(str(i), r.prompt, SamplingParams(max_tokens=r.out, temperature=0.0, ignore_eos=True))
     stamps: dict[str, list[float]] = {str(i): [] for i in range(len(reqs))}
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
     while engine.has_work():
         outs = engine.step()
         synchronize(device)
         now = time.perf_counter()
         for o in outs:
             stamps[o.rid] += [now] * len(o.choices)
-    return timings(start, stamps, time.perf_counter() - start)
+            tokens[o.rid] += [c.token for c in o.choices]
+    result = timings(start, stamps, time.perf_counter() - start)
+    result.outputs = [tokens[str(i)] for i in range(len(reqs))]
+    return result
 
 
 class _Clock:
@@ -191,17 +213,40 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def build(flavor: str, vocab: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     args = dataclasses.replace(FLAVORS[flavor], vocab_size=vocab, max_seq_len=1024)
     torch.manual_seed(seed)
     model = Transformer(args).eval()
+    return model, hf_peer(model)
+
+
+def hf_peer(model: Transformer):
+    """transformers' Llama with ``model``'s weights (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    args = model.args
     cfg = LlamaConfig(**{k: v for k, v in hf_config(args, None).items() if k not in ("architectures",)})
     hf = LlamaForCausalLM(cfg).eval()
     state = to_hf_state(model.state_dict(), args)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
-    return model, hf
+    return hf
+
+
+def in_precision(model: Transformer, precision: str) -> Transformer:
+    """A copy of ``model`` served in ``precision`` (``PRECISIONS``)."""
+    from stalwart.infer.quant import apply_quantization
+
+    copy = deepcopy(model)
+    if precision == "bfloat16":
+        return copy.to(torch.bfloat16)
+    return apply_quantization(copy, "int8" if precision == "int8" else "none")
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[int, float]:
+    """Greedy agreement: outputs identical, and the share of tokens before each output's first difference."""
+    same = sum(g == w for g, w in zip(got, want))
+    lead = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+    return same, sum(lead) / max(1, sum(len(w) for w in want))
 
 
 def main(argv: list[str]) -> int:
@@ -228,32 +273,59 @@ def main(argv: list[str]) -> int:
                    help=f"engine.decode_attention, or several comma separated ({', '.join(modes)}): each runs as "
                         "its own system (stalwart-<mode>), interleaved with the others, and the later ones' "
                         "throughput ratios over the first are printed too")
+    p.add_argument("--precisions", type=listed(one_of(PRECISIONS)), default="float32",
+                   help="the engine's precisions, each a system (stalwart-fp32, -bf16, -int8); transformers runs in "
+                        "float32 and, with bfloat16 or int8, in bfloat16 too (transformers-bf16)")
+    p.add_argument("--weights", default=None, help="a trained model instead of --flavors' random ones: a run "
+                   "directory, one of its checkpoints, or a Hugging Face directory")
+    p.add_argument("--heldout", default=None, help="a text file (with --weights): its log-likelihood per precision")
+    p.add_argument("--heldout-windows", type=at_least(1), default=16, help="windows of the context's length read")
     a = p.parse_args(argv)
     device = resolve_device(a.device)
-    chosen = a.decode_attention
-    if len(set(chosen)) < len(chosen):
-        p.error(f"--decode-attention {','.join(chosen)}: give each value once")
+    chosen, precisions = a.decode_attention, a.precisions
+    for flag, values in (("--decode-attention", chosen), ("--precisions", precisions)):
+        if len(set(values)) < len(values):
+            p.error(f"{flag} {','.join(values)}: give each value once")
+    if a.heldout and not a.weights:
+        p.error("--heldout needs --weights: a random model's log-likelihood means nothing")
+    if "int8" in precisions and device.type != "cpu":
+        p.error("--precisions int8 runs on the CPU (engine.quantize)")
     torch.set_grad_enabled(False)
     base = EngineConfig(max_batch_tokens=a.max_batch_tokens)
-    engines = {("stalwart" if len(chosen) == 1 else f"stalwart-{m}"): dataclasses.replace(base, decode_attention=m)
-               for m in chosen}
+    engines = {}  # system -> (precision, engine config)
+    for prec in precisions:
+        for m in chosen:
+            parts = ["stalwart"] + ([SHORT[prec]] if precisions != ["float32"] else []) + ([m] if len(chosen) > 1 else [])
+            engines["-".join(parts)] = (prec, dataclasses.replace(base, decode_attention=m))
+    hf_precisions = ["float32"] + (["bfloat16"] if {"bfloat16", "int8"} & set(precisions) else [])
     where = accelerator_name(device) or f"{device.type}, {torch.get_num_threads()} thread(s)"
-    print(f"# torch {torch.__version__}, {where}; greedy, fp32; engine.max_batch_tokens {base.max_batch_tokens}; "
-          "engine.decode_attention " + ", ".join(f"{m} ({decode_mode(m, base.pad_rows, device)})" for m in chosen))
+    print(f"# torch {torch.__version__}, {where}; greedy; precisions {', '.join(precisions)}; engine.max_batch_tokens "
+          f"{base.max_batch_tokens}; engine.decode_attention "
+          + ", ".join(f"{m} ({decode_mode(m, base.pad_rows, device)})" for m in chosen))
     print(f"{'model':<8} {'workload':<9} {'rep':>3} {'system':<16} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9}  {'load':>5}   (times in ms; load: 1-minute load average)")
-    for flavor, vocab in a.flavors:
-        model, hf = build(flavor, vocab)
+    for flavor, vocab, model, hf, tokenizer in models(a):
         model, hf = model.to(device), hf.to(device)
-        loads = workloads(vocab)
+        loads = workloads(model.args.vocab_size, context=model.args.max_seq_len)
+        hfs = {"float32": hf} | ({"bfloat16": deepcopy(hf).to(torch.bfloat16)} if "bfloat16" in hf_precisions else {})
+        variants = {prec: in_precision(model, prec) for prec in precisions}
         peers = [s for s in a.peers if s != "transformers-cb" or has_continuous_batching(hf)]
         if "transformers-cb" in a.peers and "transformers-cb" not in peers:
             print("# transformers-cb skipped: this transformers has no continuous batching")
+        peers += [f"transformers-{SHORT[q]}" for q in hf_precisions[1:] if "transformers" in a.peers]
         cb: HfContinuous | None = None
-        runners = {name: (lambda reqs, _, cfg=cfg: run_engine(model, reqs, engine_config(model, reqs, cfg)))
-                   for name, cfg in engines.items()}
-        runners |= {"transformers": lambda reqs, name: run_hf(hf, reqs, a.hf_batch if name == "mixed" else len(reqs)),
-                   "transformers-cb": lambda reqs, name: cb.run(reqs)}
+        runners = {name: (lambda reqs, _, prec=prec, cfg=cfg: run_engine(variants[prec], reqs,
+                                                                        engine_config(variants[prec], reqs, cfg)))
+                   for name, (prec, cfg) in engines.items()}
+        runners |= {f"transformers{'' if q == 'float32' else '-' + SHORT[q]}":
+                    (lambda reqs, name, h=hfs[q]: run_hf(h, reqs, a.hf_batch if name == "mixed" else len(reqs)))
+                    for q in hf_precisions}
+        runners["transformers-cb"] = lambda reqs, name: cb.run(reqs)
+        if a.heldout:
+            report_quality(a.heldout, a.heldout_windows, tokenizer,
+                           {f"stalwart-{SHORT[p]}": m for p, m in variants.items()},
+                           {f"transformers-{SHORT[q]}": h for q, h in hfs.items()},
+                           lambda m, windows: engine_config(m, [Req(w, 0) for w in windows], base))
         warm = loads["mixed"][:2]
         systems = [*engines, *peers]
         for system in systems:
@@ -267,6 +339,7 @@ def main(argv: list[str]) -> int:
             # (engine, peer): every engine over every peer, and every later engine over the first
             compared = [(e, p) for e in engines for p in peers] + [(e, [*engines][0]) for e in [*engines][1:]]
             ratios: dict[tuple[str, str], list[float]] = {c: [] for c in compared}
+            agreed: dict[str, list[tuple[int, float]]] = {e: [] for e in engines}
             for rep in range(a.repeats):
                 pair = {}
                 for system in systems:
@@ -278,9 +351,32 @@ def main(argv: list[str]) -> int:
                 for e, peer in compared:
                     s, h = pair[e], pair[peer]
                     ratios[e, peer].append((h.seconds / s.seconds) * (s.tokens / h.tokens))
+                reference = next((e for e, (prec, _) in engines.items() if prec == "float32"), None)
+                for e in engines:
+                    if reference is not None and e != reference:
+                        agreed[e].append(agreement(pair[e].outputs, pair[reference].outputs))
             for e, peer in compared:
                 print(f"{flavor:<8} {name:<9} throughput ratio {e}/{peer} per repeat: "
                       + ", ".join(f"{x:.2f}x" for x in ratios[e, peer]), flush=True)
+            for e, got in agreed.items():
+                if got:
+                    print(f"{flavor:<8} {name:<9} greedy agreement {e} with float32 per repeat: " + ", ".join(
+                        f"{same}/{len(reqs)} outputs identical, {100 * lead:.1f}% of tokens before the first "
+                        "difference" for same, lead in got), flush=True)
         if cb is not None:
             cb.close()
     return 0
+
+
+def models(a):
+    """(label, vocab, model, transformers peer, tokenizer or None) per model benchmarked."""
+    if a.weights is None:
+        for flavor, vocab in a.flavors:
+            model, hf = build(flavor, vocab)
+            yield flavor, vocab, model, hf, None
+        return
+    from stalwart.infer.load import build_model, read_source, source_from
+
+    loaded = read_source(source_from(a.weights))
+    model = build_model(loaded, torch.float32, torch.device("cpu"))
+    yield loaded.origin.name[:8], loaded.args.vocab_size, model, hf_peer(model), loaded.tokenizer
