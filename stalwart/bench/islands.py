@@ -92,8 +92,28 @@ def _figures(run: Path, islands: int) -> dict:
         utils.append(1.0 - summary["islands"]["sync_wait_s"] / span)
         tokens += steps[-1]["tokens_seen"]
         if i == 0:
-            loss = summary["final_eval_loss"]
-    return {"train_s": max(spans), "utilisation": statistics.mean(utils), "tokens": tokens, "eval_loss": loss}
+            loss, params, parts = summary["final_eval_loss"], summary["islands"]["params"], \
+                summary["islands"]["fragment_params"]
+    return {"train_s": max(spans), "utilisation": statistics.mean(utils), "tokens": tokens, "eval_loss": loss,
+            "params": params, "fragment_params": parts}
+
+
+def predicted(spec: str, figures: dict, cfg: IslandsBenchConfig) -> dict:
+    """The planner's step time for this run (``planner/islands.py``), given the run's own compute per step
+    (its training span less the time it waited for the link): what the link model adds, checked."""
+    from stalwart.planner.islands import predict
+
+    args = variant_args(spec)
+    opt = dict(zip(args[::2], args[1::2]))
+    compute = figures["train_s"] * figures["utilisation"] / cfg.steps
+    algorithm = opt["--islands.algorithm"]
+    p = predict(figures["params"], compute, cfg.islands, cfg.procs, cfg.rate_mbit, 2 * cfg.delay_ms, algorithm,
+                inner_steps=int(opt.get("--islands.inner_steps", 1)), fragments=int(opt.get("--islands.fragments", 1)),
+                overlap=int(opt.get("--islands.overlap_steps", 0)), quantize=opt.get("--islands.quantize", "none"),
+                steps=cfg.steps, fragment_params=figures["fragment_params"] if algorithm == "streaming" else None)
+    measured = figures["train_s"] / cfg.steps
+    return {"predicted_step_s": p.step_s, "measured_step_s": measured, "predicted_utilisation": p.utilisation,
+            "step_error": (p.step_s - measured) / measured}
 
 
 def run_variant(cluster, spec: str, cfg: IslandsBenchConfig, root: Path, port: int) -> dict:
@@ -131,6 +151,7 @@ def run_variant(cluster, spec: str, cfg: IslandsBenchConfig, root: Path, port: i
     sent = sum(cluster.link_bytes(h)[0] - before[h] for h in range(cfg.islands))
     out = {"variant": spec, "wall_s": wall, "link_bytes": sent, **_figures(run, cfg.islands),
            "load": os.getloadavg()[0]}
+    out.update(predicted(spec, out, cfg))
     out["tokens_per_s"] = out["tokens"] / out["train_s"]
     out["link_bytes_per_token"] = sent / out["tokens"]
     return out
@@ -160,7 +181,9 @@ def run(cfg: IslandsBenchConfig) -> list[dict]:
                 results.append(r)
                 print(f"{spec:<24} rep {rep}: {r['tokens_per_s']:8.0f} tok/s (train {r['train_s']:6.1f} s, command "
                       f"{r['wall_s']:6.1f} s)  link {r['link_bytes_per_token']:9.2f} B/token  utilisation "
-                      f"{100 * r['utilisation']:5.1f} %  eval loss {r['eval_loss']:.4f}  load {r['load']:.1f}",
+                      f"{100 * r['utilisation']:5.1f} %  eval loss {r['eval_loss']:.4f}  load {r['load']:.1f}  step "
+                      f"{1000 * r['measured_step_s']:.1f} ms, planner {1000 * r['predicted_step_s']:.1f} ms "
+                      f"({100 * r['step_error']:+.1f} %)",
                       flush=True)
     base = [r for r in results if r["variant"] == "sync"]
     if base:

@@ -364,5 +364,7 @@ class Islands:
 
     def summary(self) -> dict:
         return {"islands": self.k, "algorithm": self.cfg.algorithm, "syncs": self.syncs,
+                "params": sum(_local(p).numel() for p in self.params),
+                "fragment_params": [sum(_local(p).numel() for p in f) for f in self.fragments],
                 "sent_bytes": self.sent_bytes, "sync_wait_s": round(self.wait_s, 3)}
 
