@@ -81,3 +81,16 @@ def test_config_refuses_fragments_that_do_not_tile_the_inner_steps():
     with pytest.raises(ConfigError, match="overlap_steps"):
         IslandsConfig(algorithm="streaming", inner_steps=8, fragments=4, overlap_steps=2).validate(2, 100)
     IslandsConfig(algorithm="diloco", inner_steps=10, fragments=3).validate(2, 100)  # fragments: streaming's
+
+
+def test_bench_variants_parse_or_name_the_mistake_and_get_a_planner_prediction():
+    from stalwart.bench.islands import IslandsBenchConfig, predicted, variant_args
+
+    assert variant_args("streaming:100:4:int4")[1::2] == ["streaming", "100", "4", "int4", "1"]
+    for bad in ("diloco", "diloco:x", "streaming:100:4:int3", "async"):
+        with pytest.raises(ConfigError, match="variants"):
+            variant_args(bad)
+    cfg = IslandsBenchConfig(steps=300)
+    figures = {"train_s": 161.6, "utilisation": 0.46, "params": 229952, "fragment_params": [229952]}
+    p = predicted("sync", figures, cfg)
+    assert 0.3 < p["predicted_step_s"] < 1.0 and p["measured_step_s"] == pytest.approx(161.6 / 300)
