@@ -6,7 +6,8 @@ import torch
 
 from stalwart.config.core import ConfigError
 from stalwart.config.islands import IslandsConfig
-from stalwart.parallel.islands import Schedule, average, dequantize, fragments_of, nesterov, payload_bytes, quantize
+from stalwart.parallel.islands import Schedule, average, dequantize, fragments_of, nesterov, quantize
+from stalwart.planner.islands import payload_bytes
 
 pytestmark = pytest.mark.unit
 

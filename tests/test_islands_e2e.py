@@ -31,11 +31,11 @@ def _state(run: Path) -> dict[int, tuple]:
 @pytest.mark.e2e
 def test_islands_recover_alone_and_stay_bitwise(tmp_path):
     ref, run = tmp_path / "reference", tmp_path / "faults"
-    run_cli("train", *JOB, "--run.dir", str(ref))
+    run_cli("train", *JOB, "--run.dir", str(ref), timeout=600)
     # job rank = island * 2 + rank: rank 1 of island 0 before step 16 (the sync launched after step 15 is
     # in flight, applied after 16), then both ranks of island 1 before step 27.
     run_cli("train", *JOB, "--run.dir", str(run), "--fault.inject", "kill:rank=1,step=16;kill:rank=2,step=27;"
-            "kill:rank=3,step=27")
+            "kill:rank=3,step=27", timeout=600)
     for i in range(2):
         want, got = _state(_island(ref, i)), _state(_island(run, i))
         assert sorted(want) == list(range(1, STEPS + 1))

@@ -95,17 +95,6 @@ def quantize(x: torch.Tensor, how: str, block: int) -> torch.Tensor:
     return torch.cat([scale.contiguous().view(torch.uint8), q.view(torch.uint8)])
 
 
-def payload_bytes(n: int, how: str, block: int) -> int:
-    """Bytes of :func:`quantize`'s payload for ``n`` values."""
-    if how == "none":
-        return 4 * n
-    if how == "bf16":
-        return 2 * n
-    blocks = -(-n // block)
-    values = blocks * block
-    return 4 * blocks + (values if how == "int8" else (values + values % 2) // 2)
-
-
 def dequantize(payload: torch.Tensor, n: int, how: str, block: int) -> torch.Tensor:
     """The float32 vector a :func:`quantize` payload stands for."""
     if how == "none":

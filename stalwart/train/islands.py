@@ -36,8 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from stalwart.parallel.islands import Schedule, Sync, average, dequantize, fragments_of, nesterov, payload_bytes, \
-    quantize
+from stalwart.parallel.islands import Schedule, Sync, average, dequantize, fragments_of, nesterov, quantize
 
 ANCHOR, MOMENTUM, RESIDUAL, PENDING = "outer_anchor", "outer_momentum", "outer_residual", "outer_pending"
 
@@ -251,7 +250,7 @@ class Islands:
                 return "state", state
             # The islands behind now train to this sync; exchange again when they arrive.
         how = self.cfg.quantize
-        size = payload_bytes(n, how, self.cfg.block)
+        size = payload.numel()  # every island's payload has this size (planner/islands.py: payload_bytes)
         if how == "none":
             total = payload.view(torch.float32).clone()
             pg.allreduce([total]).wait()
