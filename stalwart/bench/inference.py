@@ -49,7 +49,7 @@ from stalwart.infer.engine import Engine
 from stalwart.infer.sampling import SamplingParams
 from stalwart.models.flavors import FLAVORS
 from stalwart.models.llama import Transformer
-from stalwart.runtime.device import DEVICES, accelerator_name, resolve_device, synchronize
+from stalwart.runtime.device import DEVICES, HOST, accelerator_name, resolve_device, synchronize
 
 
 @dataclass
@@ -288,7 +288,7 @@ def main(argv: list[str]) -> int:
             p.error(f"{flag} {','.join(values)}: give each value once")
     if a.heldout and not a.weights:
         p.error("--heldout needs --weights: a random model's log-likelihood means nothing")
-    if "int8" in precisions and device.type != "cpu":
+    if "int8" in precisions and device.type != HOST.type:
         p.error("--precisions int8 runs on the CPU (engine.quantize)")
     torch.set_grad_enabled(False)
     base = EngineConfig(max_batch_tokens=a.max_batch_tokens)
@@ -378,5 +378,5 @@ def models(a):
     from stalwart.infer.load import build_model, read_source, source_from
 
     loaded = read_source(source_from(a.weights))
-    model = build_model(loaded, torch.float32, torch.device("cpu"))
+    model = build_model(loaded, torch.float32, HOST)
     yield loaded.origin.name[:8], loaded.args.vocab_size, model, hf_peer(model), loaded.tokenizer

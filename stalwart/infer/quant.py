@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from stalwart.errors import UserError
+from stalwart.runtime.device import HOST
 
 Quantize = Literal["none", "int8"]
 QUANTIZE = ("none", "int8")
@@ -65,7 +66,7 @@ class Int8Linear(nn.Module):
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
         """Quantize ``weight`` (out, in), any float dtype, and pack it for both kernels."""
-        w = weight.detach().float().cpu()
+        w = weight.detach().float().to(HOST)
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
         with warnings.catch_warnings():  # NOTE: quantized tensors are deprecated in torch (still in 2.13)
             warnings.simplefilter("ignore", UserWarning)
@@ -97,7 +98,7 @@ def check_quantize(quantize: str, dtype: torch.dtype, device: torch.device, tp: 
         raise UserError(f"engine.quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
     if quantize == "none":
         return
-    if device.type != "cpu":
+    if device.type != HOST.type:
         raise UserError(f"engine.quantize = {quantize} runs PyTorch's CPU kernels (FBGEMM, oneDNN): on "
                         f"{device.type} serve with engine.dtype = bfloat16 instead, or run on cpu")
     if dtype != torch.float32:
