@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -350,6 +351,7 @@ def main(argv: list[str]) -> int:
     finally:
         for s in servers.values():
             s.stop()
+    shutil.rmtree(tmp, ignore_errors=True)  # kept (the servers' logs) only when a run failed
     return 0
 
 
