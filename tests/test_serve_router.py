@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stalwart.serve import router
-from stalwart.serve.router import Fleet, create_router
+from stalwart.serve import fleet as replica_fleet
+from stalwart.serve.fleet import Fleet
+from stalwart.serve.router import create_router
 
 from inproc_server import serve_app
 
@@ -37,8 +38,8 @@ s.serve_forever()
 
 
 def test_a_failing_replica_is_killed_and_started_again_and_rejoins(tmp_path, monkeypatch):
-    monkeypatch.setattr(router, "RESTART_AFTER_S", 1.0)
-    monkeypatch.setattr(router, "PROBE_INTERVAL_S", 0.2)
+    monkeypatch.setattr(replica_fleet, "RESTART_AFTER_S", 1.0)
+    monkeypatch.setattr(replica_fleet, "PROBE_INTERVAL_S", 0.2)
     status = [tmp_path / f"status-{i}" for i in range(2)]
     files = [tmp_path / f"port-{i}" for i in range(2)]
     for f in status:

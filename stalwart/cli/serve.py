@@ -77,7 +77,8 @@ def _run_replicas(argv: list[str], cfg, source, procs: int, kind: str, env: dict
                   tmp: Path) -> int:
     """Replicas behind the router, each on a loopback port, started again when they fail."""
     from stalwart.serve.resume import SECRET_ENV, new_secret
-    from stalwart.serve.router import Fleet, run_router
+    from stalwart.serve.fleet import Fleet
+    from stalwart.serve.router import run_router
 
     layout = cfg.layout
     inner = _without(argv, ("--port", "--host", "--replicas", "--port-file", "--server.port", "--server.host",
