@@ -185,7 +185,9 @@ class ReplicaLauncher:
             from stalwart.serve.replica import run_replica
 
             as_a_new_process()
-            die_with_parent()
+            # A rank outlives no launcher: a replica whose launcher is gone is gone (the router starts a new one
+            # on its port); a rank left draining on the socket would answer for a replica that no longer exists.
+            die_with_parent(signal.SIGKILL)
             name_process(f"stalwart-rank{place.rank}")
             if place.rank != 0:  # this process's copies only
                 self.sock.close()
