@@ -114,7 +114,7 @@ class Islands:
     this island and how many; ``store``: the launcher's store (a client); ``core``: the training core."""
 
     def __init__(self, cfg, island: int, islands: int, env, core, store, n_layers: int, events, say,
-                 waiting=lambda waiting: None) -> None:
+                 snapshot_every: int = 0, waiting=lambda waiting: None) -> None:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         self.cfg, self.island, self.k, self.env, self.core = cfg, island, islands, env, core
@@ -131,6 +131,11 @@ class Islands:
                             f"fragments; use --islands.fragments {min(n_layers, self.schedule.p)} or fewer")
         self.link = CrossLink(store, island, islands, cfg.sync_timeout_s, waiting) if env.rank == 0 else None
         self.syncs = 0          # outer syncs applied
+        # The results of the last `keep` syncs, for an island restored behind them: it can be behind by the
+        # syncs of two snapshot intervals (a snapshot still being written when it died) and the one in flight.
+        every = max(1, self.schedule.every)
+        self.keep = max(2, -(-2 * snapshot_every // every) + 2)
+        self.kept: dict[int, tuple[int, torch.Tensor]] = {}
         self.last_fragment = -1  # the fragment of the last one
         self.inflight: Sync | None = None
         self._thread: tuple[threading.Thread, dict] | None = None
@@ -231,22 +236,26 @@ class Islands:
             every = [torch.zeros(2, dtype=torch.int64) for _ in range(self.k)]
             pg.allgather([every], [where]).wait()
             at = [int(t[0]) for t in every]
-            ahead = max(at)
-            if min(at) == ahead:
+            ahead, lo = max(at), min(at)
+            if lo == ahead:
                 break
-            if min(at) < ahead - 1:
-                raise IslandLost(f"islands at outer syncs {at}: an island restored more than one sync behind "
-                                 "the others cannot be caught up; restart every island from one checkpoint")
+            # The islands furthest behind get the result of the sync they are at from the first island
+            # ahead (it keeps its last results); the others wait, then exchange again.
             source = at.index(ahead)
-            behind = at[self.island] < ahead
-            frag = int(every[source][1])  # the fragment of the sync the islands ahead applied last
-            if behind and frag != sync.fragment:
-                raise IslandLost(f"island {self.island} is at sync {sync.index} of fragment {sync.fragment}, the "
-                                 f"islands ahead last applied fragment {frag}: restart every island from one checkpoint")
-            state = torch.cat([self._flat(frag, ANCHOR), self._flat(frag, MOMENTUM)]) if not behind else \
-                torch.empty(2 * self._flat(frag, ANCHOR).numel())
+            head = torch.zeros(3, dtype=torch.int64)
+            if self.island == source and lo in self.kept:
+                frag, kept = self.kept[lo]
+                head = torch.tensor([1, frag, kept.numel()], dtype=torch.int64)
+            _broadcast(pg, head, source)
+            if not int(head[0]):
+                raise IslandLost(f"islands at outer syncs {at}: island {at.index(lo)} restored further behind than "
+                                 f"the {self.keep} syncs the others keep; restart every island from one checkpoint")
+            state = kept if self.island == source else torch.empty(int(head[2]))
             _broadcast(pg, state, source)
-            if behind:
+            if at[self.island] == lo:
+                if int(head[1]) != sync.fragment:
+                    raise IslandLost(f"island {self.island} is at sync {sync.index} of fragment {sync.fragment}, "
+                                     f"the result sent is of fragment {int(head[1])}")
                 return "state", state
             # The islands behind now train to this sync; exchange again when they arrive.
         how = self.cfg.quantize
@@ -296,6 +305,8 @@ class Islands:
             nesterov(anchor, momentum, result, self.cfg.outer_lr, self.cfg.outer_momentum)
         self._unflat(f, anchor, ANCHOR)
         self._unflat(f, momentum, MOMENTUM)
+        self.kept[sync.index] = (f, torch.cat([anchor, momentum]))  # for an island that comes back behind
+        self.kept.pop(sync.index - self.keep, None)
         if self.schedule.tau and self.cfg.mixing > 0:
             local = self._flat(f, None)
             self._unflat(f, local.mul_(self.cfg.mixing).add_(anchor, alpha=1 - self.cfg.mixing))

@@ -117,7 +117,8 @@ class Trainer:
 
             store = open_store(cfg.fault.lighthouse, cfg.fault.init_timeout_s)[1] if env.rank == 0 else None
             self.islands = Islands(cfg.islands, cfg.fault.replica_group, islands, env, self.core, store,
-                                   model_args.n_layers, self.observer.events, self.observer.say)
+                                   model_args.n_layers, self.observer.events, self.observer.say,
+                                   cfg.checkpoint.memory_interval or cfg.checkpoint.interval)
         stateful = {"data": data, **({"islands": self.islands} if self.islands else {})}
         self.checkpointer = Checkpointer(cfg.checkpoint, self.paths, env, self.core, stateful,
                                          self.observer.events, describe, phase=self.observer.phase)
