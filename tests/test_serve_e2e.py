@@ -243,27 +243,37 @@ def test_serve_one_process(runs, tmp_path):
         with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
                           json={"prompt": "def ", "max_tokens": 120, "stream": True, "ignore_eos": True}) as s:
             next(s.iter_lines())
-        # A weight update while a stream is in flight: the stream finishes, the versions say what made it.
-        seen: list[dict] = []
+        # A weight update while streams are in flight: every stream finishes, the versions say what made it.
+        # Two clients keep a 150-token stream running each until the update has returned, so one spans it
+        # whatever the update costs on a loaded machine (one stream alone could end before the load landed).
+        runs: list[list[dict]] = []
+        updated = threading.Event()
 
-        def stream_long():
-            with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                              json={"prompt": "def ", "max_tokens": 150, "stream": True, "temperature": 0,
-                                    "ignore_eos": True}) as s:
-                seen.extend(json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {"))
+        def stream_until_updated():
+            while not updated.is_set():
+                seen: list[dict] = []
+                runs.append(seen)
+                with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                                  json={"prompt": "def ", "max_tokens": 150, "stream": True, "temperature": 0,
+                                        "ignore_eos": True}) as s:
+                    seen.extend(json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {"))
 
-        t = threading.Thread(target=stream_long)
-        t.start()
-        deadline = time.monotonic() + 30
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
+        clients = [threading.Thread(target=stream_until_updated) for _ in range(2)]
+        for t in clients:
+            t.start()
+            deadline = time.monotonic() + 30
+            while not (runs and runs[-1]) and time.monotonic() < deadline:
+                time.sleep(0.01)
         r = httpx.post(server.url + "/v1/weights", json={"source": str(b), "version": 7}, timeout=60)
+        updated.set()
         assert r.status_code == 200, r.text
-        t.join(60)
-        assert len(seen) == 150  # one event per token: none lost across the update (150 of the 160-token context: the
-        # stream must outlast the weight load it races)
-        assert seen[-1]["choices"][0]["finish_reason"] == "length"
-        assert seen[0]["weight_versions"] == [0] and seen[-1]["weight_versions"] == [7]
+        for t in clients:
+            t.join(60)
+        for seen in runs:  # one event per token: none lost across the update
+            assert len(seen) == 150 and seen[-1]["choices"][0]["finish_reason"] == "length"
+        spans = [(seen[0]["weight_versions"], seen[-1]["weight_versions"]) for seen in runs]
+        assert ([0], [7]) in spans, spans
+        assert all(first <= last for first, last in spans), spans
         assert httpx.get(server.url + "/health").json()["weight_version"] == 7
         assert server.greedy([PROMPTS[0]]) == [generate(b, PROMPTS[0], 8)]
         bad = httpx.post(server.url + "/v1/weights", json={"source": str(tmp_path)}, timeout=60)
