@@ -177,6 +177,14 @@ def run_cli(*args: str, check: bool = True, timeout: float = 300) -> subprocess.
     return proc
 
 
+def tiny_hf(root: Path, steps: int) -> Path:
+    """A tiny model trained ``steps`` steps into ``root/run`` and exported as a Hugging Face directory ``root/hf``."""
+    run_cli("train", "--run.dir", str(root / "run"), *TINY_RUN, "--training.steps", str(steps), "--model.max_seq_len",
+            "128", "--sample.max_new_tokens", "0", "--launch.nproc_per_node", "1")
+    run_cli("export", "--run", str(root / "run"), "--format", "hf", "--out", str(root / "hf"))
+    return root / "hf"
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return lines

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_RUN, run_cli
+from conftest import run_cli, tiny_hf
 from test_serve_e2e import Server
 
 import lm_eval  # noqa: F401 - a missing lm-eval fails here (it is in the test extra), not a skip
@@ -45,10 +45,7 @@ metric_list:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_eval")
-    run_cli("train", "--run.dir", str(root / "run"), *TINY_RUN, "--training.steps", "2", "--model.max_seq_len", "128",
-            "--sample.max_new_tokens", "0", "--launch.nproc_per_node", "1")
-    hf = root / "hf"
-    run_cli("export", "--run", str(root / "run"), "--format", "hf", "--out", str(hf))
+    hf = tiny_hf(root, 2)
     config = json.loads((hf / "tokenizer_config.json").read_text())
     (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     server = Server(root, "--hf", str(hf))

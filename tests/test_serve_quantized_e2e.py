@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import TINY_RUN, run_cli
+from conftest import run_cli, tiny_hf
 from test_serve_e2e import Server
 
 pytestmark = pytest.mark.e2e
@@ -23,10 +23,7 @@ REGEX = r"[0-9]{3}-[a-z]{2,5}"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
-    run_cli("train", "--run.dir", str(root / "run"), *TINY_RUN, "--training.steps", "4", "--model.max_seq_len", "128",
-            "--sample.max_new_tokens", "0", "--launch.nproc_per_node", "1")
-    hf = root / "hf"
-    run_cli("export", "--run", str(root / "run"), "--format", "hf", "--out", str(hf))
+    hf = tiny_hf(root, 4)
     server = Server(root, "--hf", str(hf), "--quantize", "int8", "--engine.speculative", "ngram")
     yield server, hf
     server.stop()

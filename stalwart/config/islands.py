@@ -44,3 +44,18 @@ class IslandsConfig:
             if self.overlap_steps >= self.inner_steps // self.fragments:
                 raise ConfigError(f"islands.overlap_steps ({self.overlap_steps}) must be below the "
                                   f"{self.inner_steps // self.fragments} steps between two fragments' syncs")
+
+
+def check_islands(cfg: IslandsConfig, parallelism, training, fault) -> None:
+    """``parallelism.islands`` > 1 against the rest of the job (its sections, not the root config)."""
+    k, t = parallelism.islands, training
+    if fault.group_recovery:
+        raise ConfigError("parallelism.islands and fault.group_recovery are two ways to split a job: an island "
+                          "already restarts alone; drop --fault.group_recovery")
+    if fault.replica_group >= k:
+        raise ConfigError(f"fault.replica_group ({fault.replica_group}) must be below parallelism.islands "
+                          f"({k}): islands are numbered from 0")
+    if t.global_batch % (k * t.micro_batch):
+        raise ConfigError(f"training.global_batch ({t.global_batch}) is the whole job's: it must split into "
+                          f"{k} islands x whole micro-batches of {t.micro_batch}")
+    cfg.validate(k, t.steps)

@@ -13,7 +13,7 @@ from typing import Literal
 from stalwart.config.controller import ControllerConfig
 from stalwart.config.core import ConfigError, option, section
 from stalwart.config.fault import FaultConfig
-from stalwart.config.islands import IslandsConfig
+from stalwart.config.islands import IslandsConfig, check_islands
 from stalwart.config.profile import ProfileConfig
 
 
@@ -410,24 +410,11 @@ class JobConfig:
                 raise ConfigError(f"fault.group_recovery: the {t.global_batch // t.micro_batch} micro-batches of a "
                                   f"step must split evenly over the {p.dp_replicate} replica groups")
         if self.parallelism.islands > 1:
-            self._check_islands()
+            check_islands(self.islands, self.parallelism, self.training, self.fault)
         if self.publish.interval and self.parallelism.pp > 1:
             raise ConfigError(f"publish.interval: live weights cannot be sent from a pipeline-parallel layout "
                               f"(parallelism.pp = {self.parallelism.pp}: each stage holds only its layers); serve "
                               "this run's checkpoints instead")
-
-    def _check_islands(self) -> None:
-        p, t, k = self.parallelism, self.training, self.parallelism.islands
-        if self.fault.group_recovery:
-            raise ConfigError("parallelism.islands and fault.group_recovery are two ways to split a job: an island "
-                              "already restarts alone; drop --fault.group_recovery")
-        if self.fault.replica_group >= k:
-            raise ConfigError(f"fault.replica_group ({self.fault.replica_group}) must be below parallelism.islands "
-                              f"({k}): islands are numbered from 0")
-        if t.global_batch % (k * t.micro_batch):
-            raise ConfigError(f"training.global_batch ({t.global_batch}) is the whole job's: it must split into "
-                              f"{k} islands x whole micro-batches of {t.micro_batch}")
-        self.islands.validate(k, t.steps)
 
     def notes(self) -> list[str]:
         """Settings that are valid but adjusted; the run prints each once at start."""
