@@ -1,4 +1,5 @@
-"""`stalwart data prepare|inspect`: tokenize a corpus once into memory-mappable shards; describe one."""
+"""`stalwart data prepare|inspect|pairs`: tokenize a corpus once into memory-mappable shards; describe one;
+mine query/document pairs for an embeddings model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from stalwart.config.arguments import ArgumentParser
 
-USAGE = "usage: stalwart data {prepare,inspect} ...   (stalwart data prepare --help)"
+USAGE = "usage: stalwart data {prepare,inspect,pairs} ...   (stalwart data prepare --help)"
 
 
 def _prepare_parser() -> argparse.ArgumentParser:
@@ -153,11 +154,54 @@ def inspect_main(argv: list[str]) -> int:
     return 0
 
 
+def pairs_main(argv: list[str]) -> int:
+    p = ArgumentParser(prog="stalwart data pairs",
+                       description="Mine docstring -> function pairs from Python sources into a pairs dataset for an "
+                                   "embeddings model (train with --data.path OUT --training.objective contrastive "
+                                   "--model.embed_dim N --data.seq_len SEQ_LEN). Writes OUT/train.jsonl and "
+                                   "OUT/heldout.jsonl (the pairs of the held-out packages: retrieval evaluation).")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--root", default="", help="a directory of .py files (default: this Python's standard library)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per pair: half the query, half the document")
+    p.add_argument("--held-out", type=int, default=10, help="percent of top-level packages held out (default 10)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default="", help="a tokenizer.json to use")
+    tok.add_argument("--vocab-size", type=int, default=4096, help="train a byte-level BPE of this size (default)")
+    p.add_argument("--tokenizer-train-mb", type=float, default=4.0, help="text used to train the BPE (MB)")
+    args = p.parse_args(argv)
+    from stalwart.atomic import output_dir
+    from stalwart.data.corpus import Corpus, DataError, default_corpus_root
+    from stalwart.data.pairs import mine, split, write_dataset, write_jsonl
+    from stalwart.data.tokenizer import eos_id, load_tokenizer, train_on
+
+    if not 0 <= args.held_out <= 50:
+        raise DataError(f"--held-out must be a percent within [0, 50] (got {args.held_out})")
+    root = Path(args.root) if args.root else default_corpus_root()
+    if not root.is_dir():
+        raise DataError(f"--root {root} is not a directory")
+    out = output_dir(args.out, "--out")
+    t0 = time.perf_counter()
+    pairs = mine(root)
+    if len(pairs) < 4:
+        raise DataError(f"--root {root}: only {len(pairs)} functions with docstrings found; give a larger tree")
+    train, held = split(pairs, args.held_out)
+    tok = (load_tokenizer(args.tokenizer) if args.tokenizer
+           else train_on([Corpus(args.root, decode_errors="replace")], args.vocab_size, args.tokenizer_train_mb))
+    write_jsonl(train, out / "train.jsonl")
+    write_jsonl(held, out / "heldout.jsonl")
+    write_dataset(train, held, out, tok, eos_id(tok), args.seq_len)
+    print(f"pairs {out}: {len(train):,} training pairs, {len(held):,} held out "
+          f"({len({p.module.split('.')[0] for p in held})} packages) from {root} in {time.perf_counter() - t0:.1f} s; "
+          f"train with --data.path {out} --data.seq_len {args.seq_len} --training.objective contrastive "
+          "--model.embed_dim 128")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    commands = {"prepare": prepare_main, "inspect": inspect_main}
+    commands = {"prepare": prepare_main, "inspect": inspect_main, "pairs": pairs_main}
     if argv[0] not in commands:
         print(f"stalwart data: unknown subcommand '{argv[0]}'. {USAGE}", file=sys.stderr)
         return 2

@@ -86,6 +86,9 @@ class ModelConfig:
         "(one fewer serial dependency per layer).", False)
     sliding_window: int = option("Sliding-window attention width in tokens (0 = full causal attention).", 0, min=0)
     init_std: float = option("Std-dev of the normal init of linear and embedding weights.", 0.02, min=0.0)
+    embed_dim: int = option("An embeddings model: the output head gives this many numbers per position, pooled "
+                            "into one unit vector per text (train with training.objective = contrastive); 0 = "
+                            "a language model (the head gives the vocabulary's logits).", 0, min=0)
     moe_experts: int = option("Routed experts per sparse layer (0 = the flavor's; > 0 makes a dense flavor a "
                               "mixture of experts).", 0, min=0)
     moe_top_k: int = option("Experts each token is routed to (0 = the flavor's).", 0, min=0)
@@ -189,6 +192,12 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = option(
         "Where to train ('auto' = cuda if available; a device this machine lacks is refused before any worker "
         "starts). `--device` sets it too.", "auto")
+    objective: Literal["lm", "contrastive"] = option(
+        "What the model learns: 'lm' = next-token prediction; 'contrastive' = an embeddings model "
+        "(model.embed_dim > 0) on a pairs dataset (`stalwart data pairs`), InfoNCE with the other pairs of the "
+        "micro-batch as negatives.", "lm")
+    temperature: float = option("Contrastive objective: the softmax temperature of the cosine similarities.",
+                                0.05, min=1e-4, max=10.0)
 
 
 @dataclass

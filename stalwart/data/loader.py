@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from stalwart.data.corpus import DataError
+from stalwart.data.pairs import pair_rows
 from stalwart.data.mixture import apportion, batch_plan, check_weights, served_per_source
 from stalwart.data.prefetch import Prefetcher
 from stalwart.data.prepared import TokenArray
@@ -29,8 +30,11 @@ class Batch:
     routing: object | None = None  # models.moe.Routing the forward replays (RL: the generator's experts)
 
 
-def _batches(seqs: np.ndarray, micro_batch: int) -> list[Batch]:
+def _batches(seqs: np.ndarray, micro_batch: int, pairs: tuple[int, int] | None = None) -> list[Batch]:
     t = torch.from_numpy(seqs)  # (n, seq + 1)
+    if pairs is not None:  # a pairs dataset: (2 * micro_batch, half) rows and their text masks
+        split = [pair_rows(t[i:i + micro_batch], *pairs) for i in range(0, len(seqs), micro_batch)]
+        return [Batch(inputs=rows, targets=mask) for rows, mask in split]
     return [Batch(inputs=t[i:i + micro_batch, :-1].contiguous(), targets=t[i:i + micro_batch, 1:].contiguous())
             for i in range(0, len(seqs), micro_batch)]
 
@@ -40,7 +44,8 @@ class DataLoader:
 
     def __init__(self, streams: list[TokenArray], names: list[str], weights: list[float], seq_len: int,
                  global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int = 0,
-                 prefetch: int = 2) -> None:
+                 prefetch: int = 2, pairs: tuple[int, int] | None = None) -> None:
+        """``pairs``: (half, end token) of a pairs dataset (``data/pairs.py``), else None."""
         if global_batch % dp_size:
             raise DataError(f"training.global_batch ({global_batch}) is not divisible by the data-parallel "
                             f"size ({dp_size}); choose a multiple of {dp_size}")
@@ -52,7 +57,7 @@ class DataLoader:
         check_weights(weights, names, global_batch)
         self.streams, self.names, self.weights = streams, names, weights
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
-        self.dp_rank, self.per_rank, self.seed = dp_rank, per_rank, seed
+        self.dp_rank, self.per_rank, self.seed, self.pairs = dp_rank, per_rank, seed, pairs
         self.accum_steps = per_rank // micro_batch
         self.n_sequences = [max(1, s.tokens // seq_len) for s in streams]
         self.batches_served = 0
@@ -72,7 +77,7 @@ class DataLoader:
         src, seq = batch_plan(b, self.global_batch, self.weights, self.n_sequences, self.seed)
         L = self.seq_len
         data = np.stack([self.streams[s].read(int(k) * L, L + 1) for s, k in zip(src[rows], seq[rows])])
-        return _batches(data, self.micro_batch)
+        return _batches(data, self.micro_batch, self.pairs)
 
     def next(self) -> list[Batch]:
         b = self.batches_served
@@ -112,7 +117,8 @@ class DataLoader:
 
 
 def validation_batches(streams: list[TokenArray], weights: list[float], seq_len: int, n_sequences: int,
-                       micro_batch: int, dp_rank: int, dp_size: int) -> list[Batch]:
+                       micro_batch: int, dp_rank: int, dp_size: int,
+                       pairs: tuple[int, int] | None = None) -> list[Batch]:
     """This rank's share of a fixed validation set of ``n_sequences`` sequences drawn from every source
     (by weight, at least one each when there are enough), spaced evenly over each source's held-out
     stream, so the estimate covers every source and not only its first document."""
@@ -125,4 +131,4 @@ def validation_batches(streams: list[TokenArray], weights: list[float], seq_len:
         rows += [stream.read(i * stride * seq_len, seq_len + 1) for i in range(int(count))]
     per_rank = n_sequences // dp_size
     mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    return _batches(np.stack(mine), micro_batch) if mine else []
+    return _batches(np.stack(mine), micro_batch, pairs) if mine else []

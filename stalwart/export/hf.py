@@ -98,6 +98,8 @@ def hf_config(args: TransformerArgs, eos: int | None, dtype: str = "float32") ->
         "initializer_range": args.init_std, "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
         "bos_token_id": eos, "eos_token_id": eos,
     }
+    if args.embed_dim:  # an embeddings model: lm_head projects to embed_dim (mean-pooled, normalised)
+        llama.update(architectures=["StalwartEmbedder"], stalwart_embed_dim=args.embed_dim)
     return hf_moe.mixtral_config(args, llama) if args.moe is not None else llama
 
 
@@ -114,7 +116,8 @@ def args_from_hf(config: dict[str, Any], where: str) -> TransformerArgs:
             vocab_size=config["vocab_size"], ffn_hidden=config["intermediate_size"],
             max_seq_len=config.get("max_position_embeddings", 2048),
             rope_theta=float(config.get("rope_theta", 10000.0)), norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            embed_dim=int(config.get("stalwart_embed_dim", 0)))
     except KeyError as e:
         raise ExportError(f"{where}: config.json has no {e.args[0]}") from None
     args.validate()
@@ -313,6 +316,7 @@ def _hf_expectations(args: TransformerArgs) -> dict[str, tuple[Any, Any, str]]:
         "attention_bias": (False, False, "attention biases are not supported"),
         "mlp_bias": (False, False, "MLP biases are not supported"),
         "sliding_window": (args.sliding_window or None, None, "--model.sliding_window"),
+        "stalwart_embed_dim": (args.embed_dim, 0, "--model.embed_dim"),
     } | moe
 
 

@@ -60,6 +60,9 @@ class TransformerArgs:
     sliding_window: int = 0
     init_std: float = 0.02
     moe: MoEArgs | None = None  # None: every layer is dense
+    # > 0: an embeddings model: the output head projects each position to this many numbers instead of
+    # the vocabulary's logits (pooled and normalised by the contrastive objective and the embedder)
+    embed_dim: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.n_dense_layers
@@ -78,6 +81,9 @@ class TransformerArgs:
             raise ModelShapeError(f"head dimension {self.head_dim} must be even for RoPE")
         if self.moe is not None:
             self.moe.validate(self.n_layers)
+        if self.embed_dim and self.tie_embeddings:
+            raise ModelShapeError("model.embed_dim > 0 (an embeddings model) needs its own output head: set "
+                                  "--model.tie_embeddings false")
 
 
 def llama_ffn_hidden(dim: int, multiple_of: int, multiplier: float | None = None) -> int:
@@ -156,6 +162,9 @@ def resolve_args(cfg, vocab_size: int, seq_len: int) -> TransformerArgs:
         changes["rope_theta"] = cfg.rope_theta
     if cfg.tie_embeddings != "auto":
         changes["tie_embeddings"] = cfg.tie_embeddings == "true"
+    elif cfg.embed_dim:
+        changes["tie_embeddings"] = False  # an embeddings model's head is not the input embedding
+    changes["embed_dim"] = cfg.embed_dim
     vocab = cfg.vocab_size or vocab_size
     changes["vocab_size"] = 64 * ((vocab + 63) // 64)
     changes["max_seq_len"] = cfg.max_seq_len or seq_len

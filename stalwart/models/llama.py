@@ -161,7 +161,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.embed_dim or args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(args.head_dim, args.max_seq_len, args.rope_theta),
@@ -237,7 +237,7 @@ def count_params(args: TransformerArgs, include_embedding: bool = True, active: 
             ffn = 3 * d * f
         layers += attn + ffn + norms
     embed = v * d
-    head = 0 if args.tie_embeddings else v * d
+    head = 0 if args.tie_embeddings else (args.embed_dim or v) * d
     return layers + d + head + (embed if include_embedding else 0)
 
 

@@ -26,13 +26,16 @@ from stalwart.train.demotion import RestoreWatch
 from stalwart.train.preempt import Preempted, PreemptionSignal
 
 
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings",
+                "embed_dim")
+SHAPE_DEFAULTS = {"embed_dim": 0}  # fields checkpoints written before them do not carry
 
 
 def _shape(a: dict) -> str:
     return (f"dim {a.get('dim')}, {a.get('n_layers')} layers, {a.get('n_heads')} heads ({a.get('n_kv_heads')} "
             f"key/value), ffn {a.get('ffn_hidden')}, vocab {a.get('vocab_size')}, "
-            f"{'tied' if a.get('tie_embeddings') else 'untied'} embeddings")
+            f"{'tied' if a.get('tie_embeddings') else 'untied'} embeddings"
+            + (f", embeddings of {a['embed_dim']}" if a.get("embed_dim") else ""))
 
 
 class Checkpointer:
@@ -77,7 +80,7 @@ class Checkpointer:
         except (OSError, ValueError, KeyError, TypeError):
             return  # unreadable: the load itself names what is wrong
         want = dataclasses.asdict(args)
-        if isinstance(saved, dict) and any(saved.get(k) != want[k] for k in SHAPE_FIELDS):
+        if isinstance(saved, dict) and any(saved.get(k, SHAPE_DEFAULTS.get(k)) != want[k] for k in SHAPE_FIELDS):
             owner = RunPaths.holding(path)
             fix = (f"or resume with the config it was trained with (--config {owner.config})" if owner else
                    "or give the model settings it was trained with")

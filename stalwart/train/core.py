@@ -38,7 +38,8 @@ from stalwart.train.dist_env import replica_fits_here
 from stalwart.train.experts import ExpertBalancer
 from stalwart.train.init import materialize_and_init
 from stalwart.train.optim import GatedOptimizer, LRSchedule, build_optimizer, clip_grad_norm
-from stalwart.train.step import LossFn, StepRunner, cross_entropy
+from stalwart.train.contrastive import contrastive_loss
+from stalwart.train.step import LossFn, StepRunner
 
 # A function run after backward and before clipping: (step, this rank's loss) -> the loss to report.
 BackwardHook = Callable[[int, "torch.Tensor | None"], "torch.Tensor | None"]
@@ -136,6 +137,8 @@ class TrainCore:
         self.runner = StepRunner(self.pm, dims, self.mesh, self.device, env.rank, spec.accum_steps,
                                  spec.parallelism.pp_schedule, timer)
         self.timer = self.runner.timer
+        if getattr(spec.training, "objective", "lm") == "contrastive":  # an embeddings model (train/contrastive.py)
+            self.runner.objective = contrastive_loss(spec.training.temperature)
         self.elastic_norm = None  # the layout-independent gradient norm under training.elastic_exact
         if elastic:
             leaves = spec.training.global_batch // spec.training.micro_batch
@@ -161,7 +164,7 @@ class TrainCore:
         return cls(spec, env, ParallelDims.resolve(spec.parallelism, env.world_size, fits), timer)
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, micro: list[Batch], loss_fn: LossFn = cross_entropy) -> dict:
+    def train_step(self, micro: list[Batch], loss_fn: LossFn | None = None) -> dict:
         """One optimizer step on this rank's micro-batches. Returns the step's record (loss averaged
         over the ranks that computed one, learning rate, gradient norm, whether it was applied)."""
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from stalwart.data.cache import cache_root, cached, data_key, link_run_data
-from stalwart.data.corpus import Corpus
+from stalwart.data.corpus import Corpus, DataError
 from stalwart.data.loader import Batch, DataLoader, validation_batches
 from stalwart.data.mixture import parse_mix
 from stalwart.data.prepare import Source, parse_inputs, prepare, tokenizer_sha256
@@ -49,12 +49,22 @@ class RunData:
         weights = parse_mix(cfg.mix, names) if cfg.mix else [t / sum(self.prepared.train_tokens())
                                                                for t in self.prepared.train_tokens()]
         return DataLoader(self.prepared.split("train"), names, weights, seq_len, global_batch, micro_batch,
-                          dp_rank, dp_size, seed, prefetch=cfg.prefetch)
+                          dp_rank, dp_size, seed, prefetch=cfg.prefetch, pairs=self.pairs(seq_len))
+
+    def pairs(self, seq_len: int) -> tuple[int, int] | None:
+        """(half, end token) when the data is a pairs dataset (``stalwart data pairs``), else None."""
+        half = self.prepared.index.get("pairs", {}).get("half", 0)
+        if not half:
+            return None
+        if seq_len != 2 * half:
+            raise DataError(f"data.seq_len is {seq_len}, but {self.prepared.root} holds pairs of {half} + {half} "
+                            f"tokens: set --data.seq_len {2 * half}")
+        return half, self.prepared.index["eos_id"]
 
     def validation(self, loader: DataLoader, n_sequences: int, micro_batch: int, dp_rank: int,
                    dp_size: int) -> list[Batch]:
         return validation_batches(self.prepared.split("val"), loader.weights, loader.seq_len, n_sequences,
-                                  micro_batch, dp_rank, dp_size)
+                                  micro_batch, dp_rank, dp_size, loader.pairs)
 
 
 def build_run_data(cfg, paths: RunPaths, is_main: bool, init_from_hf: str = "") -> RunData:

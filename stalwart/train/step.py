@@ -63,6 +63,7 @@ class StepRunner:
             self.schedule = build_schedule(pm, self.pp_group, device, schedule_name, n_microbatches,
                                            loss_fn=lambda out, tgt: self._loss_fn(out, tgt))
         self._loss_fn: LossFn = cross_entropy
+        self.objective: LossFn = cross_entropy  # the run's own loss (training.objective): the default of every step
         self.elastic = None  # a parallel.elastic.TreeAccumulator when training.elastic_exact is on
         self.elastic_group = None
         self.elastic_last: list[bool] | None = None  # FSDP's tree reduce-scatters: True for the last micro-batch
@@ -93,9 +94,10 @@ class StepRunner:
         return (shard_sequence(inputs, self.cp_rank, self.dims.cp), shard_sequence(targets, self.cp_rank, self.dims.cp),
                 cp_positions(seq, self.cp_rank, self.dims.cp, self.device))
 
-    def forward_backward(self, micro: list[Batch], loss_fn: LossFn = cross_entropy) -> torch.Tensor | None:
+    def forward_backward(self, micro: list[Batch], loss_fn: LossFn | None = None) -> torch.Tensor | None:
         """Run forward and backward over this rank's micro-batches; return the mean loss, or None
-        on a pipeline rank that does not hold the last stage."""
+        on a pipeline rank that does not hold the last stage. ``loss_fn``: default the run's objective."""
+        loss_fn = loss_fn or self.objective
         self._loss_fn = loss_fn
         if (self.schedule is not None or self.dims.cp > 1) and any(b.routing is not None for b in micro):
             raise ValueError("routing replay runs without pipeline or context parallelism (pp = cp = 1)")
@@ -180,7 +182,7 @@ class StepRunner:
             for batch in batches:
                 inputs, targets, positions = self._prepare(batch)
                 with self._loss_context():
-                    loss = cross_entropy(self.pm.stages[0](inputs, positions), targets)
+                    loss = self.objective(self.pm.stages[0](inputs, positions), targets)
                 loss_sum += float(_local(loss)) * targets.numel()
                 count += targets.numel()
             return loss_sum, count

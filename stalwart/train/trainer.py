@@ -33,6 +33,7 @@ from stalwart.parallel.dims import ParallelDims, data_parallel_reason
 from stalwart.parallel.regroup import inner_parallelism
 from stalwart.paths import RunPaths
 from stalwart.train.checkpointer import Checkpointer
+from stalwart.train.contrastive import check_objective
 from stalwart.train.config_change import describe_changes, previous_config, replace_config
 from stalwart.train.core import CoreSpec, TrainCore
 from stalwart.train.data_setup import build_run_data
@@ -82,6 +83,7 @@ class Trainer:
         fits = replica_fits_here(env, count_params(model_args))
         dims = ParallelDims.resolve(par, env.world_size, fits)
         self.layout_reason = data_parallel_reason(par, dims, fits)
+        check_objective(cfg.training, model_args, self.data.pairs(cfg.data.seq_len), dims)
         # Settings changed since the previous session (a resume with other flags): named at begin().
         self.config_changes = replace_config(self.paths.config, to_toml(cfg)) if env.is_main else {}
         dp_rank = dims.dp_rank(env.rank)
