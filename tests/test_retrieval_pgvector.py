@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 from stalwart.retrieval import query as q
+from stalwart.retrieval.open import open_store
 from stalwart.retrieval.pgvector import BM25_B, BM25_K1, PgStore, split_address
 from stalwart.retrieval.records import Chunk, IndexError_
 from stalwart.runtime.settings import free_port
@@ -350,6 +351,69 @@ def test_a_client_killed_mid_batch_leaves_the_committed_state(pg):
     # the ids are free: the same batch, added again, commits whole
     s.add([Chunk(i, "acme", f"text of {i}") for i in ids], _unit(rng, len(ids)))
     assert s.count("acme") == 510
+    s.close()
+
+
+@pytest.mark.e2e
+def test_a_cut_connection_is_reopened(pg):
+    """The server ends the store's connection (as a restart or an idle timeout would): the next read runs on a
+    new connection; a write cut that way is one line, and the write after it goes through."""
+    import psycopg
+
+    rng = np.random.default_rng(7)
+    app = f"cut-{uuid.uuid4().hex[:8]}"
+    s = _index(pg)
+    s.close()
+    s = PgStore(f"{s.address.replace('?', '?application_name=' + app + '&')}")
+    s.add([Chunk("a0", "acme", "one")], _unit(rng, 1))
+
+    def cut() -> None:
+        with psycopg.connect(pg, autocommit=True) as c:
+            n = c.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s",
+                          [app]).fetchone()[0]
+            assert n == 1
+
+    cut()
+    assert s.count("acme") == 1 and s.search("acme", text="one", mode="keyword")[0].id == "a0"
+    cut()
+    with pytest.raises(IndexError_, match="lost the connection to PostgreSQL at postgresql://postgres@.*run it again"):
+        s.add([Chunk("a1", "acme", "two")], _unit(rng, 1))
+    s.add([Chunk("a1", "acme", "two")], _unit(rng, 1))
+    assert s.count("acme") == 2
+    s.close()
+
+
+@pytest.mark.e2e
+def test_stalwart_index_commands_on_a_postgresql_address(pg, tmp_path):
+    rng = np.random.default_rng(6)
+    vecs = _unit(rng, 6)
+    chunks = tmp_path / "chunks.jsonl"
+    chunks.write_text("".join(json.dumps({"id": f"{t}{i}", "tenant": t, "text": TEXTS[i], "meta": {"n": i},
+                                          "vector": vecs[i].tolist()}) + "\n" for t in "AB" for i in range(3)))
+    address = f"{pg}?table=t_{uuid.uuid4().hex[:12]}"
+    run_cli("index", "build", address, "--chunks", str(chunks), "--batch", "2")
+    s = open_store(address)
+    assert isinstance(s, PgStore) and s.dim == DIM and s.tenants() == {"A": 3, "B": 3}
+    s.close()
+    qf = tmp_path / "q.json"
+    qf.write_text(json.dumps(vecs[1].tolist()))
+    out = run_cli("index", "query", address, "--tenant", "A", "--vector-file", str(qf), "--text", "fox", "--json")
+    hits = json.loads(out.stdout)
+    assert [h["id"] for h in hits][:1] == ["A1"] and {h["tenant"] for h in hits} == {"A"}
+    out = run_cli("index", "query", address, "--tenant", "A", "--text", "posixpath", "--filter", "n=2", "--json")
+    assert [h["id"] for h in json.loads(out.stdout)] == ["A2"]
+    assert "deleted 1 of 2 ids" in run_cli("index", "delete", address, "--tenant", "A", "--ids", "A0,B0").stdout
+    # an add of the same file: the batches still whole are skipped, the one missing A0 is refused
+    bad = run_cli("index", "add", address, "--chunks", str(chunks), "--batch", "2", check=False)
+    assert bad.returncode == 2 and "partly in the index" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    for args in (["index", "query", address, "--tenant", "A' OR '1'='1", "--text", "fox"],
+                 ["index", "query", f"postgresql://postgres@127.0.0.1:{free_port('127.0.0.1')}/postgres?table=t",
+                  "--tenant", "A", "--text", "fox"],
+                 ["index", "build", address, "--chunks", str(chunks)]):
+        r = run_cli(*args, check=False)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    s = PgStore(address)
+    assert s.tenants() == {"A": 2, "B": 3}  # what the refused commands left: as it was
     s.close()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -120,14 +121,12 @@ class PgStore:
         except ImportError:
             raise IndexError_("a postgresql:// index needs the psycopg client: pip install 'psycopg[binary]'") from None
         self._psycopg, self._sql = psycopg, sql
-        conninfo, self.table, self.address = split_address(address)
+        self._conninfo, self.table, self.address = split_address(address)
+        self._timeout = connect_timeout
         self._t = sql.Identifier(self.table)
-        try:
-            self._conn = psycopg.connect(conninfo, connect_timeout=connect_timeout)
-        except psycopg.Error as e:
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise IndexError_(f"cannot connect to PostgreSQL at {self.address}: {msg}") from None
-        self._conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ  # a search's two queries: one snapshot
+        self._lock = threading.Lock()  # one connection: one operation (one transaction) at a time
+        self._conn = None
+        self._connect()
         try:
             if create:
                 self._create(dim, embedder, embedder_dir)
@@ -135,22 +134,61 @@ class PgStore:
             if row is None:
                 raise IndexError_(f"no index at {self.address}; create one with `stalwart index build`")
             self.dim, self.embedder, self.embedder_dir, self.ts_config, self._iterative = row
+            # what the index holds, under the names the embedded store's manifest uses
+            self.manifest = {"dim": self.dim, "embedder": self.embedder, "embedder_dir": self.embedder_dir,
+                             "ts_config": self.ts_config, "ann": {"kind": "HNSW", "distance": "cosine"}}
             if dim is not None and dim != self.dim:
                 raise IndexError_(f"{self.address} holds vectors of length {self.dim}, not {dim}")
         except BaseException:
             self._conn.close()
             raise
 
+    # -- the connection -------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        psycopg = self._psycopg
+        try:
+            conn = psycopg.connect(self._conninfo, connect_timeout=self._timeout)
+        except psycopg.Error as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise IndexError_(f"cannot connect to PostgreSQL at {self.address}: {msg}") from None
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ  # a search's two queries: one snapshot
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = conn
+
+    def _run(self, fn, *, retry: bool):
+        """``fn(conn)`` in one transaction, one at a time. A connection found broken (a server restart, an
+        idle connection cut) is reopened first; a read (``retry``) that loses its connection midway runs once
+        more on a new one. A write is never re-run here: the ingest's resume check decides what is missing."""
+        with self._lock:
+            for attempt in (0, 1):
+                if self._conn.broken:
+                    self._connect()
+                try:
+                    with self._conn.transaction():
+                        return fn(self._conn)
+                except self._psycopg.OperationalError as e:
+                    if not self._conn.broken:
+                        raise
+                    if retry and attempt == 0:
+                        continue
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise IndexError_(f"lost the connection to PostgreSQL at {self.address} ({msg})" + (
+                        "" if retry else "; a write cut before its commit was acknowledged may or may not have "
+                        "committed: run it again (an ingest skips the batches committed)")) from None
+
     # -- schema ---------------------------------------------------------------------------------------
 
     def _catalog(self) -> tuple | None:
-        with self._conn.transaction():
-            if self._conn.execute("SELECT to_regclass(%s)", [CATALOG]).fetchone()[0] is None:
-                return None
-            row = self._conn.execute(
-                self._sql.SQL("SELECT dim, embedder, embedder_dir, ts_config FROM {} WHERE name = %s")
-                .format(self._sql.Identifier(CATALOG)), [self.table]).fetchone()
-            ver = self._conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+        def read(c):
+            if c.execute("SELECT to_regclass(%s)", [CATALOG]).fetchone()[0] is None:
+                return None, None
+            row = c.execute(self._sql.SQL("SELECT dim, embedder, embedder_dir, ts_config FROM {} WHERE name = %s")
+                            .format(self._sql.Identifier(CATALOG)), [self.table]).fetchone()
+            return row, c.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+
+        row, ver = self._run(read, retry=True)
         if row is None:
             return None
         # hnsw.iterative_scan (pgvector 0.8): the HNSW scan goes on until k rows pass the tenant clause
@@ -161,28 +199,30 @@ class PgStore:
         if not isinstance(dim, int) or isinstance(dim, bool) or not 0 < dim <= MAX_DIM:
             raise IndexError_(f"the vector length must be 1-{MAX_DIM} for pgvector's HNSW index (got {dim})")
         sql, t, psycopg = self._sql, self._t, self._psycopg
+
+        def create(c):
+            c.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK])
+            c.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            c.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (name text PRIMARY KEY, dim int NOT NULL, "
+                              "embedder text NOT NULL, embedder_dir text NOT NULL, ts_config text NOT NULL)")
+                      .format(sql.Identifier(CATALOG)))
+            if c.execute("SELECT to_regclass(%s)", [self.table]).fetchone()[0] is not None:
+                raise IndexError_(f"{self.address} exists already; add to it with `stalwart index add`, or "
+                                  "give another ?table=")
+            c.execute(sql.SQL("CREATE TABLE {t} (id text PRIMARY KEY, tenant text NOT NULL, text text NOT NULL, "
+                              "meta jsonb NOT NULL, digest text NOT NULL, vec vector({dim}) NOT NULL, "
+                              "tsv tsvector NOT NULL, dl int NOT NULL)").format(t=t, dim=sql.Literal(dim)))
+            for suffix, how in (("tenant", "btree (tenant)"), ("vec", "hnsw (vec vector_cosine_ops)"),
+                                ("tsv", "gin (tsv)"), ("meta", "gin (meta jsonb_path_ops)")):
+                c.execute(sql.SQL("CREATE INDEX {i} ON {t} USING " + how)
+                          .format(i=sql.Identifier(f"{self.table}_{suffix}"), t=t))
+            # a catalog row left by a table dropped by hand is replaced
+            c.execute(sql.SQL("DELETE FROM {} WHERE name = %s").format(sql.Identifier(CATALOG)), [self.table])
+            c.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s, %s, %s)").format(sql.Identifier(CATALOG)),
+                      [self.table, dim, embedder, embedder_dir, TS_CONFIG])
+
         try:
-            with self._conn.transaction():
-                c = self._conn
-                c.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK])
-                c.execute("CREATE EXTENSION IF NOT EXISTS vector")
-                c.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (name text PRIMARY KEY, dim int NOT NULL, "
-                                  "embedder text NOT NULL, embedder_dir text NOT NULL, ts_config text NOT NULL)")
-                          .format(sql.Identifier(CATALOG)))
-                if c.execute("SELECT to_regclass(%s)", [self.table]).fetchone()[0] is not None:
-                    raise IndexError_(f"{self.address} exists already; add to it with `stalwart index add`, or "
-                                      "give another ?table=")
-                c.execute(sql.SQL("CREATE TABLE {t} (id text PRIMARY KEY, tenant text NOT NULL, text text NOT NULL, "
-                                  "meta jsonb NOT NULL, digest text NOT NULL, vec vector({dim}) NOT NULL, "
-                                  "tsv tsvector NOT NULL, dl int NOT NULL)").format(t=t, dim=sql.Literal(dim)))
-                for suffix, how in (("tenant", "btree (tenant)"), ("vec", "hnsw (vec vector_cosine_ops)"),
-                                    ("tsv", "gin (tsv)"), ("meta", "gin (meta jsonb_path_ops)")):
-                    c.execute(sql.SQL("CREATE INDEX {i} ON {t} USING " + how)
-                              .format(i=sql.Identifier(f"{self.table}_{suffix}"), t=t))
-                # a catalog row left by a table dropped by hand is replaced
-                c.execute(sql.SQL("DELETE FROM {} WHERE name = %s").format(sql.Identifier(CATALOG)), [self.table])
-                c.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s, %s, %s, %s)").format(sql.Identifier(CATALOG)),
-                          [self.table, dim, embedder, embedder_dir, TS_CONFIG])
+            self._run(create, retry=False)
         except psycopg.errors.FeatureNotSupported as e:
             raise IndexError_(f"{self.address}: {str(e).strip().splitlines()[0]}") from None
         except (psycopg.errors.UndefinedFile, psycopg.errors.InsufficientPrivilege) as e:
@@ -216,10 +256,13 @@ class PgStore:
             "SELECT %(id)s, %(tenant)s, %(text)s, %(meta)s::jsonb, %(digest)s, %(vec)s::vector, v.tsv, "
             "(SELECT coalesce(sum(cardinality(u.positions)), 0) FROM unnest(v.tsv) AS u) "
             "FROM (SELECT to_tsvector(%(cfg)s::regconfig, %(text)s) AS tsv) AS v").format(t=self._t)
+        def insert(c):
+            with c.cursor() as cur:
+                cur.executemany(stmt, rows)
+
         errors = self._psycopg.errors
         try:
-            with self._conn.transaction(), self._conn.cursor() as cur:
-                cur.executemany(stmt, rows)
+            self._run(insert, retry=False)
         except errors.UniqueViolation as e:
             detail = (e.diag.message_detail or "").strip()
             raise IndexError_(f"{self.address}: a chunk id is already in the index ({detail}); nothing of this "
@@ -230,27 +273,19 @@ class PgStore:
 
     def delete(self, tenant: str, ids: list[str]) -> int:
         check_tenant(tenant)
-        with self._conn.transaction():
-            cur = self._conn.execute(self._sql.SQL("DELETE FROM {} WHERE tenant = %s AND id = ANY(%s)")
-                                     .format(self._t), [tenant, list(ids)])
-            return cur.rowcount
+        stmt = self._sql.SQL("DELETE FROM {} WHERE tenant = %s AND id = ANY(%s)").format(self._t)
+        return self._run(lambda c: c.execute(stmt, [tenant, list(ids)]).rowcount, retry=False)
 
     def build_indexes(self, ann=None, min_rows: int = 0) -> dict | None:
         """The indexes are kept up to date by PostgreSQL on every write; this refreshes the planner's
         statistics. Returns the vector index's settings."""
-        self._conn.commit()
-        self._conn.autocommit = True
-        try:
-            self._conn.execute(self._sql.SQL("ANALYZE {}").format(self._t))
-        finally:
-            self._conn.autocommit = False
+        self._run(lambda c: c.execute(self._sql.SQL("ANALYZE {}").format(self._t)), retry=True)
         return {"kind": "HNSW", "distance": "cosine"}
 
     # -- reads ----------------------------------------------------------------------------------------
 
     def _rows(self, stmt, params) -> list[tuple]:
-        with self._conn.transaction():
-            return self._conn.execute(stmt, params).fetchall()
+        return self._run(lambda c: c.execute(stmt, params).fetchall(), retry=True)
 
     def committed_digests(self, ids: list[str]) -> dict[str, str]:
         """id -> digest of those of ``ids`` already in the index (any tenant: ids are unique index-wide)."""
@@ -274,52 +309,56 @@ class PgStore:
                           .format(self._t), [])
         return dict(rows)
 
-    def _vector(self, tenant: str, vector: np.ndarray, filters: dict | None, k: int) -> list[tuple]:
-        v = np.asarray(vector, dtype=np.float32).reshape(-1)
-        if v.shape != (self.dim,) or not np.all(np.isfinite(v)):
-            raise IndexError_(f"the query vector must hold {self.dim} finite numbers (got {v.size})")
+    def _vector(self, c, tenant: str, v: np.ndarray, filters: dict | None, k: int) -> list[tuple]:
         where, params = _filters(filters, "c")
         stmt = self._sql.SQL("SELECT c.id, c.tenant, c.text, c.meta, 1 - (c.vec <=> %(q)s::vector) FROM {t} c "
                              "WHERE c.tenant = %(tenant)s" + where + " ORDER BY c.vec <=> %(q)s::vector "
                              "LIMIT %(k)s").format(t=self._t)
         # the HNSW candidate list must be at least k long (ef_search; pgvector's default is 40)
-        self._conn.execute("SELECT set_config('hnsw.ef_search', %s, true)", [str(max(40, k))])
+        c.execute("SELECT set_config('hnsw.ef_search', %s, true)", [str(max(40, k))])
         if self._iterative:
-            self._conn.execute("SELECT set_config('hnsw.iterative_scan', 'strict_order', true)")
-        return self._conn.execute(stmt, params | {"q": _vec(v), "tenant": tenant, "k": k}).fetchall()
+            c.execute("SELECT set_config('hnsw.iterative_scan', 'strict_order', true)")
+        return c.execute(stmt, params | {"q": _vec(v), "tenant": tenant, "k": k}).fetchall()
 
-    def _keyword(self, tenant: str, text: str | None, filters: dict | None, k: int) -> list[tuple]:
-        if not isinstance(text, str) or not text.strip():
-            raise IndexError_("a keyword or hybrid search needs query text")
+    def _keyword(self, c, tenant: str, text: str, filters: dict | None, k: int) -> list[tuple]:
         where, params = _filters(filters, "t")
         params |= {"cfg": self.ts_config, "text": text, "tenant": tenant, "k": k, "k1": BM25_K1, "b": BM25_B}
-        return self._conn.execute(_bm25_sql(self._t, where), params).fetchall()
+        return c.execute(_bm25_sql(self._t, where), params).fetchall()
 
     def search(self, tenant: str, *, vector: np.ndarray | None = None, text: str | None = None,
                mode: Mode = "hybrid", k: int = 10, filters: dict | None = None) -> list[Hit]:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= 1000:
             raise IndexError_(f"k must be 1-1000 (got {k})")
+        if mode not in ("vector", "keyword", "hybrid"):
+            raise IndexError_(f"mode must be vector, keyword or hybrid (got {mode!r})")
         check_tenant(tenant)
-        q.filter_tags(filters)  # checked before any query runs
-        with self._conn.transaction():
+        q.filter_tags(filters)  # everything is checked before any query runs
+        v = None
+        if mode != "keyword":
+            v = np.asarray(_need(vector, mode), dtype=np.float32).reshape(-1)
+            if v.shape != (self.dim,) or not np.all(np.isfinite(v)):
+                raise IndexError_(f"the query vector must hold {self.dim} finite numbers (got {v.size})")
+        if mode != "vector" and (not isinstance(text, str) or not text.strip()):
+            raise IndexError_("a keyword or hybrid search needs query text")
+
+        def run(c) -> list[tuple]:
             if mode == "vector":
-                rows = self._vector(tenant, _need(vector, mode), filters, k)
-            elif mode == "keyword":
-                rows = self._keyword(tenant, text, filters, k)
-            elif mode == "hybrid":
-                depth = max(k, 20)
-                dense = self._vector(tenant, _need(vector, mode), filters, depth)
-                sparse = self._keyword(tenant, text, filters, depth)
-                by_id = {r[0]: r for r in sparse + dense}
-                rows = [(*by_id[cid][:4], score)
-                        for cid, score in q.rrf([[r[0] for r in dense], [r[0] for r in sparse]], k)]
-            else:
-                raise IndexError_(f"mode must be vector, keyword or hybrid (got {mode!r})")
+                return self._vector(c, tenant, v, filters, k)
+            if mode == "keyword":
+                return self._keyword(c, tenant, text, filters, k)
+            depth = max(k, 20)  # both searches in one transaction: one snapshot
+            dense, sparse = self._vector(c, tenant, v, filters, depth), self._keyword(c, tenant, text, filters, depth)
+            by_id = {r[0]: r for r in sparse + dense}
+            fused = q.rrf([[r[0] for r in dense], [r[0] for r in sparse]], k)
+            return [(*by_id[cid][:4], score) for cid, score in fused]
+
+        rows = self._run(run, retry=True)
         return [Hit(cid, ten, txt, float(score), meta) for cid, ten, txt, meta, score in rows]
 
     def close(self) -> None:
-        if not self._conn.closed:
-            self._conn.close()
+        with self._lock:
+            if not self._conn.closed:
+                self._conn.close()
 
     def __enter__(self) -> PgStore:
         return self
