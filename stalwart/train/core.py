@@ -82,7 +82,9 @@ class CoreSpec:
 
     @property
     def flops_per_token(self) -> float:
-        return flops_per_token(self.model_args, self.seq_len)
+        # a contrastive step's rows are half a sequence each (a pair's query or document)
+        pairs = getattr(self.training, "objective", "lm") == "contrastive"
+        return flops_per_token(self.model_args, self.seq_len // 2 if pairs else self.seq_len)
 
     @property
     def tokens_per_step(self) -> int:

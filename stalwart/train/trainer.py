@@ -246,7 +246,8 @@ class Trainer:
             "checkpoint": str(ckpt) if ckpt else None,
             "run_dir": str(self.paths.root), "mem_bytes": self.observer.memory(), **self.core.state_bytes(),
         }
-        summary["sample"] = self._sample() if not stopped_early else None
+        # an embeddings model has no text to sample
+        summary["sample"] = self._sample() if not stopped_early and not self.core.spec.model_args.embed_dim else None
         summary["fault_tolerance"] = self.guard.summary()
         if self.islands is not None:
             summary["islands"] = {"island": self.cfg.fault.replica_group, **self.islands.summary()}

@@ -1,0 +1,75 @@
+"""An embeddings model trained through `stalwart train` keeps the training guarantees: two processes
+(FSDP) stopped and resumed go bit for bit like the uninterrupted run; the exported model embeds like
+the run it came from; a mismatched run is refused in one line."""
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TINY_RUN, assert_same_states, run_cli
+
+pytestmark = pytest.mark.e2e
+
+EMAIL = str(Path(sysconfig.get_paths()["stdlib"]) / "email")
+
+
+def _without(flags: list[str], *names: str) -> list[str]:
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in names:
+            skip = True
+        else:
+            out.append(f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pairs")
+    proc = run_cli("data", "pairs", "--out", str(out), "--root", EMAIL, "--seq-len", "64", "--vocab-size", "300",
+                   "--tokenizer-train-mb", "0.2", "--held-out", "30")
+    assert "training pairs" in proc.stdout
+    return out
+
+
+def _common(pairs: Path) -> list[str]:
+    base = _without(TINY_RUN, "--data.path", "--data.seq_len", "--data.vocab_size", "--data.tokenizer_train_mb",
+                    "--data.val_fraction", "--training.global_batch", "--training.micro_batch")
+    return [*base, "--data.path", str(pairs), "--data.seq_len", "64", "--training.objective", "contrastive",
+            "--model.embed_dim", "16", "--training.global_batch", "8", "--training.micro_batch", "4",
+            "--training.steps", "6", "--launch.nproc_per_node", "2", "--checkpoint.interval", "3",
+            "--eval.interval", "3"]
+
+
+def test_two_processes_stopped_and_resumed_go_bit_for_bit_and_export_embeds_alike(pairs, tmp_path):
+    plain, resumed = tmp_path / "plain", tmp_path / "resumed"
+    run_cli("train", *_common(pairs), "--run.dir", str(plain))
+    run_cli("train", *_common(pairs), "--run.dir", str(resumed), "--training.stop_at_step", "3")
+    run_cli("train", *_common(pairs), "--run.dir", str(resumed))
+    assert_same_states(plain, resumed)
+
+    run_cli("export", "--run", str(plain), "--format", "hf", "--out", str(tmp_path / "hf"))
+    from stalwart.retrieval.embed import Embedder
+
+    texts = ["Return the header value.", "def get(self, name):\n    return self._headers[name]", "x"]
+    from_run, from_hf = Embedder(plain), Embedder(tmp_path / "hf")
+    assert from_run.dim == 16
+    a, b = from_run.embed(texts), from_hf.embed(texts)
+    assert a.shape == (3, 16) and np.allclose(np.linalg.norm(a, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model.embed_dim", "0"], "set --model.embed_dim"),
+    (["--training.objective", "lm"], "--training.objective contrastive"),
+    (["--data.seq_len", "32"], "--data.seq_len 64"),
+])
+def test_a_mismatched_run_is_refused_in_one_line(pairs, tmp_path, flags, says):
+    proc = run_cli("train", *_common(pairs), "--launch.nproc_per_node", "1", "--run.dir", str(tmp_path / "r"),
+                   *flags, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
