@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stalwart.cli.generate", "sample text from a run's newest checkpoint"),
     "serve": ("stalwart.cli.serve", "serve a model over an OpenAI-compatible API (batched, KV-cached, --tp/--replicas)"),
     "export": ("stalwart.cli.export", "export a run's checkpoint as a Hugging Face Llama model (--format hf)"),
+    "index": ("stalwart.cli.index", "a retrieval index: build, add (crash-safe), delete, query (one tenant), stats"),
     "data": ("stalwart.cli.data", "tokenize a corpus once into token shards (prepare); describe them (inspect)"),
     "bench": ("stalwart.cli.bench", "benchmarks of every subsystem against peers and the hardware (bench --help lists them)"),
     "simulate": ("stalwart.cli.simulate", "simulate failures and recovery of a large job (ETTR)"),

@@ -23,6 +23,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sandbox": ("stalwart.bench.sandbox", "reward sandbox: programs scored per second, serial and threaded"),
     "observe": ("stalwart.bench.observe_overhead", "observability hot path (phase timer, flight recorder) as % of a step"),
     "weight-sync": ("stalwart.bench.weight_sync", "RL weight sync trainers -> generators: direct vs via the controller"),
+    "retrieval-scale": ("stalwart.bench.retrieval_scale", "retrieval index at scale: vector and hybrid query "
+                        "latency p50/p95/p99 scoped to a tenant, ANN recall@10, tenant timing"),
+    "retrieval-ingest": ("stalwart.bench.retrieval_ingest", "kill -9 `stalwart index add` at random points, re-run, "
+                         "compare with an uninterrupted ingest bit for bit"),
 }
 # benchmark -> the module an optional extra provides that it needs (checked before it is imported)
 NEEDS: dict[str, str] = {"inference": "transformers", "weight-sync": "monarch"}

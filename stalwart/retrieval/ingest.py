@@ -46,8 +46,8 @@ def digest(c: Chunk) -> str:
 
 
 def read_chunks(path: str | Path, dim: int | None) -> tuple[list[Chunk], list[int]]:
-    """Every record of a JSONL file, checked (vector length ``dim``), with its line number. Ids must be
-    unique within the file."""
+    """Every record of a JSONL file, checked (vector length ``dim``, or the first vector's when None), with
+    its line number. Ids must be unique within the file."""
     p = Path(path)
     if not p.is_file():
         raise IndexError_(f"--chunks: {p} is not a file")
@@ -58,6 +58,8 @@ def read_chunks(path: str | Path, dim: int | None) -> tuple[list[Chunk], list[in
                 if not line.strip():
                     continue
                 c = parse_chunk(line, f"{p}:{n}", dim)
+                if dim is None and c.vector is not None:
+                    dim = len(c.vector)  # no index yet: the first vector sets the length the rest must have
                 if c.id in seen:
                     raise IndexError_(f"{p}:{n}: id {c.id[:60]!r} is also on line {seen[c.id]}; ids must be unique")
                 seen[c.id] = n

@@ -79,9 +79,11 @@ class LanceStore:
 
     def __init__(self, path: str | Path, *, dim: int | None = None, embedder: str = "", embedder_dir: str = "",
                  create: bool = False) -> None:
+        self.path = Path(path)
+        if not create:
+            read_manifest(self.path)  # a missing index is refused before lancedb's import (about 2 s of CPU)
         import lancedb
 
-        self.path = Path(path)
         if create:
             if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
                 raise IndexError_(f"{self.path} exists and is not an empty directory; give a new directory, or add "
@@ -144,11 +146,13 @@ class LanceStore:
             n += self._t.delete(q.ids_clause(tenant, ids[i:i + ID_BATCH])).num_deleted_rows
         return n
 
-    def build_indexes(self, ann: AnnParams | None = None, min_rows: int = ANN_MIN_ROWS) -> dict | None:
+    def build_indexes(self, ann: AnnParams | None = None, min_rows: int = ANN_MIN_ROWS,
+                      rebuild: bool = True) -> dict | None:
         """Bring the indexes up to date with the rows (new rows, deletions), and build the vector index when
-        the table holds at least ``min_rows`` rows. Returns the vector index's settings, or None (exact)."""
+        the table holds at least ``min_rows`` rows (``rebuild=False``: only if there is none yet; new rows
+        join an existing one through optimize). Returns the vector index's settings, or None (exact)."""
         rows = self._t.count_rows()
-        if rows >= min_rows:
+        if rows >= min_rows and (rebuild or not self.manifest.get("ann")):
             ann = ann or AnnParams(**(self.manifest.get("ann") or {}))
             parts = ann.partitions or max(1, int(rows ** 0.5))
             if ann.kind == "IVF_PQ":
@@ -195,6 +199,12 @@ class LanceStore:
         names, counts = np.unique(np.asarray(col.to_pylist(), dtype=object), return_counts=True)
         return {str(n): int(c) for n, c in zip(names, counts)}
 
+    def export_rows(self):
+        """Every row (all tenants) as an Arrow table sorted by id, without the derived tags: what a backup,
+        or a comparison of two indexes, reads."""
+        t = self._t.search().select(["id", "tenant", "text", "meta", "digest", "vector"]).limit(None).to_arrow()
+        return t.sort_by("id")
+
     def version(self) -> int:
         return self._t.version
 
@@ -206,7 +216,7 @@ class LanceStore:
         ann = self.manifest.get("ann")
         if ann:
             s = s.nprobes(ann["nprobes"]).refine_factor(ann["refine_factor"])
-        rows = s.select(["id", "tenant", "text", "meta"]).limit(k).to_list()
+        rows = s.select(["id", "tenant", "text", "meta", "_distance"]).limit(k).to_list()
         for r in rows:
             r["score"] = 1.0 - float(r["_distance"])
         return rows
@@ -215,7 +225,7 @@ class LanceStore:
         if not isinstance(text, str) or not text.strip():
             raise IndexError_("a keyword or hybrid search needs query text")
         rows = (self._t.search(text, query_type="fts", fts_columns="text").where(where, prefilter=True)
-                .select(["id", "tenant", "text", "meta"]).limit(k).to_list())
+                .select(["id", "tenant", "text", "meta", "_score"]).limit(k).to_list())
         for r in rows:
             r["score"] = float(r["_score"])
         return rows
