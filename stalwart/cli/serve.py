@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
+    argv = join_repeated(argv, "--retrieval.index")
     cfg, source, port_file, weights_file = parse(argv)
     layout = cfg.layout
     # torch and the web server (seconds to import) only once the command line and config are valid
@@ -43,6 +44,12 @@ def main(argv: list[str]) -> int:
     from stalwart.runtime.device import check_device, is_accelerator
     from stalwart.serve.http import bind
 
+    if read_args(source).embed_dim:  # an embeddings model: /v1/embeddings, one process (serve/embeddings.py)
+        from stalwart.serve.embeddings import check_embeddings_layout, run_embeddings
+
+        check_embeddings_layout(cfg)
+        bind(cfg.server.host, cfg.server.port).close()
+        return run_embeddings(cfg, source, port_file)
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
     if cfg.engine.speculative == "draft":  # a draft with another vocabulary is one line now (its tokenizer: on load)
         from stalwart.infer.load import source_from
@@ -194,3 +201,25 @@ def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+def join_repeated(argv: list[str], flag: str) -> list[str]:
+    """``flag`` given several times (``--retrieval.index a=X --retrieval.index b=Y``) -> once, with the values as
+    a JSON list (what the config takes for a list); once or not at all: ``argv`` unchanged."""
+    import json
+
+    values, rest, i = [], [], 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if name == flag:
+            if eq:
+                values.append(inline)
+            elif i + 1 < len(argv):
+                values.append(argv[i + 1])
+                i += 1
+            else:  # no value: the config's own error says so
+                rest.append(argv[i])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return argv if len(values) < 2 else [*rest, flag, json.dumps(values)]

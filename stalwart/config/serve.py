@@ -100,10 +100,56 @@ class LayoutConfig:
 
 
 @dataclass
+class EmbeddingsConfig:
+    max_batch_tokens: int = option("Token budget of one embedding forward pass (texts x the longest of them, "
+                                   "padding included): the batching thread takes every waiting request's texts "
+                                   "up to it (always at least one text).", 4096, min=1)
+    max_inputs: int = option("Texts (or token lists) one /v1/embeddings request may carry.", 2048, min=1)
+    max_queue: int = option("Texts waiting to be embedded at most; beyond it the server answers 503.", 16384, min=1)
+
+
+@dataclass
+class RetrievalConfig:
+    embedder: str = option("Retrieval-augmented completions: the embeddings model that embeds queries (a run "
+                           "directory, one of its checkpoints, or a Hugging Face directory); the one each index "
+                           "was built with.", "")
+    index: list[str] = option("The indexes requests may name, NAME=ADDRESS each (ADDRESS: an index directory or a "
+                              "postgresql:// URL); repeat --retrieval.index for several.", factory=list)
+    keys: str = option("A JSON file {\"API key\": [\"tenant\", ...]}: a request's Bearer key may retrieve from "
+                       "its tenants only.", "")
+    max_k: int = option("Most sources one request may ask for (its retrieval.k).", 32, min=1, max=1000)
+    reserve_tokens: int = option("Tokens kept for the answer of a chat request that sets no max_tokens when the "
+                                 "retrieved sources are fitted into the context.", 256, min=1)
+
+    def __post_init__(self) -> None:
+        given = [n for n, v in (("embedder", self.embedder), ("index", self.index), ("keys", self.keys)) if v]
+        if given and len(given) != 3:
+            missing = [n for n in ("embedder", "index", "keys") if n not in given]
+            raise ConfigError(f"retrieval.{given[0]} needs retrieval.{', retrieval.'.join(missing)} too "
+                              "(the query embedder, NAME=ADDRESS indexes and the API keys file go together)")
+        names = set()
+        for item in self.index:
+            name, sep, address = item.partition("=")
+            if not sep or not name or not address:
+                raise ConfigError(f"retrieval.index {item[:60]!r}: expected NAME=ADDRESS (an index directory or "
+                                  "a postgresql:// URL)")
+            if name in names:
+                raise ConfigError(f"retrieval.index: the name {name!r} is given twice")
+            names.add(name)
+
+    @property
+    def indexes(self) -> dict[str, str]:
+        """Index name -> address."""
+        return dict(item.split("=", 1) for item in self.index)
+
+
+@dataclass
 class ServeConfig:
     engine: EngineConfig = section(EngineConfig, "The batched, KV-cached inference engine.")
     server: ServerConfig = section(ServerConfig, "The OpenAI-compatible HTTP server.")
     layout: LayoutConfig = section(LayoutConfig, "How the model is partitioned and replicated.")
+    embeddings: EmbeddingsConfig = section(EmbeddingsConfig, "Serving an embeddings model (/v1/embeddings).")
+    retrieval: RetrievalConfig = section(RetrievalConfig, "Retrieval-augmented completions (serve/rag.py).")
 
     def __post_init__(self) -> None:
         if self.engine.max_batch_tokens < self.engine.max_seqs:
@@ -126,3 +172,6 @@ class ServeConfig:
                 raise ConfigError("prefill/decode replicas hand keys and values between one-process replicas: "
                                   "layout.tp and layout.pp must be 1")
             layout.replicas = layout.prefill_replicas + layout.decode_replicas
+        if self.retrieval.index and (layout.replicas > 1 or layout.router):
+            raise ConfigError("retrieval is served by one replica without the router (which does not pass API keys "
+                              "on): leave layout.replicas at 1 and layout.router off")

@@ -140,6 +140,11 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                            "owned_by": "stalwart", "max_model_len": engine.args.max_seq_len}]}
 
+    @app.post("/v1/embeddings")
+    async def embeddings():
+        raise ApiError(400, f"{model_name} is a language model; /v1/embeddings is served by an embeddings model "
+                            "(stalwart serve --run RUN of a run trained with --training.objective contrastive)", None)
+
     def check_model(name: str | None) -> None:
         if name and name != model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",

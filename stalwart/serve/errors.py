@@ -30,7 +30,8 @@ def error_body(status: int, message: str, param: str | None = None, kind: str = 
 
 # Fields that take several shapes: what to say when a value fits none (pydantic lists every shape's error).
 SHAPES = {"prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
-          "stop": "a string or a list of strings"}
+          "stop": "a string or a list of strings",
+          "input": "a string, a list of strings, a list of token ids, or a list of lists of token ids"}
 
 
 def describe_invalid(errors: list[dict]) -> tuple[str, str | None]:
