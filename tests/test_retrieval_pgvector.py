@@ -396,6 +396,27 @@ def test_a_cut_connection_is_reopened(pg):
 
 
 @pytest.mark.e2e
+def test_an_application_role_needs_the_extension_made_by_the_owner(pg):
+    """pgvector is not a trusted extension: a role that is not a superuser cannot create it. The index
+    creation says so in one line; once the database's owner has created it, the role makes indexes."""
+    import psycopg
+
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg, autocommit=True) as c:
+        c.execute(f"CREATE ROLE {role} LOGIN")
+        c.execute(f"CREATE DATABASE {role} OWNER {role}")
+    app = pg.replace("postgresql://postgres@", f"postgresql://{role}@").rsplit("/", 1)[0] + f"/{role}"
+    with pytest.raises(IndexError_, match="the pgvector extension cannot be created there .*permission denied"):
+        PgStore(f"{app}?table=docs", dim=DIM, create=True)
+    with psycopg.connect(pg.rsplit("/", 1)[0] + f"/{role}", autocommit=True) as c:
+        c.execute("CREATE EXTENSION vector")
+    s = PgStore(f"{app}?table=docs", dim=DIM, create=True)
+    s.add([Chunk("a0", "acme", "granted")], _unit(np.random.default_rng(8), 1))
+    assert s.search("acme", text="granted", mode="keyword")[0].id == "a0"
+    s.close()
+
+
+@pytest.mark.e2e
 def test_stalwart_index_commands_on_a_postgresql_address(pg, tmp_path):
     rng = np.random.default_rng(6)
     vecs = _unit(rng, 6)

@@ -227,8 +227,8 @@ class PgStore:
             raise IndexError_(f"{self.address}: {str(e).strip().splitlines()[0]}") from None
         except (psycopg.errors.UndefinedFile, psycopg.errors.InsufficientPrivilege) as e:
             raise IndexError_(f"{self.address}: the pgvector extension cannot be created there "
-                              f"({str(e).strip().splitlines()[0]}); install pgvector on the server, or have its "
-                              "owner run CREATE EXTENSION vector") from None
+                              f"({str(e).strip().splitlines()[0]}); install pgvector on the server, and have a "
+                              "superuser run CREATE EXTENSION vector in that database") from None
 
     # -- writes ---------------------------------------------------------------------------------------
 
