@@ -50,6 +50,10 @@ def main(argv: list[str]) -> int:
         check_embeddings_layout(cfg)
         bind(cfg.server.host, cfg.server.port).close()
         return run_embeddings(cfg, source, port_file)
+    if cfg.retrieval.index:  # the embedder, indexes and keys file: one line now, not a failed replica
+        from stalwart.serve.rag import check_retrieval
+
+        check_retrieval(cfg.retrieval)
     check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
     if cfg.engine.speculative == "draft":  # a draft with another vocabulary is one line now (its tokenizer: on load)
         from stalwart.infer.load import source_from

@@ -30,6 +30,7 @@ from stalwart.serve.errors import ApiError, error_body, install_error_handlers
 from stalwart.serve.http import ClientGone, unless_client_leaves
 from stalwart.serve.loop import EngineLoop, EngineUnavailable, Failure, Submission, Timing, WeightVersionError
 from stalwart.serve.metrics import ServeMetrics
+from stalwart.serve.rag import Retrieval, Retrieved, chat_query, chat_render, completion_render, with_sources
 from stalwart.serve.resume import CHUNK_FIELD, RESUME_FIELD, Resume, from_router, resume_of
 from stalwart.serve.protocol import (
     ChatRequest,
@@ -88,16 +89,21 @@ def _error_event(f: Failure) -> str:
 
 
 def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None = None,
-               router_secret: str | None = None, chat: ChatFormat | None = None) -> FastAPI:
+               router_secret: str | None = None, chat: ChatFormat | None = None, retrieval: Retrieval | None = None
+               ) -> FastAPI:
     """The API over ``loop``; ``router_secret``: the secret of the router in front (serve/resume.py);
-    ``chat`` renders conversations (the model's template; default: plain ``role: content`` lines)."""
+    ``chat`` renders conversations (the model's template; default: plain ``role: content`` lines);
+    ``retrieval``: the indexes requests may retrieve from (serve/rag.py)."""
     engine = loop.engine
     chat_format = chat or ChatFormat()
+    retrieval_reserve = retrieval.cfg.reserve_tokens if retrieval is not None else 0
     tokenizer = engine.tokenizer
     metrics = metrics or ServeMetrics(model_name)
     loop.on_step = lambda outs, s: metrics.step(sum(len(o.choices) for o in outs), s, engine.stats())
     app = FastAPI(title="Stalwart", docs_url=None, redoc_url=None)
     install_error_handlers(app, lambda: metrics.outcome("rejected"))
+    if retrieval is not None:
+        retrieval.bind_metrics(metrics.registry, model_name)
 
     @app.exception_handler(SamplingError)
     @app.exception_handler(RequestError)
@@ -149,6 +155,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
         if name and name != model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            "not_found_error")
+
+    async def retrieve(req: SamplingRequest, request: Request, query: str, render, reserve: int) -> Retrieved:
+        """The prompt with its sources (serve/rag.py), leaving ``reserve`` tokens of the context for the answer."""
+        if retrieval is None:
+            raise ApiError(400, "this server has no retrieval indexes: start it with --retrieval.embedder, "
+                                "--retrieval.index NAME=ADDRESS and --retrieval.keys", "retrieval")
+        return await retrieval.augment(req.retrieval, request.headers.get("authorization"), query, render,
+                                       engine.room(0) - reserve)
 
     def start(req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
               resume: Resume | None = None, leads: list[int | None] | None = None, handoff: bool = False
@@ -269,7 +283,13 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        prompts = req.token_prompts(tokenizer)
+        found = None
+        if req.retrieval is not None:
+            if not isinstance(req.prompt, str) or req.echo:
+                raise ApiError(400, "retrieval takes one prompt string, without echo", "prompt")
+            found = await retrieve(req, request, req.prompt, completion_render(req.prompt, tokenizer),
+                                   max(req.max_tokens or 16, 1))
+        prompts = [found.tokens] if found else req.token_prompts(tokenizer)
         draws, params = plan_draws(req, len(prompts), req.sampling())
         routed, resume, handoff = await resumed(request, len(draws), req.stream)
         jobs = start(req, [prompts[d.prompt] for d in draws], params, resume, [d.lead for d in draws], handoff)
@@ -280,26 +300,34 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics | None =
             chunks = CompletionStream(rid, created, model_name, tokenizer, req, draws, prompts, texts)
             if resume is not None:  # outputs that began on the lost replica: their prompt (echo) was sent
                 chunks.started.update(k for k, j in enumerate(jobs) if j.emitted or j.done)
-            return stream(jobs, chunks.chunk, usage, routed)
+            return stream(jobs, with_sources(chunks.chunk, found) if found else chunks.chunk, usage, routed)
         results = await collect_all(request, jobs)
         metrics.outcome("ok")
-        return completion_response(rid, req, draws, jobs, results, prompts, texts, created, model_name, tokenizer)
+        body = completion_response(rid, req, draws, jobs, results, prompts, texts, created, model_name, tokenizer)
+        return {**body, **found.extension()} if found else body
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
-        prompt = req.token_prompt(tokenizer, chat_format)
+        found = None
+        if req.retrieval is not None:
+            reserve = req.max_completion_tokens or req.max_tokens or retrieval_reserve
+            found = await retrieve(req, request, chat_query(req), chat_render(req, chat_format, tokenizer),
+                                   max(reserve, 1))
+        prompt = found.tokens if found else req.token_prompt(tokenizer, chat_format)
         draws, params = plan_draws(req, 1, req.sampling(room=engine.room(len(prompt))))
         routed, resume, handoff = await resumed(request, len(draws), req.stream)
         jobs = start(req, [prompt] * len(draws), params, resume, [d.lead for d in draws], handoff)
         rid, created = (resume.id, resume.created) if resume else (f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         if req.stream:
             usage = usage_of(rid, "chat.completion.chunk", created, jobs, [prompt]) if req.include_usage else None
-            return stream(jobs, lambda k, out: chat_chunk(rid, created, model_name, draws[k].j, out, tokenizer,
-                                                          req.logprobs), usage, routed)
+            chunk = lambda k, out: chat_chunk(rid, created, model_name, draws[k].j, out, tokenizer,  # noqa: E731
+                                              req.logprobs)
+            return stream(jobs, with_sources(chunk, found) if found else chunk, usage, routed)
         results = await collect_all(request, jobs)
         metrics.outcome("ok")
-        return chat_response(rid, req, jobs, results, len(prompt), created, model_name, tokenizer)
+        body = chat_response(rid, req, jobs, results, len(prompt), created, model_name, tokenizer)
+        return {**body, **found.extension()} if found else body
 
     async def update_live(req: WeightsRequest):
         """The next weights the training run ``source`` publishes, waited for while the engine serves on."""

@@ -32,6 +32,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with the whole request's usage (and no choices)
 
 
+class RetrievalSpec(BaseModel):
+    """A request's ``retrieval`` extension (serve/rag.py): search ``tenant``'s chunks of ``index`` (a name the
+    server was started with) for the prompt, and answer with the ``k`` best as context."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    index: str
+    tenant: str
+    k: int = 4
+    mode: Literal["hybrid", "vector", "keyword"] = "hybrid"
+    filters: dict | None = None  # metadata key -> value or {"in": [values]} (retrieval/query.py)
+
+
 class SamplingRequest(BaseModel):
     model_config = STRICT
 
@@ -57,6 +70,7 @@ class SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     # the latency class (infer/scheduler.py): lower is admitted, scheduled and kept first; vLLM's field
     priority: int = 0
+    retrieval: RetrievalSpec | None = None  # retrieval-augmented generation (serve/rag.py), an extension
 
     @property
     def include_usage(self) -> bool:

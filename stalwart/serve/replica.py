@@ -108,7 +108,8 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         try:
             what = (f"{name} ({loaded.origin}; {device.type}, tp={tp} pp={pp}, {engine.pool.num_blocks} KV "
                     f"blocks of {cfg.engine.block_size} tokens)")
-            app = create_app(loop, name, router_secret=replica_secret(), chat=ChatFormat.of_dir(named.hf))
+            app = create_app(loop, name, router_secret=replica_secret(), chat=ChatFormat.of_dir(named.hf),
+                             retrieval=_retrieval(cfg))
             serving = (lambda: healer.announce_serving(os.getpid())) if healer is not None else None
             serve(app, cfg.server.host, cfg.server.port, what, port_file, place.sock if place else None, serving)
         finally:
@@ -122,6 +123,15 @@ def run_replica(cfg: ServeConfig, source: Source, port_file: Path | None = None,
         from stalwart.runtime.group import leave
 
         leave()
+
+
+def _retrieval(cfg: ServeConfig):
+    """The indexes requests may retrieve from (serve/rag.py), or None."""
+    if not cfg.retrieval.index:
+        return None
+    from stalwart.serve.rag import Retrieval
+
+    return Retrieval(cfg.retrieval)
 
 
 def _follow(engine, link, load, healer) -> None:
