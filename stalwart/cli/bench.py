@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sandbox": ("stalwart.bench.sandbox", "reward sandbox: programs scored per second, serial and threaded"),
     "observe": ("stalwart.bench.observe_overhead", "observability hot path (phase timer, flight recorder) as % of a step"),
     "weight-sync": ("stalwart.bench.weight_sync", "RL weight sync trainers -> generators: direct vs via the controller"),
+    "retrieval": ("stalwart.bench.retrieval", "retrieval quality of embeddings models trained here (recall@10: BM25, "
+                  "embedder, hybrid) and their embedding speed vs the matmul peak"),
     "retrieval-scale": ("stalwart.bench.retrieval_scale", "retrieval index at scale: vector and hybrid query "
                         "latency p50/p95/p99 scoped to a tenant, ANN recall@10, tenant timing"),
     "retrieval-ingest": ("stalwart.bench.retrieval_ingest", "kill -9 `stalwart index add` at random points, re-run, "

@@ -31,7 +31,7 @@ from stalwart.data.corpus import DataError
 from stalwart.data.prepare import FORMAT, INDEX, TOKENIZER, tokenizer_sha256
 from stalwart.data.shards import token_dtype, write_shard
 
-SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+SKIP_DIRS = {"site-packages", "__pycache__"}  # test suites are code and docstrings too
 PAIRS_PER_SHARD = 20000
 
 
