@@ -23,8 +23,8 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
 
 # Batched and alone, a text's vector goes through matrix products of other shapes: equal to float32
-# rounding (measured: at most a few 1e-8 on this model), far below any ranking difference.
-TOL = 1e-5
+# rounding (measured on this model: at most 6e-8, 31 of 48 texts bitwise), far below any ranking difference.
+TOL = 1e-6
 TEXTS = ["Return the JSON encoding of an object.", "def dumps(obj):\n    return encode(obj)", "decoder",
          "Deserialize a str instance containing a JSON document to a Python object.", "x = [1, 2, 3]"]
 
