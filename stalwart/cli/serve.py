@@ -44,7 +44,8 @@ def main(argv: list[str]) -> int:
     from stalwart.runtime.device import check_device, is_accelerator
     from stalwart.serve.http import bind
 
-    if read_args(source).embed_dim:  # an embeddings model: /v1/embeddings, one process (serve/embeddings.py)
+    args = read_args(source)
+    if args.embed_dim:  # an embeddings model: /v1/embeddings, one process (serve/embeddings.py)
         from stalwart.serve.embeddings import check_embeddings_layout, run_embeddings
 
         check_embeddings_layout(cfg)
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
         from stalwart.serve.rag import check_retrieval
 
         check_retrieval(cfg.retrieval)
-    check_layout(read_args(source), layout.tp, layout.pp)  # before any process starts
+    check_layout(args, layout.tp, layout.pp)  # before any process starts
     if cfg.engine.speculative == "draft":  # a draft with another vocabulary is one line now (its tokenizer: on load)
         from stalwart.infer.load import source_from
         from stalwart.infer.speculative import check_draft_vocabulary
