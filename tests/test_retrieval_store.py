@@ -12,7 +12,7 @@ import pytest
 
 from stalwart.retrieval import query as q
 from stalwart.retrieval.ingest import digest, ingest, read_chunks
-from stalwart.retrieval.lance import LanceStore, read_manifest
+from stalwart.retrieval.lance import AnnParams, LanceStore, read_manifest
 from stalwart.retrieval.open import open_store
 from stalwart.retrieval.records import Chunk, IndexError_
 
@@ -111,13 +111,15 @@ def test_store_manifest_vector_keyword_hybrid_delete(tmp_path: Path):
         open_store("mysql://x")
 
 
-def test_ann_index_meets_recall_against_exact(tmp_path: Path):
+@pytest.mark.parametrize("kind", ["IVF_HNSW_SQ", "IVF_PQ", "IVF_FLAT"])
+def test_ann_index_meets_recall_against_exact(tmp_path: Path, kind: str):
     store = LanceStore(tmp_path / "ix", dim=DIM, create=True)
     n = 3000
     vecs = unit_vectors(n, 2)
     store.add([Chunk(f"c{i}", "A" if i % 3 else "B", "t") for i in range(n)], vecs)
-    ann = store.build_indexes(min_rows=1000)
-    assert ann and ann["kind"] and read_manifest(tmp_path / "ix")["ann"] == ann
+    store.add([Chunk(f"s{i}", "S", "t") for i in range(5)], unit_vectors(5, 9))
+    ann = store.build_indexes(AnnParams(kind), min_rows=1000)
+    assert ann and ann["kind"] == kind and read_manifest(tmp_path / "ix")["ann"] == ann
     a_rows = np.array([i for i in range(n) if i % 3])
     recall = []
     for query in unit_vectors(20, 3):
@@ -126,6 +128,9 @@ def test_ann_index_meets_recall_against_exact(tmp_path: Path):
         assert all(h.tenant == "A" for h in got)
         recall.append(len(exact & {h.id for h in got}) / 10)
     assert np.mean(recall) >= 0.9, recall
+    # a tenant of 5 rows among 3000 gets all 5 through the vector index's pre-filter
+    assert sorted(h.id for h in store.search("S", vector=unit_vectors(1, 3)[0], mode="vector", k=10)) == \
+        [f"s{i}" for i in range(5)]
 
 
 # -- tenant isolation ----------------------------------------------------------------------------------

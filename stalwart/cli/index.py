@@ -33,7 +33,7 @@ def _ingest_flags(p: argparse.ArgumentParser) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="stalwart index build", description=(
         "Create an index from chunks: ingest them in batches (one commit each), then build the indexes (tenant, "
-        "id, metadata tags, BM25 on text; an IVF vector index at --ann-min-rows rows and above). DIR must be "
+        "id, metadata tags, BM25 on text; a vector index at --ann-min-rows rows and above). DIR must be "
         "new or empty; add to an existing index, or finish an interrupted build, with `stalwart index add`."))
     _common(p)
     _ingest_flags(p)
@@ -43,7 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="vector length (default: the embedder's, else the first chunk's vector)")
     p.add_argument("--ann-min-rows", type=at_least(1), default=None,
                    help="build the IVF vector index from this many rows (default 50000; below it search is exact)")
-    p.add_argument("--ann", choices=["IVF_PQ", "IVF_HNSW_SQ"], default="IVF_PQ", help="vector index kind")
+    p.add_argument("--ann", choices=["IVF_HNSW_SQ", "IVF_RQ", "IVF_PQ", "IVF_FLAT"], default="IVF_HNSW_SQ",
+                   help="vector index kind (default IVF_HNSW_SQ; docs/retrieval.md compares them)")
     return p
 
 
@@ -176,7 +177,7 @@ def build_main(argv: list[str]) -> int:
         kw = {"min_rows": args.ann_min_rows} if args.ann_min_rows else {}
         ann = store.build_indexes(AnnParams(kind=args.ann), **kw)
     print(f"index {args.index}: {rep.records} chunks in {rep.batches} batches (dim {dim}); vector index: "
-          f"{ann['kind'] + ' ' + str(ann['partitions']) + ' partitions' if ann else 'none (exact search)'}")
+          f"{f"{ann['kind']}, {ann['partitions']} partitions" if ann else 'none (exact search)'}")
     return 0
 
 

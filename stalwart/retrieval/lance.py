@@ -17,7 +17,7 @@ the vector index's settings once one is built. ``DIR/db/chunks.lance`` is the ta
 Every write is one Lance commit (a new table version or nothing). Every read passes the tenant clause as a
 pre-filter (``prefilter=True``), so the vector and keyword searches only ever see that tenant's rows. Below
 ``ANN_MIN_ROWS`` rows the vector search is exact (a flat scan of the tenant's rows); :meth:`build_indexes`
-adds an IVF vector index above it.
+adds a vector index (:class:`AnnParams`) above it.
 """
 
 from __future__ import annotations
@@ -43,12 +43,51 @@ ID_BATCH = 1000         # ids per `id IN (...)` lookup
 
 @dataclass
 class AnnParams:
-    """The vector index built by :meth:`LanceStore.build_indexes` and how queries probe it."""
-    kind: str = "IVF_PQ"
-    partitions: int = 0          # 0: about sqrt(rows)
-    sub_vectors: int = 0         # 0: dim / 2 (IVF_PQ: 2 dimensions per code byte)
-    nprobes: int = 20
-    refine_factor: int = 10      # re-rank refine_factor * k candidates with exact distances
+    """The vector index built by :meth:`LanceStore.build_indexes` and how queries probe it. Zeros take the
+    kind's defaults for the table's size (measured in docs/retrieval.md):
+
+    - ``IVF_HNSW_SQ``: a graph per partition over 8-bit scalar-quantized vectors; partitions of about 25k
+      rows, every partition probed (a graph search per partition is cheap). The best recall per millisecond
+      here; the slowest to build.
+    - ``IVF_RQ``: RaBitQ 1-bit codes, about sqrt(rows)/4 partitions, half of them probed, the top
+      ``refine_factor * k`` re-ranked with exact distances. Builds in seconds.
+    - ``IVF_PQ``: product quantization (``sub_vectors``, default dim/2), sqrt(rows) partitions, 20 probed,
+      refined.
+    - ``IVF_FLAT``: full vectors, sqrt(rows)/4 partitions, half probed.
+    """
+    kind: str = "IVF_HNSW_SQ"
+    partitions: int = 0
+    sub_vectors: int = 0
+    nprobes: int = 0
+    refine_factor: int = 0
+
+    def resolved(self, rows: int, dim: int) -> AnnParams:
+        root = max(1, int(rows ** 0.5))
+        if self.kind == "IVF_HNSW_SQ":
+            parts = self.partitions or max(1, rows // 25_000)
+            return AnnParams(self.kind, parts, 0, self.nprobes or parts, self.refine_factor)
+        if self.kind == "IVF_RQ":
+            parts = self.partitions or max(1, root // 4)
+            return AnnParams(self.kind, parts, 0, self.nprobes or max(1, parts // 2), self.refine_factor or 10)
+        if self.kind == "IVF_PQ":
+            sub = self.sub_vectors or (dim // 2 if dim % 2 == 0 else dim)
+            return AnnParams(self.kind, self.partitions or root, sub, self.nprobes or 20, self.refine_factor or 10)
+        if self.kind == "IVF_FLAT":
+            parts = self.partitions or max(1, root // 4)
+            return AnnParams(self.kind, parts, 0, self.nprobes or max(1, parts // 2), self.refine_factor)
+        raise IndexError_(f"unknown vector index kind {self.kind!r} (one of {', '.join(ANN_KINDS)})")
+
+    def config(self):
+        """The lancedb index configuration (cosine distance)."""
+        from lancedb import index
+
+        cls = {"IVF_HNSW_SQ": index.HnswSq, "IVF_RQ": index.IvfRq, "IVF_PQ": index.IvfPq,
+               "IVF_FLAT": index.IvfFlat}[self.kind]
+        kw = {"num_sub_vectors": self.sub_vectors} if self.kind == "IVF_PQ" else {}
+        return cls(distance_type="cosine", num_partitions=self.partitions, **kw)
+
+
+ANN_KINDS = ("IVF_HNSW_SQ", "IVF_RQ", "IVF_PQ", "IVF_FLAT")
 
 
 def _version() -> str:
@@ -153,21 +192,10 @@ class LanceStore:
         join an existing one through optimize). Returns the vector index's settings, or None (exact)."""
         rows = self._t.count_rows()
         if rows >= min_rows and (rebuild or not self.manifest.get("ann")):
-            ann = ann or AnnParams(**(self.manifest.get("ann") or {}))
-            parts = ann.partitions or max(1, int(rows ** 0.5))
-            if ann.kind == "IVF_PQ":
-                from lancedb.index import IvfPq
-
-                sub = ann.sub_vectors or (self.dim // 2 if self.dim % 2 == 0 else self.dim)
-                cfg = IvfPq(distance_type="cosine", num_partitions=parts, num_sub_vectors=sub)
-            elif ann.kind == "IVF_HNSW_SQ":
-                from lancedb.index import HnswSq
-
-                cfg = HnswSq(distance_type="cosine", num_partitions=parts)
-            else:
-                raise IndexError_(f"unknown vector index kind {ann.kind!r} (IVF_PQ or IVF_HNSW_SQ)")
+            ann = (ann or AnnParams(**(self.manifest.get("ann") or {}))).resolved(rows, self.dim)
+            cfg = ann.config()
             self._t.create_index("vector", config=cfg, replace=True)
-            self.manifest["ann"] = asdict(ann) | {"partitions": parts}
+            self.manifest["ann"] = asdict(ann)
             write_json_atomic(self.path / MANIFEST, self.manifest)
         self._t.optimize()  # folds new rows into the scalar and FTS indexes; compacts small fragments
         return self.manifest.get("ann")
@@ -215,7 +243,9 @@ class LanceStore:
         s = self._t.search(v, vector_column_name="vector").distance_type("cosine").where(where, prefilter=True)
         ann = self.manifest.get("ann")
         if ann:
-            s = s.nprobes(ann["nprobes"]).refine_factor(ann["refine_factor"])
+            s = s.nprobes(ann["nprobes"])
+            if ann["refine_factor"]:
+                s = s.refine_factor(ann["refine_factor"])
         rows = s.select(["id", "tenant", "text", "meta", "_distance"]).limit(k).to_list()
         for r in rows:
             r["score"] = 1.0 - float(r["_distance"])
