@@ -176,8 +176,8 @@ def build_main(argv: list[str]) -> int:
     if isinstance(store, LanceStore):
         kw = {"min_rows": args.ann_min_rows} if args.ann_min_rows else {}
         ann = store.build_indexes(AnnParams(kind=args.ann), **kw)
-    print(f"index {args.index}: {rep.records} chunks in {rep.batches} batches (dim {dim}); vector index: "
-          f"{f"{ann['kind']}, {ann['partitions']} partitions" if ann else 'none (exact search)'}")
+    vec = f"{ann['kind']}, {ann['partitions']} partitions" if ann else "none (exact search)"
+    print(f"index {args.index}: {rep.records} chunks in {rep.batches} batches (dim {dim}); vector index: {vec}")
     return 0
 
 
