@@ -104,7 +104,7 @@ def test_pairs_dataset_rows_alternate_query_and_document_with_their_masks(tmp_pa
     pairs = [Pair(f"m:f{i}", "m", f"query number {i} words", f"def f{i}():\n    return {i} * {i}") for i in range(12)]
     tok = train_bpe([p.query + "\n" + p.document for p in pairs] * 20, 300)
     end = eos_id(tok)
-    index = write_dataset(pairs[:8], pairs[8:], tmp_path, tok, end, 32)
+    index = write_dataset({"docstring": (pairs[:8], pairs[8:])}, tmp_path, tok, end, 32)
     assert index["pairs"] == {"half": 16}
     data = open_prepared(tmp_path)
     data.verify(full=True)

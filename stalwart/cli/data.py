@@ -164,6 +164,8 @@ def pairs_main(argv: list[str]) -> int:
     p.add_argument("--root", default="", help="a directory of .py files (default: this Python's standard library)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per pair: half the query, half the document")
     p.add_argument("--held-out", type=int, default=10, help="percent of top-level packages held out (default 10)")
+    p.add_argument("--no-names", action="store_true",
+                   help="only docstring pairs (default: also a 'name' source: each function's name words -> its code)")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", default="", help="a tokenizer.json to use")
     tok.add_argument("--vocab-size", type=int, default=4096, help="train a byte-level BPE of this size (default)")
@@ -185,12 +187,16 @@ def pairs_main(argv: list[str]) -> int:
     if len(pairs) < 4:
         raise DataError(f"--root {root}: only {len(pairs)} functions with docstrings found; give a larger tree")
     train, held = split(pairs, args.held_out)
+    sources = {"docstring": (train, held)}
+    if not args.no_names:
+        sources["name"] = split(mine(root, "name"), args.held_out)
     tok = (load_tokenizer(args.tokenizer) if args.tokenizer
            else train_on([Corpus(args.root, decode_errors="replace")], args.vocab_size, args.tokenizer_train_mb))
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(held, out / "heldout.jsonl")
-    write_dataset(train, held, out, tok, eos_id(tok), args.seq_len)
-    print(f"pairs {out}: {len(train):,} training pairs, {len(held):,} held out "
+    write_dataset(sources, out, tok, eos_id(tok), args.seq_len)
+    names = f" (+ {len(sources['name'][0]):,} name -> code pairs)" if "name" in sources else ""
+    print(f"pairs {out}: {len(train):,} training pairs{names}, {len(held):,} held out "
           f"({len({p.module.split('.')[0] for p in held})} packages) from {root} in {time.perf_counter() - t0:.1f} s; "
           f"train with --data.path {out} --data.seq_len {args.seq_len} --training.objective contrastive "
           "--model.embed_dim 128")

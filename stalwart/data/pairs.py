@@ -69,7 +69,17 @@ def _code_without_docstring(lines: list[str], node) -> str:
     return textwrap.dedent("\n".join(head + keep)).strip()
 
 
-def mine_file(path: Path, module: str, min_words: int = 4) -> list[Pair]:
+def name_words(qualname: str) -> str:
+    """``HTTPConnection._send_output`` -> ``http connection send output``: an identifier as the words a
+    query would use."""
+    parts = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+", qualname)
+    return " ".join(p.lower() for p in parts)
+
+
+def mine_file(path: Path, module: str, min_words: int = 4, kind: str = "docstring") -> list[Pair]:
+    """``kind`` 'docstring': the docstring's first paragraph asks for the function (functions with one);
+    'name': the words of its qualified name ask for it (every function with a body of two statements
+    or more: many more pairs, with the lexical link from words to identifiers a docstring has too)."""
     try:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
@@ -78,6 +88,13 @@ def mine_file(path: Path, module: str, min_words: int = 4) -> list[Pair]:
     lines, out = source.splitlines(), []
     for name, node in _functions(tree):
         doc = ast.get_docstring(node)
+        if kind == "name":
+            body = node.body[1:] if doc else node.body
+            query = name_words(name)
+            if len(body) >= 2 and len(query.split()) >= 2:
+                code = _code_without_docstring(lines, node) if doc else _code(lines, node)
+                out.append(Pair(f"{module}:{name}#name", module, query, code))
+            continue
         if not doc or len(node.body) < 2:
             continue
         query = _first_paragraph(doc)
@@ -87,7 +104,12 @@ def mine_file(path: Path, module: str, min_words: int = 4) -> list[Pair]:
     return out
 
 
-def mine(root: Path) -> list[Pair]:
+def _code(lines: list[str], node) -> str:
+    start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    return textwrap.dedent("\n".join(lines[start - 1:node.end_lineno])).strip()
+
+
+def mine(root: Path, kind: str = "docstring") -> list[Pair]:
     """Every unambiguous pair of the ``.py`` files under ``root``, in path order."""
     pairs: list[Pair] = []
     for path in sorted(root.rglob("*.py")):
@@ -95,7 +117,7 @@ def mine(root: Path) -> list[Pair]:
         if SKIP_DIRS & set(rel.parts[:-1]):
             continue
         module = ".".join(rel.with_suffix("").parts)
-        pairs += mine_file(path, module)
+        pairs += mine_file(path, module, kind=kind)
     queries: dict[str, int] = {}
     docs: dict[str, int] = {}
     for p in pairs:
@@ -154,23 +176,26 @@ def read_jsonl(path: Path) -> list[Pair]:
     return out
 
 
-def write_dataset(train: list[Pair], val: list[Pair], out: Path, tok, end: int, seq_len: int) -> dict:
-    """The pairs dataset: shards of fixed-width records, the tokenizer, and ``index.json`` last."""
+def write_dataset(sources: dict[str, tuple[list[Pair], list[Pair]]], out: Path, tok, end: int, seq_len: int) -> dict:
+    """The pairs dataset: per source (name -> (training pairs, held-out pairs)) shards of fixed-width
+    records, the tokenizer, and ``index.json`` last."""
     if seq_len % 2 or seq_len < 16:
         raise DataError(f"--seq-len must be an even number of at least 16 (got {seq_len})")
     half, dtype = seq_len // 2, token_dtype(tok.get_vocab_size())
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / TOKENIZER, tok.to_str(pretty=True))
-    splits = {}
-    for name, pairs in (("train", train), ("val", val)):
-        shards = []
-        for k in range(0, len(pairs), PAIRS_PER_SHARD):
-            records = [_record(tok, p, half, end) for p in pairs[k:k + PAIRS_PER_SHARD]]
-            shards.append(write_shard(out / f"pairs.{name}.{k // PAIRS_PER_SHARD:05d}", records, dtype))
-        splits[name] = {"documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-                        "shards": shards}
+    out_sources = []
+    for source, (train, val) in sources.items():
+        splits = {}
+        for name, pairs in (("train", train), ("val", val)):
+            shards = []
+            for k in range(0, len(pairs), PAIRS_PER_SHARD):
+                records = [_record(tok, p, half, end) for p in pairs[k:k + PAIRS_PER_SHARD]]
+                shards.append(write_shard(out / f"{source}.{name}.{k // PAIRS_PER_SHARD:05d}", records, dtype))
+            splits[name] = {"documents": sum(s["documents"] for s in shards),
+                            "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+        out_sources.append({"name": source, "path": "", **splits})
     index = {"format": FORMAT, "tokenizer_sha256": tokenizer_sha256(tok), "vocab_size": tok.get_vocab_size(),
-             "eos_id": end, "dtype": dtype.name, "pairs": {"half": half},
-             "sources": [{"name": "pairs", "path": "", **splits}]}
+             "eos_id": end, "dtype": dtype.name, "pairs": {"half": half}, "sources": out_sources}
     write_json_atomic(out / INDEX, index)
     return index
