@@ -45,9 +45,15 @@ def _common(pairs: Path) -> list[str]:
             "--eval.interval", "3"]
 
 
-def test_two_processes_stopped_and_resumed_go_bit_for_bit_and_export_embeds_alike(pairs, tmp_path):
-    plain, resumed = tmp_path / "plain", tmp_path / "resumed"
-    run_cli("train", *_common(pairs), "--run.dir", str(plain))
+@pytest.fixture(scope="module")
+def plain(pairs, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("plain") / "run"
+    run_cli("train", *_common(pairs), "--run.dir", str(run))
+    return run
+
+
+def test_two_processes_stopped_and_resumed_go_bit_for_bit_and_export_embeds_alike(pairs, plain, tmp_path):
+    resumed = tmp_path / "resumed"
     run_cli("train", *_common(pairs), "--run.dir", str(resumed), "--training.stop_at_step", "3")
     run_cli("train", *_common(pairs), "--run.dir", str(resumed))
     assert_same_states(plain, resumed)
@@ -73,3 +79,17 @@ def test_a_mismatched_run_is_refused_in_one_line(pairs, tmp_path, flags, says):
                    *flags, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_retrieval_bench_scores_bm25_the_embedder_and_hybrid_through_the_store(pairs, plain, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "retrieval", "--pairs", str(pairs), "--embedder", str(plain), "--limit", "20",
+                   "--out", str(out))
+    assert "recall@10 BM25" in proc.stdout and "model GFLOP/s" in proc.stdout, proc.stdout
+    import json
+
+    (r,) = json.loads(out.read_text())
+    for mode in ("keyword", "vector", "hybrid"):
+        assert 0.0 <= r[mode]["recall@1"] <= r[mode]["recall@10"] <= 1.0
+    assert r["keyword"]["recall@10"] > 0.3  # the queries' own words are in their functions' code
+    assert r["speed"]["chunks_per_s"] > 0 and r["embed_dim"] == 16
