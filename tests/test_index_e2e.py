@@ -96,7 +96,8 @@ def test_bad_input_is_one_line_and_leaves_the_index(built, tmp_path):
         (["index", "query", str(ix), "--tenant", "acme' OR '1'='1", "--text", "x"], "is not a tenant name"),
         (["index", "query", str(ix), "--tenant", "acme", "--text", "x", "--filter", "tenant' OR 1=1 --=x"],
          "must be 1-32 lowercase letters"),
-        (["index", "query", str(ix), "--tenant", "acme", "--text", "x", "--filter", 'src={"gt": 1}'], "must be a string"),
+        (["index", "query", str(ix), "--tenant", "acme", "--text", "x", "--filter", 'src={"gt": 1}'],
+         "must be a string"),
         (["index", "query", str(ix), "--tenant", "acme", "--text", "x", "--mode", "vector"], "needs --vector-file"),
         (["index", "delete", str(ix), "--tenant", "acme", "--ids", "a\x01b"], "control character"),
         (["index", "build", str(ix), "--chunks", str(bad_json)], "is not an empty directory"),
@@ -112,7 +113,8 @@ def test_bad_input_is_one_line_and_leaves_the_index(built, tmp_path):
 def test_kill9_during_add_then_rerun_equals_uninterrupted(tmp_path):
     n, dim, batch = 20_000, 16, 500
     chunks = synthetic_chunks(tmp_path / "chunks.jsonl", n, dim, tenants=3, seed=1)
-    res = kill_and_resume(tmp_path, chunks, n, dim, batch, kills=3, seed=7, max_delay=0.2, log=lambda s: None)
+    res = kill_and_resume(tmp_path, chunks, n, dim, batch, kills=3, seed=7, max_delay=0.2, log=lambda s: None,
+                          ann_min_rows=10**9)  # the rows, not the vector index's build, are under test
     assert res["compare"]["equal"] and res["compare"]["rows"] == [n, n], res
     assert any(not k["finished_before_kill"] for k in res["kills"]), res  # at least one run really was killed
     # and the compare itself can fail: a different index differs
@@ -156,10 +158,34 @@ def test_bad_index_command_lines_fail_before_the_store_is_imported(built, tmp_pa
     cases = [["index", "query", str(ix), "--tenant", "a b", "--text", "x"],
              ["index", "query", str(ix), "--tenant", "a", "--text", "x", "--filter", "Bad=1"],
              ["index", "query", str(tmp_path / "none"), "--tenant", "a", "--text", "x"],
-             ["index", "add", str(ix), "--chunks", str(bad)], ["index", "build", str(tmp_path / "n"), "--chunks", str(bad)],
+             ["index", "add", str(ix), "--chunks", str(bad)],
+             ["index", "build", str(tmp_path / "n"), "--chunks", str(bad)],
              ["index", "delete", str(ix), "--tenant", "a", "--ids", "x\x02"], ["index", "stats"], ["index", "nope"]]
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True,
                           env=cli_env(), cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for argv, code, err, heavy in json.loads(proc.stdout):
         assert code == 2 and len(err) == 1 and heavy == [], (argv, code, err, heavy)
+
+
+def test_an_index_built_with_the_embedder_embeds_chunks_and_query_text(tmp_path):
+    from test_serve_embeddings_e2e import tiny_embedder
+
+    model = tiny_embedder(tmp_path)
+    texts = ["Return the JSON encoding of an object.", "Deserialize a JSON document to a Python object.",
+             "def dumps(obj):\n    return encode(obj)", "x = [1, 2, 3]", "Decode a JSON string."]
+    src = write(tmp_path / "docs.jsonl", [{"id": f"d{i}", "tenant": "acme", "text": t} for i, t in enumerate(texts)])
+    out = run_cli("index", "build", str(tmp_path / "ix"), "--chunks", str(src), "--embedder", str(model),
+                  "--batch", "2").stdout
+    assert "5 chunks in 3 batches (dim 32)" in out
+    st = stats(tmp_path / "ix")
+    assert st["embedder"].startswith("run@") and st["rows"] == 5
+    for i in (0, 2):  # a chunk's own text, embedded at query time, finds that chunk first
+        hits = json.loads(run_cli("index", "query", str(tmp_path / "ix"), "--tenant", "acme", "--text", texts[i],
+                                  "--mode", "vector", "--k", "5", "--json").stdout)
+        assert hits[0]["id"] == f"d{i}" and hits[0]["score"] == pytest.approx(1.0, abs=1e-5)
+    more = write(tmp_path / "more.jsonl", [{"id": "d9", "tenant": "acme", "text": "Serialize obj to a JSON string."}])
+    assert "1 batches added" in run_cli("index", "add", str(tmp_path / "ix"), "--chunks", str(more)).stdout
+    hy = json.loads(run_cli("index", "query", str(tmp_path / "ix"), "--tenant", "acme", "--text",
+                            "Serialize obj to a JSON string.", "--json").stdout)  # hybrid: the default with an embedder
+    assert hy[0]["id"] == "d9"

@@ -224,7 +224,8 @@ def test_ingest_resumes_by_batch_and_refuses_changed_or_partial(tmp_path: Path):
 
 @pytest.mark.parametrize("line, match", [
     ("not json", "bad.jsonl:2: not JSON"),
-    (json.dumps({"id": "r0", "tenant": "A", "text": "dup", "vector": [1.0] * DIM}), "bad.jsonl:2: id 'r0' is also on line 1"),
+    (json.dumps({"id": "r0", "tenant": "A", "text": "dup", "vector": [1.0] * DIM}),
+     "bad.jsonl:2: id 'r0' is also on line 1"),
     (json.dumps({"id": "x", "tenant": "A", "text": "t", "vector": [1.0] * 3}), "has 3 numbers; this index holds 16"),
     (json.dumps({"id": "x", "tenant": "a b", "text": "t"}), "is not a tenant name"),
 ])

@@ -52,11 +52,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def create_empty(index: Path, dim: int) -> None:
-    """An empty index (what `stalwart index build DIR --chunks EMPTY --dim N` makes)."""
+def create_empty(index: Path, dim: int, ann_min_rows: int | None = None) -> None:
+    """An empty index (what `stalwart index build DIR --chunks EMPTY --dim N [--ann-min-rows R]` makes)."""
     from stalwart.retrieval.lance import LanceStore
 
-    LanceStore(index, dim=dim, create=True).close()
+    store = LanceStore(index, dim=dim, create=True)
+    if ann_min_rows:
+        store.set_ann_min_rows(ann_min_rows)
+    store.close()
 
 
 def add(index: Path, chunks: Path, batch: int) -> subprocess.CompletedProcess:
@@ -101,12 +104,12 @@ def compare(a: Path, b: Path) -> dict:
 
 
 def kill_and_resume(root: Path, chunks: Path, n: int, dim: int, batch: int, kills: int, seed: int,
-                    max_delay: float = 0.3, log=print) -> dict:
+                    max_delay: float = 0.3, log=print, ann_min_rows: int | None = None) -> dict:
     """The experiment: an uninterrupted ingest, and one killed ``kills`` times then finished; compared."""
     rng = random.Random(seed)
     clean, killed = root / "clean", root / "killed"
     for ix in (clean, killed):
-        create_empty(ix, dim)
+        create_empty(ix, dim, ann_min_rows)
     t0 = time.perf_counter()
     add(clean, chunks, batch)
     clean_s = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """`stalwart bench retrieval-scale`: query latency of the embedded index at scale, scoped to one tenant.
 
-The data is synthetic and says so: random unit vectors of intrinsic dimension 32 (not an embedder's), texts of words drawn from a Zipf-distributed vocabulary, spread evenly over ``--tenants``
+The data is synthetic and says so: random unit vectors of intrinsic dimension 32 (not an embedder's),
+texts of words drawn from a Zipf-distributed vocabulary, spread evenly over ``--tenants``
 tenants. The bench builds the index (batched adds, then the scalar and BM25 indexes), measures vector
 search exactly (a flat scan of the tenant's rows), builds the IVF vector index, and measures again:
 
@@ -128,9 +129,11 @@ def main(argv: list[str]) -> int:
 
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="stalwart-bench-retrieval-")
     root = Path(args.dir or tmp.name)
-    res: dict = {"chunks": args.chunks, "dim": args.dim, "tenants": args.tenants, "data": "synthetic "
-                 "(random unit vectors of intrinsic dimension 32, Zipf word texts; no embedder)", "load_start": os.getloadavg()}
-    log(f"retrieval-scale: {args.chunks} synthetic chunks (random vectors of intrinsic dimension 32, not an embedder's), dim "
+    res: dict = {"chunks": args.chunks, "dim": args.dim, "tenants": args.tenants,
+                 "data": "synthetic (random unit vectors of intrinsic dimension 32, Zipf word texts; no embedder)",
+                 "load_start": os.getloadavg()}
+    log(f"retrieval-scale: {args.chunks} synthetic chunks (random vectors of intrinsic dimension 32, not an "
+        f"embedder's), dim "
         f"{args.dim}, {args.tenants} tenants, {args.queries} queries; load {os.getloadavg()[0]:.1f}")
     try:
         data = Synthetic(args.dim, args.tenants, args.seed)

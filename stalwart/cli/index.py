@@ -42,7 +42,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=at_least(1), default=None,
                    help="vector length (default: the embedder's, else the first chunk's vector)")
     p.add_argument("--ann-min-rows", type=at_least(1), default=None,
-                   help="build the IVF vector index from this many rows (default 50000; below it search is exact)")
+                   help="build the vector index once the index holds this many rows (default 10000; below it "
+                        "search is exact); later `index add` runs keep the setting")
     p.add_argument("--ann", choices=["IVF_HNSW_SQ", "IVF_RQ", "IVF_PQ", "IVF_FLAT"], default="IVF_HNSW_SQ",
                    help="vector index kind (default IVF_HNSW_SQ; docs/retrieval.md compares them)")
     return p
@@ -101,7 +102,8 @@ def _embedder(model_dir: str):
     try:
         from stalwart.retrieval.embed import Embedder
     except ImportError:
-        raise IndexError_("--embedder: this stalwart has no embedder (stalwart.retrieval.embed); give vectors") from None
+        raise IndexError_("--embedder: this stalwart has no embedder (stalwart.retrieval.embed); "
+                          "give vectors") from None
     if not Path(model_dir).is_dir():
         raise IndexError_(f"--embedder: {model_dir} is not a model directory")
     return Embedder(model_dir)
@@ -174,8 +176,9 @@ def build_main(argv: list[str]) -> int:
         raise
     ann = None
     if isinstance(store, LanceStore):
-        kw = {"min_rows": args.ann_min_rows} if args.ann_min_rows else {}
-        ann = store.build_indexes(AnnParams(kind=args.ann), **kw)
+        if args.ann_min_rows:
+            store.set_ann_min_rows(args.ann_min_rows)
+        ann = store.build_indexes(AnnParams(kind=args.ann))
     vec = f"{ann['kind']}, {ann['partitions']} partitions" if ann else "none (exact search)"
     print(f"index {args.index}: {rep.records} chunks in {rep.batches} batches (dim {dim}); vector index: {vec}")
     return 0
@@ -213,7 +216,8 @@ def delete_main(argv: list[str]) -> int:
         ids = [i for i in args.ids.split(",") if i]
     else:
         try:
-            ids = [line.strip() for line in Path(args.ids_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = Path(args.ids_file).read_text(encoding="utf-8").splitlines()
+            ids = [line.strip() for line in lines if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise IndexError_(f"--ids-file: cannot read {args.ids_file} ({e})") from None
     if not ids:

@@ -37,7 +37,7 @@ from stalwart.retrieval.store import Mode
 MANIFEST = "index.json"
 TABLE = "chunks"
 FORMAT = 1
-ANN_MIN_ROWS = 50_000   # below this, exact search is fast enough (and exact)
+ANN_MIN_ROWS = 10_000   # the default: below this many rows, exact search is fast enough (and exact)
 ID_BATCH = 1000         # ids per `id IN (...)` lookup
 
 
@@ -46,9 +46,9 @@ class AnnParams:
     """The vector index built by :meth:`LanceStore.build_indexes` and how queries probe it. Zeros take the
     kind's defaults for the table's size (measured in docs/retrieval.md):
 
-    - ``IVF_HNSW_SQ``: a graph per partition over 8-bit scalar-quantized vectors; partitions of about 25k
-      rows, every partition probed (a graph search per partition is cheap). The best recall per millisecond
-      here; the slowest to build.
+    - ``IVF_HNSW_SQ``: a graph per partition over 8-bit scalar-quantized vectors; partitions of about
+      12.5k rows (a graph's build time grows faster than its size), every partition probed (a graph
+      search per partition is cheap). The best recall per millisecond here; the slowest to build.
     - ``IVF_RQ``: RaBitQ 1-bit codes, about sqrt(rows)/4 partitions, half of them probed, the top
       ``refine_factor * k`` re-ranked with exact distances. Builds in seconds.
     - ``IVF_PQ``: product quantization (``sub_vectors``, default dim/2), sqrt(rows) partitions, 20 probed,
@@ -64,7 +64,7 @@ class AnnParams:
     def resolved(self, rows: int, dim: int) -> AnnParams:
         root = max(1, int(rows ** 0.5))
         if self.kind == "IVF_HNSW_SQ":
-            parts = self.partitions or max(1, rows // 25_000)
+            parts = self.partitions or max(1, rows // 12_500)
             return AnnParams(self.kind, parts, 0, self.nprobes or parts, self.refine_factor)
         if self.kind == "IVF_RQ":
             parts = self.partitions or max(1, root // 4)
@@ -136,8 +136,10 @@ class LanceStore:
         self.manifest = read_manifest(self.path)
         self.dim: int = self.manifest["dim"]
         self.embedder: str = self.manifest["embedder"]
+        self.ann_min_rows: int = self.manifest.get("ann_min_rows", ANN_MIN_ROWS)
         if dim is not None and dim != self.dim:
             raise IndexError_(f"{self.path} holds vectors of length {self.dim}, not {dim}")
+        self._threads = None
         self._db = lancedb.connect(str(self.path / "db"))
         # Created on first open (a build that died between the manifest and the table left it missing).
         self._t = self._db.create_table(TABLE, schema=self.schema(self.dim), exist_ok=True)
@@ -185,12 +187,18 @@ class LanceStore:
             n += self._t.delete(q.ids_clause(tenant, ids[i:i + ID_BATCH])).num_deleted_rows
         return n
 
-    def build_indexes(self, ann: AnnParams | None = None, min_rows: int = ANN_MIN_ROWS,
+    def set_ann_min_rows(self, rows: int) -> None:
+        """From how many rows this index gets a vector index (kept in the manifest for later adds)."""
+        self.ann_min_rows = self.manifest["ann_min_rows"] = int(rows)
+        write_json_atomic(self.path / MANIFEST, self.manifest)
+
+    def build_indexes(self, ann: AnnParams | None = None, min_rows: int | None = None,
                       rebuild: bool = True) -> dict | None:
         """Bring the indexes up to date with the rows (new rows, deletions), and build the vector index when
-        the table holds at least ``min_rows`` rows (``rebuild=False``: only if there is none yet; new rows
-        join an existing one through optimize). Returns the vector index's settings, or None (exact)."""
+        the table holds at least ``min_rows`` rows (default: the index's ``ann_min_rows``; ``rebuild=False``:
+        only if there is none yet; new rows join an existing one through optimize). Returns the vector index's settings, or None (exact)."""
         rows = self._t.count_rows()
+        min_rows = self.ann_min_rows if min_rows is None else min_rows
         if rows >= min_rows and (rebuild or not self.manifest.get("ann")):
             ann = (ann or AnnParams(**(self.manifest.get("ann") or {}))).resolved(rows, self.dim)
             cfg = ann.config()
@@ -271,7 +279,13 @@ class LanceStore:
             rows = self._keyword(text, where, k)
         elif mode == "hybrid":
             depth = max(k, 20)
-            dense, sparse = self._vector(_need(vector, mode), where, depth), self._keyword(text, where, depth)
+            # The two searches are independent: the keyword one runs on a second thread meanwhile (the
+            # work is in LanceDB's native code, outside the GIL).
+            keyword = self._pool().submit(self._keyword, text, where, depth)
+            try:
+                dense = self._vector(_need(vector, mode), where, depth)
+            finally:
+                sparse = keyword.result()
             by_id = {r["id"]: r for r in sparse + dense}
             rows = []
             for cid, score in q.rrf([[r["id"] for r in dense], [r["id"] for r in sparse]], k):
@@ -280,7 +294,17 @@ class LanceStore:
             raise IndexError_(f"mode must be vector, keyword or hybrid (got {mode!r})")
         return [Hit(r["id"], r["tenant"], r["text"], r["score"], json.loads(r["meta"])) for r in rows]
 
+    def _pool(self):
+        if self._threads is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lance-keyword")
+        return self._threads
+
     def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown()
+            self._threads = None
         self._t = None
         self._db = None
 
