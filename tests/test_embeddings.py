@@ -94,7 +94,7 @@ def test_text_mask_and_pool_ignore_padding_after_the_end_token():
 def test_contrastive_loss_prefers_matching_pairs():
     loss = contrastive_loss(0.05)
     mask = torch.ones(8, 3, dtype=torch.int64)
-    base = torch.randn(4, 1, 6).expand(4, 3, 6)
+    base = torch.eye(6)[:4, None, :].expand(4, 3, 6)  # four orthogonal texts
     matched = torch.stack([base, base], dim=1).reshape(8, 3, 6)     # query i == document i
     shuffled = torch.stack([base, base.roll(1, 0)], dim=1).reshape(8, 3, 6)
     assert float(loss(matched, mask)) < 0.01 < float(loss(shuffled, mask))
@@ -141,3 +141,28 @@ def test_objective_checks_name_the_fix():
         check_objective(plain, emb, 0, dims)
     with pytest.raises(ObjectiveError, match="pairs dataset"):
         check_objective(plain, lm, 16, dims)
+
+
+def test_an_embeddings_model_starts_from_a_language_models_body_and_a_seeded_head(tmp_path):
+    import dataclasses
+
+    from stalwart.export.hf import export_hf, read_hf, from_hf_state
+    from stalwart.models.flavors import TransformerArgs
+    from stalwart.models.llama import Transformer
+
+    lm = TransformerArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden=64,
+                         max_seq_len=32, tie_embeddings=True)
+    torch.manual_seed(0)
+    state = Transformer(lm).state_dict()
+    tok = train_bpe(["def f(x):\n    return x + 1\n"] * 50, 300)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    export_hf(state, lm, tmp_path / "tokenizer.json", "<|endoftext|>", eos_id(tok), tmp_path / "hf")
+    config, tensors = read_hf(tmp_path / "hf")
+    emb = dataclasses.replace(lm, tie_embeddings=False, embed_dim=16)
+    got = from_hf_state(config, tensors, emb)
+    assert "output.weight" not in got  # the head is new: it keeps the seeded init
+    assert set(got) == set(state) - {"output.weight"}
+    for name, t in got.items():
+        assert torch.equal(t, state[name].float()), name
+    with pytest.raises(Exception, match="hidden_size"):  # another body is still refused
+        from_hf_state(config, tensors, dataclasses.replace(emb, dim=64, n_heads=4))

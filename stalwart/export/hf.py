@@ -13,6 +13,8 @@ Only safetensors and JSON are read or written: nothing is unpickled.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -339,9 +341,24 @@ def check_hf_config(config: dict[str, Any], args: TransformerArgs, where: str = 
                               f"run's model has {ours!r} ({fix})")
 
 
+def body_of(config: dict[str, Any], args: TransformerArgs) -> TransformerArgs:
+    """The shape to read from ``config`` for a model of ``args``: ``args`` itself, or, for an embeddings
+    model started from a language model's weights, the language model's (its output head is not read:
+    the embeddings head starts from the seed)."""
+    if args.embed_dim and not config.get("stalwart_embed_dim"):
+        return dataclasses.replace(args, embed_dim=0, tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+    return args
+
+
 def from_hf_state(config: dict[str, Any], tensors: dict[str, torch.Tensor], args: TransformerArgs,
                   where: str = "") -> dict[str, torch.Tensor]:
-    """HF tensors -> Stalwart full state dict, after checking the shapes agree with ``args``."""
+    """HF tensors -> Stalwart full state dict, after checking the shapes agree with ``args``. An
+    embeddings model given a language model gets every tensor but the output head (``body_of``)."""
+    body = body_of(config, args)
+    if body is not args:
+        state = from_hf_state(config, tensors, body, where)
+        state.pop("output.weight", None)
+        return state
     check_hf_config(config, args, where)
     want, state = model_shapes(args), {}
 
