@@ -136,7 +136,7 @@ def _model_cfg(**kw) -> SimpleNamespace:
     base = dict(flavor="debug", dim=0, n_layers=0, n_heads=0, n_kv_heads=0, ffn_hidden=0, rope_theta=0.0,
                 tie_embeddings="auto", vocab_size=0, max_seq_len=0, parallel_block=False, sliding_window=0,
                 init_std=0.02, moe_experts=0, moe_top_k=0, moe_hidden=0, moe_shared=-1, moe_dense_layers=-1,
-                moe_score="auto", moe_aux_loss=-1.0, moe_bias_rate=-1.0, moe_compute="grouped")
+                moe_score="auto", moe_aux_loss=-1.0, moe_bias_rate=-1.0, moe_compute="grouped", embed_dim=0)
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -53,6 +53,7 @@ def _speed(embedder, texts: list[str]) -> dict:
     import torch
 
     from stalwart.metrics.mfu import matmul_peak
+    from stalwart.runtime.device import HOST
 
     rows = embedder.encode(texts)
     embedder.embed_tokens(rows[:embedder.batch_size])  # warm-up
@@ -62,7 +63,7 @@ def _speed(embedder, texts: list[str]) -> dict:
     tokens = sum(len(r) for r in rows)
     flops = embedder.flops(tokens) / dt
     dtype = next(embedder.model.parameters()).dtype
-    peak = matmul_peak(torch.device("cpu"), dtype)
+    peak = matmul_peak(HOST, dtype)
     return {"chunks_per_s": len(rows) / dt, "tokens_per_s": tokens / dt, "model_gflops": flops / 1e9,
             "peak_gflops": peak.tflops * 1e3, "of_peak": flops / (peak.tflops * 1e12), "peak_source": peak.describe(),
             "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", "")}

@@ -18,6 +18,7 @@ import torch
 from stalwart.data.pairs import encode_text, text_mask
 from stalwart.errors import UserError
 from stalwart.models.embedding import pool
+from stalwart.runtime.device import HOST
 
 
 class Embedder:
@@ -36,7 +37,7 @@ class Embedder:
         self.dim, self.args = loaded.args.embed_dim, loaded.args
         self.max_tokens = loaded.args.max_seq_len // 2  # the rows the model trained on: half a pair
         self.batch_size = batch_size
-        self.model = build_model(loaded, torch.float32, torch.device("cpu"))
+        self.model = build_model(loaded, torch.float32, HOST)
         self.name = f"{Path(where).resolve().name}@{_fingerprint(loaded.state)}"
 
     def encode(self, texts: list[str]) -> list[list[int]]:

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from stalwart.config.serve import EmbeddingsConfig, ServeConfig
 from stalwart.errors import UserError
+from stalwart.runtime.device import HOST
 from stalwart.serve.errors import ApiError, install_error_handlers
 from stalwart.serve.metrics import LATENCY_BUCKETS
 from stalwart.serve.protocol import STRICT
@@ -294,7 +295,7 @@ def check_embeddings_layout(cfg: ServeConfig) -> None:
     if layout.tp * layout.pp > 1 or layout.replicas > 1 or layout.router or layout.prefill_replicas:
         raise UserError("an embeddings model is served by one process: leave layout.tp, layout.pp, "
                         "layout.replicas and the router at their defaults")
-    if engine.device == "cuda" or engine.quantize != "none" or engine.dtype != "float32":
+    if engine.device not in ("auto", HOST.type) or engine.quantize != "none" or engine.dtype != "float32":
         raise UserError("an embeddings model runs in float32 on the host CPU: leave engine.device (auto or cpu), "
                         "engine.dtype and engine.quantize at their defaults")
     if cfg.retrieval.index:
