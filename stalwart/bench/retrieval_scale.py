@@ -5,7 +5,8 @@ texts of words drawn from a Zipf-distributed vocabulary, spread evenly over ``--
 tenants. The bench builds the index (batched adds, then the scalar and BM25 indexes), measures vector
 search exactly (a flat scan of the tenant's rows), builds the IVF vector index, and measures again:
 
-- p50/p95/p99 latency of vector and hybrid (vector + BM25, fused by reciprocal rank) search for one tenant;
+- p50/p95/p99 latency of vector and hybrid (vector + BM25, fused by reciprocal rank) search for one tenant,
+  and of the keyword search alone, with query words that are the commonest (the worst case) or middling;
 - recall@10 of the vector index against exact search (numpy over the tenant's vectors);
 - median latency for a tenant with rows, a small tenant, an emptied tenant (rows deleted) and a tenant that
   never existed: a query's time should say nothing about tenants other than its own.
@@ -114,7 +115,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--queries", type=at_least(10), default=500)
     p.add_argument("--k", type=at_least(1), default=10)
     p.add_argument("--batch", type=at_least(1), default=20_000, help="chunks per commit while building")
-    p.add_argument("--ann", choices=["IVF_HNSW_SQ", "IVF_RQ", "IVF_PQ", "IVF_FLAT"], default="IVF_HNSW_SQ")
+    p.add_argument("--ann", choices=["auto", "IVF_RQ", "IVF_FLAT", "IVF_HNSW_SQ", "IVF_PQ"], default="auto")
     p.add_argument("--partitions", type=int, default=0, help="IVF partitions (0: the kind's default)")
     p.add_argument("--sub-vectors", type=int, default=0, help="PQ sub-vectors (0: dim / 2)")
     p.add_argument("--nprobes", type=int, default=0, help="partitions probed (0: the kind's default)")
@@ -157,7 +158,10 @@ def main(argv: list[str]) -> int:
         noise = data.rng.standard_normal((args.queries, args.dim)).astype(np.float32) * (0.3 / np.sqrt(args.dim))
         queries = tv[pick] + noise
         queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        # query texts: 3 words of a Zipf text (mostly the commonest words: long posting lists, the worst case
+        # for BM25, as stop words would be), and 3 words of middling frequency (ranks 100-4999)
         qtexts = [" ".join(t.split()[:3]) for t in data.texts(args.queries)]
+        mid = [" ".join(data.vocab[i] for i in data.rng.integers(100, len(data.vocab), 3)) for _ in qtexts]
         nrec = min(100, args.queries)
         for q in queries[:20]:  # warm the caches
             store.search(tenant, vector=q, text="warm", mode="hybrid")
@@ -178,8 +182,13 @@ def main(argv: list[str]) -> int:
             store.search(tenant, vector=q, text="warm", mode="hybrid")
         res["ann_vector"], _ = latency(store, tenant, queries, qtexts, "vector", args.k)
         res["ann_hybrid"], _ = latency(store, tenant, queries, qtexts, "hybrid", args.k)
+        res["keyword_common_words"], _ = latency(store, tenant, queries, qtexts, "keyword", args.k)
+        res["keyword_mid_words"], _ = latency(store, tenant, queries, mid, "keyword", args.k)
+        res["ann_hybrid_mid_words"], _ = latency(store, tenant, queries, mid, "hybrid", args.k)
         res["ann_recall@10"] = recall(store, tenant, queries[:nrec], tv, tids, args.k)
         log(f"ann: vector {res['ann_vector']}  hybrid {res['ann_hybrid']}  recall@10 {res['ann_recall@10']}")
+        log(f"keyword (common words) {res['keyword_common_words']}  keyword (middling words) "
+            f"{res['keyword_mid_words']}  hybrid (middling words) {res['ann_hybrid_mid_words']}")
         res["tenant_median_ms"] = tenant_timing(store, queries[:200], args.k)
         log(f"median ms by tenant kind: {res['tenant_median_ms']}")
         du = sum(f.stat().st_size for f in (root / "ix").rglob("*") if f.is_file())

@@ -44,8 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ann-min-rows", type=at_least(1), default=None,
                    help="build the vector index once the index holds this many rows (default 10000; below it "
                         "search is exact); later `index add` runs keep the setting")
-    p.add_argument("--ann", choices=["IVF_HNSW_SQ", "IVF_RQ", "IVF_PQ", "IVF_FLAT"], default="IVF_HNSW_SQ",
-                   help="vector index kind (default IVF_HNSW_SQ; docs/retrieval.md compares them)")
+    p.add_argument("--ann", choices=["auto", "IVF_RQ", "IVF_FLAT", "IVF_HNSW_SQ", "IVF_PQ"], default="auto",
+                   help="vector index kind (auto: IVF_RQ from 128 dimensions, else IVF_FLAT; docs/retrieval.md "
+                        "compares them)")
     return p
 
 

@@ -44,7 +44,8 @@ ID_BATCH = 1000         # ids per `id IN (...)` lookup
 @dataclass
 class AnnParams:
     """The vector index built by :meth:`LanceStore.build_indexes` and how queries probe it. Zeros take the
-    kind's defaults for the table's size (measured in docs/retrieval.md):
+    kind's defaults for the table's size; ``auto`` (the default) is IVF_RQ from 128 dimensions up and IVF_FLAT
+    below, where 1-bit codes lose too much (measured in docs/retrieval.md):
 
     - ``IVF_HNSW_SQ``: a graph per partition over 8-bit scalar-quantized vectors; partitions of about
       12.5k rows (a graph's build time grows faster than its size), every partition probed (a graph
@@ -55,13 +56,17 @@ class AnnParams:
       refined.
     - ``IVF_FLAT``: full vectors, sqrt(rows)/4 partitions, half probed.
     """
-    kind: str = "IVF_HNSW_SQ"
+    kind: str = "auto"
     partitions: int = 0
     sub_vectors: int = 0
     nprobes: int = 0
     refine_factor: int = 0
 
     def resolved(self, rows: int, dim: int) -> AnnParams:
+        if self.kind == "auto":
+            kind = "IVF_RQ" if dim >= 128 else "IVF_FLAT"
+            return AnnParams(kind, self.partitions, self.sub_vectors, self.nprobes,
+                             self.refine_factor).resolved(rows, dim)
         root = max(1, int(rows ** 0.5))
         if self.kind == "IVF_HNSW_SQ":
             parts = self.partitions or max(1, rows // 12_500)
@@ -87,7 +92,7 @@ class AnnParams:
         return cls(distance_type="cosine", num_partitions=self.partitions, **kw)
 
 
-ANN_KINDS = ("IVF_HNSW_SQ", "IVF_RQ", "IVF_PQ", "IVF_FLAT")
+ANN_KINDS = ("auto", "IVF_RQ", "IVF_FLAT", "IVF_HNSW_SQ", "IVF_PQ")
 
 
 def _version() -> str:
@@ -196,7 +201,8 @@ class LanceStore:
                       rebuild: bool = True) -> dict | None:
         """Bring the indexes up to date with the rows (new rows, deletions), and build the vector index when
         the table holds at least ``min_rows`` rows (default: the index's ``ann_min_rows``; ``rebuild=False``:
-        only if there is none yet; new rows join an existing one through optimize). Returns the vector index's settings, or None (exact)."""
+        only if there is none yet; new rows join an existing one through optimize). Returns the vector index's
+        settings, or None (exact search)."""
         rows = self._t.count_rows()
         min_rows = self.ann_min_rows if min_rows is None else min_rows
         if rows >= min_rows and (rebuild or not self.manifest.get("ann")):
