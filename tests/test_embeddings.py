@@ -122,25 +122,27 @@ def test_pairs_dataset_rows_alternate_query_and_document_with_their_masks(tmp_pa
     assert rows.shape == (2, 16) and masks[0].sum() == len(encode_text(tok, pairs[0].query, 16, end))
 
 
-def test_objective_checks_name_the_fix():
-    dims = SimpleNamespace(pp=1, cp=1, tp=1)
-    lm, emb = SimpleNamespace(embed_dim=0), SimpleNamespace(embed_dim=32)
-    training = SimpleNamespace(objective="contrastive", micro_batch=4)
-    check_objective(training, emb, 16, dims)
-    with pytest.raises(ObjectiveError, match="model.embed_dim"):
-        check_objective(training, lm, 16, dims)
-    with pytest.raises(ObjectiveError, match="stalwart data pairs"):
-        check_objective(training, emb, 0, dims)
-    with pytest.raises(ObjectiveError, match="tp, pp and cp"):
-        check_objective(training, emb, 16, SimpleNamespace(pp=2, cp=1, tp=1))
-    with pytest.raises(ObjectiveError, match="micro_batch >= 2"):
-        check_objective(SimpleNamespace(objective="contrastive", micro_batch=1), emb, 16, dims)
-    plain = SimpleNamespace(objective="lm", micro_batch=4)
-    check_objective(plain, lm, 0, dims)
-    with pytest.raises(ObjectiveError, match="--training.objective contrastive"):
-        check_objective(plain, emb, 0, dims)
-    with pytest.raises(ObjectiveError, match="pairs dataset"):
-        check_objective(plain, lm, 16, dims)
+_DIMS = SimpleNamespace(pp=1, cp=1, tp=1)
+_LM, _EMB = SimpleNamespace(embed_dim=0), SimpleNamespace(embed_dim=32)
+_CONTRASTIVE, _PLAIN = SimpleNamespace(objective="contrastive", micro_batch=4), SimpleNamespace(objective="lm", micro_batch=4)
+
+
+@pytest.mark.parametrize("training, model, pair_len, dims, says", [
+    (_CONTRASTIVE, _EMB, 16, _DIMS, None),
+    (_PLAIN, _LM, 0, _DIMS, None),
+    (_CONTRASTIVE, _LM, 16, _DIMS, "model.embed_dim"),
+    (_CONTRASTIVE, _EMB, 0, _DIMS, "stalwart data pairs"),
+    (_CONTRASTIVE, _EMB, 16, SimpleNamespace(pp=2, cp=1, tp=1), "tp, pp and cp"),
+    (SimpleNamespace(objective="contrastive", micro_batch=1), _EMB, 16, _DIMS, "micro_batch >= 2"),
+    (_PLAIN, _EMB, 0, _DIMS, "--training.objective contrastive"),
+    (_PLAIN, _LM, 16, _DIMS, "pairs dataset"),
+])
+def test_objective_checks_name_the_fix(training, model, pair_len, dims, says):
+    if says is None:
+        check_objective(training, model, pair_len, dims)
+        return
+    with pytest.raises(ObjectiveError, match=says):
+        check_objective(training, model, pair_len, dims)
 
 
 def test_an_embeddings_model_starts_from_a_language_models_body_and_a_seeded_head(tmp_path):
