@@ -249,3 +249,12 @@ def test_vectors_normalised_and_zero_vectors_refused(tmp_path: Path):
     ingest(store, chunks[:1], lines[:1], batch=1)
     hit = store.search("A", vector=np.eye(DIM, dtype=np.float32)[0], mode="vector", k=1)[0]
     assert hit.id == "r0" and hit.score == pytest.approx(1.0)
+
+
+def test_names_with_a_trailing_newline_are_refused():
+    from stalwart.retrieval.records import check_meta, check_tenant
+
+    with pytest.raises(IndexError_):
+        check_tenant("acme\n")
+    with pytest.raises(IndexError_):
+        check_meta({"src\n": "a"}, "chunk")

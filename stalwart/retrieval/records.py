@@ -47,7 +47,7 @@ class Hit:
 
 
 def check_tenant(tenant: str, where: str = "tenant") -> str:
-    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise IndexError_(f"{where} {tenant!r} is not a tenant name: 1-64 letters, digits, '_', '.', '-', "
                           "starting with a letter or digit")
     return tenant
@@ -57,7 +57,7 @@ def check_meta(meta: object, where: str) -> dict:
     if not isinstance(meta, dict):
         raise IndexError_(f"{where}: 'meta' must be an object of names to strings, numbers or booleans")
     for k, v in meta.items():
-        if not isinstance(k, str) or not META_KEY_RE.match(k):
+        if not isinstance(k, str) or not META_KEY_RE.fullmatch(k):
             raise IndexError_(f"{where}: metadata key {k!r} must be 1-32 lowercase letters, digits or '_', "
                               "starting with a letter")
         if not isinstance(v, (str, int, float, bool)) or v is None:
