@@ -129,28 +129,13 @@ def test_kill9_during_add_then_rerun_equals_uninterrupted(tmp_path):
     assert not compare(tmp_path / "clean", other)["equal"]
 
 
-PROBE = """
-import contextlib, io, json, sys
-from stalwart.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    out.append([argv, code, err.getvalue().strip().splitlines(), [m for m in ("lancedb", "torch") if m in sys.modules]])
-print(json.dumps(out))
-"""
-
-
 def test_bad_index_command_lines_fail_before_the_store_is_imported(built, tmp_path):
     """A refusal costs a fraction of a second: lancedb's import (about 2 s of CPU) comes after the checks."""
     import subprocess
     import sys
 
     from conftest import REPO, cli_env
+    from test_cli_startup import PROBE  # runs command lines in one process, naming the heavy modules loaded
 
     ix, _ = built
     bad = tmp_path / "bad.jsonl"
@@ -161,10 +146,11 @@ def test_bad_index_command_lines_fail_before_the_store_is_imported(built, tmp_pa
              ["index", "add", str(ix), "--chunks", str(bad)],
              ["index", "build", str(tmp_path / "n"), "--chunks", str(bad)],
              ["index", "delete", str(ix), "--tenant", "a", "--ids", "x\x02"], ["index", "stats"], ["index", "nope"]]
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True,
-                          env=cli_env(), cwd=REPO, timeout=120)
+    cases = [[" ".join(argv), argv, 2] for argv in cases]
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases), json.dumps(["lancedb", "torch"])],
+                          capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for argv, code, err, heavy in json.loads(proc.stdout):
+    for argv, code, _, err, heavy in json.loads(proc.stdout):
         assert code == 2 and len(err) == 1 and heavy == [], (argv, code, err, heavy)
 
 
